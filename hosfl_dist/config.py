@@ -1,0 +1,379 @@
+"""The typed configuration tree: defaults < YAML file < dotted command-line overrides.
+
+Every section is a dataclass whose fields carry a one-line docstring. Loading is strict: an unknown key, a value of
+the wrong type or an invalid combination raises :class:`ConfigError` with a message naming the key, the section and
+the value, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hosfl_dist.errors import ConfigError
+
+# Names the rest of the package registers under; validated here so a typo fails before anything is built.
+ALGORITHMS = ("hosfl",)
+VISION_MODELS = ("small_cnn", "resnet18")
+MODELS = VISION_MODELS
+VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
+DATASETS = VISION_DATASETS
+# Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
+VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
+
+
+@dataclass
+class JobConfig:
+    name: str = "hosfl"
+    """Run name, shown in logs and the summary."""
+    seed: int = 0
+    """Run seed: data partition, client sampling, perturbation seeds and initial weights all derive from it."""
+    out_dir: str = "runs/default"
+    """Folder for config.yaml, metrics.jsonl and summary.json (created if missing)."""
+    device: str = "cpu"
+    """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "hosfl"
+    """Training method: one of ALGORITHMS."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "small_cnn"
+    """Model family: small_cnn or resnet18."""
+    pretrained: str = ""
+    """Local path to a state dict with pretrained weights (ResNet-18: torchvision ImageNet layout); empty = random."""
+    freeze_bn: bool = True
+    """Freeze BatchNorm layers (running statistics and affine parameters), as in the paper's App. B.2."""
+    width: int = 16
+    """Channels of the first block of small_cnn (doubled per block)."""
+
+
+@dataclass
+class SplitConfig:
+    cut: int = 1
+    """Depth kept on the client: conv blocks (small_cnn), residual stages (resnet18)."""
+
+
+@dataclass
+class ZOConfig:
+    num_perturbations: int = 5
+    """P: perturbed client forwards (and scalars uploaded) per client per round."""
+    mu: float = 1e-3
+    """μ: perturbation scale of the two-point estimator."""
+    rng_device: str = "cpu"
+    """Device of the noise generator. Every client must use the same stream: CPU and CUDA generators differ."""
+    overlap: bool = False
+    """Latency hiding (paper §3.4): run the P perturbed forwards while the activation is in flight."""
+    perturb_mode: Literal["hooks", "copy"] = "hooks"
+    """hooks: perturb one module at a time during the forward (inference-level memory); copy: perturbed copy of θc."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer: adamw (decoupled weight decay) or sgd (with optional momentum)."""
+    lr: float = 1e-5
+    """Learning rate η."""
+    weight_decay: float = 5e-4
+    """Weight decay (decoupled for adamw, L2 added to the gradient for sgd)."""
+    beta1: float = 0.9
+    """AdamW β1."""
+    beta2: float = 0.999
+    """AdamW β2."""
+    eps: float = 1e-8
+    """AdamW ε."""
+    momentum: float = 0.0
+    """SGD momentum."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr", self.lr, "must be > 0")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        _check(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", (self.beta1, self.beta2), "must be in [0, 1)"
+        )
+        _check(self.eps > 0, "eps", self.eps, "must be > 0")
+        _check(0 <= self.momentum < 1, "momentum", self.momentum, "must be in [0, 1)")
+
+
+@dataclass
+class ClientsConfig:
+    total: int = 100
+    """M: logical clients, each with its own data shard and model replica."""
+    per_round: int = 10
+    """K: clients sampled per round."""
+    batch_size: int = 32
+    """Samples per client step."""
+    replicas: Literal["per_client", "shared"] = "per_client"
+    """per_client: every logical client keeps its own θc and catches up by replaying history (Algorithm 3).
+    shared: one replica per process, always current (the published code's shortcut; identical results, faster)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Client optimizer (applied to the reconstructed gradient ĝ_c)."""
+
+    def __post_init__(self) -> None:
+        _check(self.total >= 1, "total", self.total, "must be >= 1")
+        _check(self.per_round >= 1, "per_round", self.per_round, "must be >= 1")
+        _check(
+            self.per_round <= self.total,
+            "per_round",
+            self.per_round,
+            f"K must not exceed clients.total (M={self.total})",
+        )
+        _check(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+
+
+@dataclass
+class ServerConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Server optimizer (ordinary backprop on θs)."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "fashion_mnist"
+    """Dataset: fashion_mnist, cifar10_npz (the offline CIFAR-10 test images), cifar10, cifar100, synthetic."""
+    root: str = ""
+    """Where the dataset lives; empty = the dataset's default location."""
+    partition: Literal["iid", "dirichlet"] = "iid"
+    """How training samples are spread over the M clients."""
+    alpha: float = 1.0
+    """Dirichlet concentration α for partition=dirichlet (smaller = more heterogeneous)."""
+    augment: bool = False
+    """Random crop + horizontal flip on training batches (CIFAR)."""
+    train_max_samples: int = 0
+    """Use at most this many training samples (0 = all)."""
+    eval_max_samples: int = 0
+    """Evaluate on at most this many held-out samples (0 = all)."""
+
+    def __post_init__(self) -> None:
+        _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        _check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
+        _check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    budget_samples: int = 160_000
+    """Stop once this many training samples have been processed by clients (paper App. B.5)."""
+    eval_every_samples: int = 16_000
+    """Evaluate on the held-out split every this many processed samples (and at the start and end)."""
+    eval_batch_size: int = 256
+    """Batch size of evaluation forwards."""
+
+    def __post_init__(self) -> None:
+        _check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
+        _check(self.eval_every_samples >= 1, "eval_every_samples", self.eval_every_samples, "must be >= 1")
+        _check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    """Run-level settings."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Which training method."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model."""
+    split: SplitConfig = field(default_factory=SplitConfig)
+    """Where the model is cut."""
+    zo: ZOConfig = field(default_factory=ZOConfig)
+    """Zeroth-order estimator of the clients."""
+    clients: ClientsConfig = field(default_factory=ClientsConfig)
+    """Client population and client optimizer."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """Server optimizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and partition."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Budget and evaluation schedule."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.algorithm.name in ALGORITHMS,
+            "algorithm.name",
+            self.algorithm.name,
+            f"choose one of {list(ALGORITHMS)}",
+        )
+        _check(self.model.name in MODELS, "model.name", self.model.name, f"choose one of {list(MODELS)}")
+        _check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
+        _check(self.zo.mu > 0, "zo.mu", self.zo.mu, "must be > 0")
+        _check(self.zo.num_perturbations >= 1, "zo.num_perturbations", self.zo.num_perturbations, "must be >= 1")
+        if self.model.name in VISION_CUT_RANGE:
+            lo, hi = VISION_CUT_RANGE[self.model.name]
+            _check(
+                lo <= self.split.cut <= hi,
+                "split.cut",
+                self.split.cut,
+                f"{self.model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part",
+            )
+        _check(
+            self.train.budget_samples >= self.clients.batch_size,
+            "train.budget_samples",
+            self.train.budget_samples,
+            f"is smaller than one client batch (clients.batch_size={self.clients.batch_size})",
+        )
+
+
+class _FieldError(ConfigError):
+    """A failed check inside a section; the loader prefixes the section path to `key`."""
+
+    def __init__(self, key: str, value: Any, why: str) -> None:
+        super().__init__(f"invalid value for {key}: {value!r} ({why})")
+        self.key, self.value, self.why = key, value, why
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise _FieldError(key, value, why)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_dotted(raw, key.strip(), _parse_scalar(text))
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors)."""
+    return _build(Config, raw, "")
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    section = prefix.rstrip(".") or "<root>"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section {section} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]} in section {section} (known keys: {', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], f"{prefix}{f.name}")
+    try:
+        return cls(**kwargs)
+    except _FieldError as exc:  # name the section of a nested check: "lr" -> "clients.optim.lr"
+        raise ConfigError(f"invalid value for {prefix}{exc.key}: {exc.value!r} ({exc.why})") from None
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"invalid value for {key}: {value!r} (choose one of {list(choices)})")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"invalid value for {key}: {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected a list)")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected a mapping)")
+        k_tp, v_tp = typing.get_args(tp)
+        return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected true or false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected an integer)")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected a number)")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-3" as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"invalid value for {key}: {value!r} (expected a number)")
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected a string)")
+        return str(value)
+    raise ConfigError(f"cannot read {key}: unsupported field type {tp!r}")

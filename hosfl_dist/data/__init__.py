@@ -1,0 +1,153 @@
+"""Federated data: per-client batch streams over a partitioned training set, and the held-out evaluation split."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hosfl_dist.config import Config
+from hosfl_dist.data.partition import dirichlet_partition, iid_partition
+from hosfl_dist.zo import mix_seed
+
+
+class ClientStream:
+    """Batches of one logical client: its shard, reshuffled every local epoch from its own generator.
+
+    Depends only on (run seed, client id), so the same client yields the same batches in any process.
+    """
+
+    def __init__(self, indices: np.ndarray, batch_size: int, seed: int) -> None:
+        self.indices = torch.as_tensor(indices, dtype=torch.long)
+        self.batch_size = batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order = self.indices[torch.randperm(len(self.indices), generator=self.gen)]
+        self.cursor = 0
+        self.epoch = 0
+
+    def next_indices(self) -> Tensor:
+        out = []
+        need = self.batch_size
+        while need > 0:  # a shard smaller than a batch wraps around (reshuffled) so every step has B samples
+            take = self.order[self.cursor : self.cursor + need]
+            out.append(take)
+            need -= len(take)
+            self.cursor += len(take)
+            if self.cursor >= len(self.order):
+                self.order = self.indices[torch.randperm(len(self.indices), generator=self.gen)]
+                self.cursor = 0
+                self.epoch += 1
+        return torch.cat(out)
+
+    def steps_per_epoch(self) -> int:
+        return max(1, -(-len(self.indices) // self.batch_size))
+
+
+class FederatedData:
+    """Training shards of M clients and the evaluation split, for any dataset that gives tensors.
+
+    ``inputs`` is a tensor (N, ...) or a dict of such tensors; ``transform(batch_inputs, gen)`` turns stored rows
+    into model inputs (normalisation, augmentation).
+    """
+
+    def __init__(
+        self,
+        train_inputs: Any,
+        train_labels: Tensor,
+        eval_inputs: Any,
+        eval_labels: Tensor,
+        shards: Sequence[np.ndarray],
+        batch_size: int,
+        seed: int,
+        info: dict[str, Any],
+        train_transform: Any = None,
+        eval_transform: Any = None,
+    ) -> None:
+        self.train_inputs, self.train_labels = train_inputs, train_labels
+        self.eval_inputs, self.eval_labels = eval_inputs, eval_labels
+        self.shards = list(shards)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.info = info
+        self.train_transform = train_transform
+        self.eval_transform = eval_transform
+        self._streams: dict[int, ClientStream] = {}
+        self._aug_gens: dict[int, torch.Generator] = {}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.shards)
+
+    def stream(self, client: int) -> ClientStream:
+        if client not in self._streams:
+            self._streams[client] = ClientStream(
+                self.shards[client], self.batch_size, mix_seed(self.seed, 0xDA7A, client)
+            )
+            self._aug_gens[client] = torch.Generator().manual_seed(mix_seed(self.seed, 0xA06, client))
+        return self._streams[client]
+
+    def next_batch(self, client: int) -> tuple[Any, Tensor]:
+        idx = self.stream(client).next_indices()
+        x = _take(self.train_inputs, idx)
+        if self.train_transform is not None:
+            x = self.train_transform(x, self._aug_gens[client])
+        return x, self.train_labels[idx]
+
+    def eval_batches(self, batch_size: int) -> Iterator[tuple[Any, Tensor]]:
+        n = len(self.eval_labels)
+        for start in range(0, n, batch_size):
+            idx = torch.arange(start, min(n, start + batch_size))
+            x = _take(self.eval_inputs, idx)
+            if self.eval_transform is not None:
+                x = self.eval_transform(x, None)
+            yield x, self.eval_labels[idx]
+
+
+def _take(inputs: Any, idx: Tensor) -> Any:
+    if isinstance(inputs, dict):
+        return {k: v[idx] for k, v in inputs.items()}
+    return inputs[idx]
+
+
+def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
+    seed = mix_seed(cfg.job.seed, 0x9A27)
+    if cfg.data.partition == "dirichlet":
+        return dirichlet_partition(labels.numpy(), cfg.clients.total, cfg.data.alpha, seed)
+    return iid_partition(len(labels), cfg.clients.total, seed)
+
+
+def build_data(cfg: Config) -> FederatedData:
+    """Load the configured dataset from local files and partition it over ``clients.total`` clients."""
+    from hosfl_dist.data.vision import augment, load_images, normalize
+
+    splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
+    tx, ty, vx, vy = splits.train_x, splits.train_y, splits.test_x, splits.test_y
+    if cfg.data.train_max_samples:
+        keep = torch.randperm(len(ty), generator=torch.Generator().manual_seed(mix_seed(cfg.job.seed, 1)))
+        keep = keep[: cfg.data.train_max_samples].sort().values
+        tx, ty = tx[keep], ty[keep]
+    if cfg.data.eval_max_samples:
+        vx, vy = vx[: cfg.data.eval_max_samples], vy[: cfg.data.eval_max_samples]
+    mean, std = splits.mean, splits.std
+    use_aug = cfg.data.augment
+
+    def train_tf(x: Tensor, gen: torch.Generator | None) -> Tensor:
+        if use_aug and gen is not None:
+            x = augment(x, gen)
+        return normalize(x, mean, std)
+
+    def eval_tf(x: Tensor, gen: torch.Generator | None) -> Tensor:
+        return normalize(x, mean, std)
+
+    info = {
+        "num_classes": splits.num_classes,
+        "input_shape": tuple(tx.shape[1:]),
+        "train_size": len(ty),
+        "eval_size": len(vy),
+    }
+    return FederatedData(
+        tx, ty, vx, vy, partition(ty, cfg), cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf
+    )

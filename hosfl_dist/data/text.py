@@ -1,0 +1,559 @@
+"""Language tasks of the paper (Section 5, Appendix B): SST-2, RTE, WSC (accuracy) and SQuAD (F1).
+
+Every task is cast as next-token prediction with MeZO's prompts (Malladi et al., 2023, ``templates.py``).
+Classification tasks score the label words at the last prompt token; SQuAD is trained with teacher forcing on the
+answer and evaluated by greedy generation. One rendered example per task (``\\n`` is a newline)::
+
+    sst2   prompt  "a gorgeous, witty, seductive movie. It was"
+           target  " great"    (label 1; label 0 -> " terrible")
+    rte    prompt  "Dana Reeve died of lung cancer.\\nDoes this mean that \\"Christopher Reeve had an accident.\\" is
+                    true? Yes or No?\\n"                                           (one line in the real prompt)
+           target  "No"        (GLUE label 1 = not_entailment; label 0 = entailment -> "Yes")
+    wsc    prompt  "Mark told Pete many lies about himself. He should have been more skeptical.\\nIn the previous
+                    sentence, does the pronoun \\"he\\" refer to Mark? Yes or No?\\n"   (one line in the real prompt)
+           target  "No"        (label 0; label 1 -> "Yes")
+    squad  prompt  "Title: Super_Bowl_50\\nContext: Super Bowl 50 was won by the Denver Broncos.\\nQuestion: Which
+                    team won Super Bowl 50?\\nAnswer:"                            (one line in the real prompt)
+           target  " Denver Broncos"   (the first gold answer; training appends EOS)
+
+As in MeZO, the SST-2 sentence and the SQuAD question are stripped, the WSC pronoun (``span2_text``) is lowercased,
+and the label words of RTE and WSC carry no leading space (they follow a newline). A SQuAD example without a title
+drops the ``Title:`` line. ``spec.label_words[i]`` verbalises data set label ``i``, so a label is also the index of
+its word.
+
+Local sentiment data in SST-2's shape (``/work/shared/data/sentiment_multiemo``, see its README) is the ``sst2`` task
+loaded from local files: ``load_text_split("sst2", "test", "local", path, SENTIMENT_COLUMNS)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hosfl_dist.data.squad_metric import (
+    extract_answer,
+    squad_evaluate,
+    squad_exact_match,
+    squad_f1,
+    squad_normalize,
+)
+from hosfl_dist.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "SENTIMENT_COLUMNS",
+    "TASKS",
+    "TextTaskSpec",
+    "TokenizedTextData",
+    "classification_logits",
+    "classification_loss",
+    "extract_answer",
+    "format_example",
+    "get_task",
+    "label_word_ids",
+    "lm_loss",
+    "load_text_split",
+    "local_sentiment_paths",
+    "squad_evaluate",
+    "squad_exact_match",
+    "squad_f1",
+    "squad_normalize",
+    "tokenize_split",
+]
+
+TASKS: tuple[str, ...] = ("sst2", "rte", "wsc", "squad")
+SENTIMENT_COLUMNS: dict[str, str] = {"sentence": "text", "label": "label"}
+"""Column mapping of the local sentiment files (``{"text": ..., "label": 0|1}``) onto SST-2's fields."""
+IGNORE_INDEX = -100
+"""Label of the positions that :func:`lm_loss` skips (prompt and padding)."""
+
+
+@dataclass(frozen=True)
+class TextTaskSpec:
+    """One language task: how its examples look, how they are prompted and how predictions are scored."""
+
+    name: str
+    """Task name, one of :data:`TASKS`."""
+    kind: Literal["classification", "generation"]
+    """Classification scores ``label_words`` at the last prompt token; generation produces the answer text."""
+    label_words: list[str] | None
+    """``label_words[i]`` verbalises label ``i`` (leading space included where it follows a word); None for squad."""
+    metric: str
+    """``accuracy`` or ``squad_f1``."""
+    fields: tuple[str, ...] = ()
+    """Canonical fields of an example; ``title`` of squad is optional."""
+    hub: tuple[str, str | None] = ("", None)
+    """``datasets.load_dataset`` path and configuration name."""
+    hub_columns: dict[str, str] = field(default_factory=dict)
+    """Canonical field -> column of the hub data set, where the names differ."""
+
+
+_SPECS: dict[str, TextTaskSpec] = {
+    "sst2": TextTaskSpec(
+        "sst2", "classification", [" terrible", " great"], "accuracy", ("sentence", "label"), ("glue", "sst2")
+    ),
+    "rte": TextTaskSpec(
+        "rte",
+        "classification",
+        ["Yes", "No"],
+        "accuracy",
+        ("premise", "hypothesis", "label"),
+        ("glue", "rte"),
+        {"premise": "sentence1", "hypothesis": "sentence2"},
+    ),
+    "wsc": TextTaskSpec(
+        "wsc",
+        "classification",
+        ["No", "Yes"],
+        "accuracy",
+        ("text", "span1_text", "span2_text", "label"),
+        ("super_glue", "wsc.fixed"),
+    ),
+    "squad": TextTaskSpec(
+        "squad", "generation", None, "squad_f1", ("context", "question", "answers", "title"), ("squad", None)
+    ),
+}
+_OPTIONAL_FIELDS = frozenset({"title"})
+
+# A neutral example per task, to see how the label words are tokenised after the end of a prompt.
+_REFERENCE_EXAMPLES: dict[str, dict[str, Any]] = {
+    "sst2": {"sentence": "A film.", "label": 0},
+    "rte": {"premise": "A man sleeps.", "hypothesis": "A man rests.", "label": 0},
+    "wsc": {"text": "Anna thanked Mia because she helped.", "span1_text": "Mia", "span2_text": "she", "label": 0},
+}
+
+
+def get_task(name: str) -> TextTaskSpec:
+    """The spec of task ``name``; ConfigError listing :data:`TASKS` for an unknown name."""
+    if name not in _SPECS:
+        raise ConfigError(f"unknown text task {name!r}; known tasks: {', '.join(TASKS)}")
+    spec = _SPECS[name]
+    label_words = list(spec.label_words) if spec.label_words is not None else None
+    return dataclasses.replace(spec, label_words=label_words, hub_columns=dict(spec.hub_columns))
+
+
+# --------------------------------------------------------------------------------------------------------- loading
+
+
+def load_text_split(
+    task: str,
+    split: str,
+    source: str,
+    path: str | None,
+    columns: dict[str, str] | None,
+    max_examples: int | None = None,
+) -> list[dict]:
+    """Load one split of ``task`` as a list of examples with the canonical fields of the task.
+
+    Args:
+        task: one of :data:`TASKS`.
+        split: ``train`` / ``validation`` / ``test`` for the hub; only named in messages for local files.
+        source: ``hub`` (``datasets.load_dataset``, needs the Hugging Face hub or its cache) or ``local``.
+        path: the local JSONL / JSON / CSV / TSV / parquet file (format from the extension); unused for the hub.
+        columns: canonical field -> column of the file, e.g. ``{"sentence": "text"}``; fields left out keep their
+            canonical name (for the hub: the hub's own column names).
+        max_examples: keep the first ``max_examples`` examples (None or 0 = all).
+
+    Canonical fields: sst2 sentence, label; rte premise, hypothesis, label; wsc text, span1_text, span2_text, label;
+    squad context, question, answers (list of str; a ``{"text": [...]}`` dict or a JSON list string also read),
+    title (optional). Labels are ints in ``range(len(label_words))``.
+    """
+    spec = get_task(task)
+    mapping = {f: f for f in spec.fields}
+    if source == "hub":
+        mapping.update(spec.hub_columns)
+    unknown = sorted(set(columns or {}) - set(spec.fields))
+    if unknown:
+        raise ConfigError(f"columns for task {task!r} name unknown fields {unknown}; fields: {', '.join(spec.fields)}")
+    mapping.update(columns or {})
+    explicit = set(columns or {})
+
+    if source == "hub":
+        rows, where = _read_hub(spec, split, max_examples), f"hub data set {spec.hub[0]}/{spec.hub[1] or ''}:{split}"
+    elif source == "local":
+        if not path:
+            raise ConfigError(f"source 'local' for task {task!r} needs a path to a JSONL, CSV or parquet file")
+        rows, where = _read_local(path), path
+    else:
+        raise ConfigError(f"unknown data source {source!r}; use 'hub' or 'local'")
+    if max_examples:
+        rows = rows[:max_examples]
+    if not rows:
+        raise DataError(f"{where} has no examples")
+
+    present = list(rows[0])
+    for f, col in mapping.items():
+        if col not in present and (f not in _OPTIONAL_FIELDS or f in explicit):
+            raise DataError(f"{where}: no column {col!r} (for field {f!r}); columns present: {', '.join(present)}")
+    return [_canonical(spec, row, mapping, where, i) for i, row in enumerate(rows)]
+
+
+def _read_hub(spec: TextTaskSpec, split: str, max_examples: int | None) -> list[dict]:
+    hub_path, hub_name = spec.hub
+    call = f"datasets.load_dataset({hub_path!r}" + (f", {hub_name!r}" if hub_name else "") + f", split={split!r})"
+    hint = "offline? save the split as a JSONL, CSV or parquet file and load it with source='local' and a path"
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DataError(f"{call} needs the 'datasets' package ({exc}); or {hint}") from exc
+    try:
+        args = (hub_path, hub_name) if hub_name else (hub_path,)
+        ds = datasets.load_dataset(*args, split=split)
+        if max_examples:
+            ds = ds.select(range(min(max_examples, len(ds))))
+        return list(ds.to_list())
+    except Exception as exc:  # network, cache and split errors all end here
+        raise DataError(f"cannot load {spec.name} from the Hugging Face hub with {call}: {exc}; {hint}") from exc
+
+
+def _read_local(path: str) -> list[dict]:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file not found: {path}")
+    ext = p.suffix.lower()
+    try:
+        if ext in (".jsonl", ".json"):
+            text = p.read_text(encoding="utf-8")
+            if ext == ".json" and text.lstrip().startswith("["):
+                return list(json.loads(text))
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        if ext in (".csv", ".tsv"):
+            with p.open(newline="", encoding="utf-8") as fh:
+                return list(csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ","))
+        if ext in (".parquet", ".pq"):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(p).to_pylist()
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and pyarrow's errors are ValueErrors
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    raise DataError(f"{path}: unsupported file type {ext!r}; use .jsonl, .json, .csv, .tsv or .parquet")
+
+
+def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: str, i: int) -> dict:
+    out: dict[str, Any] = {}
+    for f, col in mapping.items():
+        if col not in row:
+            if f in _OPTIONAL_FIELDS:
+                out[f] = ""
+                continue
+            raise DataError(f"{where}: example {i} has no column {col!r} (for field {f!r})")
+        value = row[col]
+        if f == "label":
+            out[f] = _label(spec, value, where, i)
+        elif f == "answers":
+            out[f] = _answers(value, where, i)
+        elif value is None:
+            if f in _OPTIONAL_FIELDS:
+                out[f] = ""
+                continue
+            raise DataError(f"{where}: example {i} has no value in column {col!r} (for field {f!r})")
+        else:
+            out[f] = str(value)
+    return out
+
+
+def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
+    try:
+        label = int(value.strip()) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        label = None
+    n = len(spec.label_words or ())
+    if label == -1:
+        raise DataError(
+            f"{where}: example {i} is unlabelled (label -1; GLUE/SuperGLUE hide test labels, use the validation split)"
+        )
+    if label is None or not 0 <= label < n or (isinstance(value, float) and value != label):
+        raise DataError(f"{where}: example {i} has label {value!r}; {spec.name} labels are 0..{n - 1}")
+    return label
+
+
+def _answers(value: Any, where: str, i: int) -> list[str]:
+    if isinstance(value, dict):  # the hub's {"text": [...], "answer_start": [...]}
+        value = value.get("text")
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            try:
+                value = json.loads(stripped)
+            except json.JSONDecodeError:
+                value = [value]
+        else:
+            value = [value]
+    answers = [str(a) for a in value] if value is not None and not isinstance(value, str | bytes) else []
+    if not answers:
+        raise DataError(f"{where}: example {i} has no gold answer (unanswerable questions are not supported)")
+    return answers
+
+
+def local_sentiment_paths(root: str) -> tuple[str, str]:
+    """``(train, test)`` JSONL paths of the shipped sentiment data.
+
+    ``root`` is either the ``sentiment_multiemo`` folder or the folder that holds it (e.g. ``/work/shared/data``).
+    Load them with ``load_text_split("sst2", split, "local", path, SENTIMENT_COLUMNS)``.
+    """
+    candidates = [Path(root), Path(root) / "sentiment_multiemo"]
+    for folder in candidates:
+        train, test = folder / "train.jsonl", folder / "test.jsonl"
+        if train.is_file() and test.is_file():
+            return str(train), str(test)
+    tried = " or ".join(str(c / "{train,test}.jsonl") for c in candidates)
+    raise DataError(f"local sentiment data not found: looked for {tried}")
+
+
+# ------------------------------------------------------------------------------------------------------- prompting
+
+
+def _prompt_sst2(ex: dict) -> str:
+    return f"{ex['sentence'].strip()} It was"
+
+
+def _prompt_rte(ex: dict) -> str:
+    return f'{ex["premise"]}\nDoes this mean that "{ex["hypothesis"]}" is true? Yes or No?\n'
+
+
+def _prompt_wsc(ex: dict) -> str:
+    return (
+        f'{ex["text"]}\nIn the previous sentence, does the pronoun "{ex["span2_text"].lower()}" refer to '
+        f"{ex['span1_text']}? Yes or No?\n"
+    )
+
+
+def _prompt_squad(ex: dict) -> str:
+    title = ex.get("title") or ""
+    head = f"Title: {title}\n" if title else ""
+    return f"{head}Context: {ex['context']}\nQuestion: {ex['question'].strip()}\nAnswer:"
+
+
+_PROMPTS: dict[str, Callable[[dict], str]] = {
+    "sst2": _prompt_sst2,
+    "rte": _prompt_rte,
+    "wsc": _prompt_wsc,
+    "squad": _prompt_squad,
+}
+
+
+def format_example(spec: TextTaskSpec, example: dict) -> tuple[str, str]:
+    """``(prompt, target)`` of one canonical example; the target is the label word or `` <first gold answer>``."""
+    prompt = _PROMPTS[spec.name](example)
+    if spec.kind == "classification":
+        assert spec.label_words is not None
+        return prompt, spec.label_words[int(example["label"])]
+    return prompt, " " + example["answers"][0]
+
+
+# ---------------------------------------------------------------------------------------------------- tokenisation
+
+
+@dataclass
+class TokenizedTextData:
+    """A whole tokenised split, padded to its longest sequence.
+
+    Classification: ``labels`` is (N,) with the index of the gold label word. Generation, training: ``labels`` is
+    (N, T), equal to ``input_ids`` on the answer and EOS positions and ``IGNORE_INDEX`` elsewhere (unshifted; the
+    shift is in :func:`lm_loss`). Generation, evaluation: ``labels`` is an empty (N, 0) tensor and
+    ``meta["answers"]`` holds the gold answer lists.
+    """
+
+    input_ids: Tensor
+    """(N, T) long token ids, padded with the pad (or EOS) token."""
+    attention_mask: Tensor
+    """(N, T) long, 1 on real tokens."""
+    labels: Tensor
+    """(N,) or (N, T) long, see the class docstring."""
+    meta: dict[str, list] = field(default_factory=dict)
+    """Per-example extras, e.g. ``answers`` (SQuAD gold answer lists)."""
+    padding_side: Literal["left", "right"] = "right"
+    """Which side the padding is on."""
+    n_truncated: int = 0
+    """How many examples lost prompt tokens to ``max_length``."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, indices: Sequence[int] | Tensor, trim: bool = True) -> TokenizedTextData:
+        """The examples at ``indices`` (a client shard or a batch); ``trim`` drops columns that are padding in all."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        ids, mask, labels = self.input_ids[idx], self.attention_mask[idx], self.labels[idx]
+        if trim and ids.shape[0] > 0:
+            keep = mask.bool().any(dim=0)  # contiguous: padding sits on one side
+            ids, mask = ids[:, keep], mask[:, keep]
+            if labels.dim() == 2 and labels.shape[1] == keep.shape[0]:
+                labels = labels[:, keep]
+        meta = {k: [v[i] for i in idx.tolist()] for k, v in self.meta.items()}
+        return TokenizedTextData(ids, mask, labels, meta, self.padding_side)
+
+
+def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The special tokens the tokenizer puts before a text (BOS), found by encoding a probe with and without them."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def _continuation_ids(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], continuations: list[str]
+) -> list[list[int]]:
+    """Token ids of each continuation as it follows its prompt.
+
+    Taken from the encoding of ``prompt + continuation`` when the prompt's own encoding is a prefix of it (the
+    usual case with a boundary at a space or newline); otherwise the continuation encoded alone.
+    """
+    alone_cache: dict[str, list[int]] = {}
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    joint_ids = tokenizer([p + c for p, c in zip(prompts, continuations, strict=True)], add_special_tokens=False)[
+        "input_ids"
+    ]
+    out = []
+    for p_ids, j_ids, cont in zip(prompt_ids, joint_ids, continuations, strict=True):
+        if j_ids[: len(p_ids)] == p_ids:
+            out.append(list(j_ids[len(p_ids) :]))
+        else:
+            if cont not in alone_cache:
+                alone_cache[cont] = tokenizer(cont, add_special_tokens=False)["input_ids"]
+            out.append(list(alone_cache[cont]))
+    return out
+
+
+def label_word_ids(spec: TextTaskSpec, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """First token id of each label word as it follows the task's prompt (DataError when two ids coincide)."""
+    if spec.kind != "classification" or not spec.label_words:
+        raise ConfigError(f"task {spec.name!r} has no label words")
+    prompt, _ = format_example(spec, _REFERENCE_EXAMPLES[spec.name])
+    words = list(spec.label_words)
+    conts = _continuation_ids(tokenizer, [prompt] * len(words), words)
+    for word, ids in zip(words, conts, strict=True):
+        if not ids:
+            raise DataError(f"label word {word!r} of task {spec.name!r} encodes to no token")
+    ids = [c[0] for c in conts]
+    if len(set(ids)) != len(ids):
+        pieces = ", ".join(f"{w!r} -> {i}" for w, i in zip(words, ids, strict=True))
+        raise DataError(f"label words of task {spec.name!r} share a first token under this tokenizer: {pieces}")
+    return ids
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise DataError("the tokenizer has neither a pad token nor an EOS token to pad with")
+    return int(pad)
+
+
+def tokenize_split(
+    spec: TextTaskSpec,
+    examples: Sequence[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    padding_side: Literal["left", "right"],
+    train: bool,
+) -> TokenizedTextData:
+    """Tokenise a split into padded tensors; see :class:`TokenizedTextData` for the layout.
+
+    Sequences keep the tokenizer's leading special tokens (BOS) but not trailing ones: a prompt must end where its
+    answer begins. A prompt that does not fit in ``max_length`` loses tokens from its left (the start of the main
+    text; for SQuAD the title and the start of the context), so the end of the template and, in training, the whole
+    answer + EOS survive.
+    """
+    if padding_side not in ("left", "right"):
+        raise ConfigError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
+    prefix = _special_prefix(tokenizer)
+    if max_length < len(prefix) + 2:
+        raise ConfigError(f"max_length={max_length} leaves no room for a prompt (needs at least {len(prefix) + 2})")
+    pad_id = _pad_id(tokenizer)
+    pairs = [format_example(spec, ex) for ex in examples]
+    prompts = [p for p, _ in pairs]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
+    room = max_length - len(prefix)
+
+    seqs: list[list[int]] = []
+    targets: list[list[int]] = []  # per sequence: the labelled positions' token ids, placed at its end
+    n_truncated = 0
+    if spec.kind == "generation" and train:
+        eos = tokenizer.eos_token_id
+        answer_ids = _continuation_ids(tokenizer, prompts, [t for _, t in pairs])
+        for p_ids, a_ids in zip(prompt_ids, answer_ids, strict=True):
+            tail = list(a_ids) + ([int(eos)] if eos is not None else [])
+            tail = tail[: room - 1]  # an answer longer than the window keeps its start and one prompt token
+            keep = room - len(tail)
+            n_truncated += len(p_ids) > keep
+            seqs.append(prefix + list(p_ids[-keep:]) + tail)
+            targets.append(tail)
+    else:
+        for p_ids in prompt_ids:
+            n_truncated += len(p_ids) > room
+            seqs.append(prefix + list(p_ids[-room:]))
+
+    n = len(seqs)
+    width = max((len(s) for s in seqs), default=0)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if padding_side == "right" else slice(width - len(s), width)
+        input_ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, cols] = 1
+
+    meta: dict[str, list] = {}
+    if spec.kind == "classification":
+        labels = torch.tensor([int(ex["label"]) for ex in examples], dtype=torch.long)
+    elif train:
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+        for i, (s, tail) in enumerate(zip(seqs, targets, strict=True)):
+            end = len(s) if padding_side == "right" else width
+            labels[i, end - len(tail) : end] = torch.tensor(tail, dtype=torch.long)
+        meta["answers"] = [list(ex["answers"]) for ex in examples]
+    else:
+        labels = torch.empty((n, 0), dtype=torch.long)
+        meta["answers"] = [list(ex["answers"]) for ex in examples]
+    return TokenizedTextData(input_ids, attention_mask, labels, meta, padding_side, int(n_truncated))
+
+
+# ---------------------------------------------------------------------------------------------------------- losses
+
+
+def classification_logits(logits: Tensor, attention_mask: Tensor, label_word_ids: Sequence[int]) -> Tensor:
+    """(B, T, V) logits -> (B, n_labels): the label words' logits at each row's last real token.
+
+    The last real token is the largest position where ``attention_mask`` is 1, which is ``sum(mask) - 1`` under
+    right padding and ``T - 1`` under left padding.
+    """
+    if logits.dim() != 3 or attention_mask.shape != logits.shape[:2]:
+        raise ValueError(f"logits {tuple(logits.shape)} and attention_mask {tuple(attention_mask.shape)} do not match")
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    last = (attention_mask.to(positions.dtype) * positions).argmax(dim=1)  # (B,)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    ids = torch.as_tensor(list(label_word_ids), dtype=torch.long, device=logits.device)
+    return logits[rows, last][:, ids]  # (B, n_labels)
+
+
+def classification_loss(
+    logits: Tensor, attention_mask: Tensor, labels: Tensor, label_word_ids: Sequence[int]
+) -> Tensor:
+    """Mean cross-entropy over the batch of the label-word logits (computed in float32)."""
+    scores = classification_logits(logits, attention_mask, label_word_ids).float()
+    return F.cross_entropy(scores, labels.to(scores.device))
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Causal LM loss: position t predicts ``labels[t + 1]``; mean over the labelled (not -100) tokens, in float32.
+
+    A batch without labelled tokens gives 0 (still attached to the graph).
+    """
+    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V)
+    shift_labels = labels[:, 1:].reshape(-1).to(logits.device)  # (B*(T-1),)
+    keep = shift_labels != IGNORE_INDEX
+    if not bool(keep.any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(shift_logits[keep].float(), shift_labels[keep])  # float32 on the answer rows only

@@ -1,0 +1,184 @@
+"""Image datasets read from local files (no downloads): Fashion-MNIST IDX, the offline CIFAR-10 test images,
+torchvision-format CIFAR-10/100 folders, and a small synthetic set for tests.
+
+Each loader returns uint8 images (N, C, H, W) and int64 labels for a train and a held-out split.
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hosfl_dist.errors import DataError
+
+FASHION_MNIST_DEFAULT = "/usr/share/datasets/fashion-mnist"
+# (mean, std) per channel on [0, 1] pixels.
+STATS = {
+    "fashion_mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+
+
+@dataclass
+class ImageSplits:
+    train_x: Tensor  # (N, C, H, W) uint8
+    train_y: Tensor  # (N,) int64
+    test_x: Tensor
+    test_y: Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def shared_data_dir() -> Path:
+    """``shared/data`` beside the checkout (the project's offline data), found from the package location or cwd."""
+    here = Path(__file__).resolve()
+    cands = (here.parents[3] / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "shared" / "data")
+    for cand in cands:
+        if cand.is_dir():
+            return cand
+    return here.parents[3] / "shared" / "data"
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise DataError(f"{path} is not an unsigned-byte IDX file")
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _find(root: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz"):
+        if (root / name).is_file():
+            return root / name
+    raise DataError(
+        f"Fashion-MNIST file {stem}[.gz] not found under {root} "
+        "(install the Debian package dataset-fashion-mnist or set data.root)"
+    )
+
+
+def load_fashion_mnist(root: str) -> ImageSplits:
+    r = Path(root or FASHION_MNIST_DEFAULT)
+    if not r.is_dir():
+        raise DataError(f"data.root {r} does not exist (Fashion-MNIST: apt-get install dataset-fashion-mnist)")
+    tx = _read_idx(_find(r, "train-images-idx3-ubyte"))
+    ty = _read_idx(_find(r, "train-labels-idx1-ubyte"))
+    vx = _read_idx(_find(r, "t10k-images-idx3-ubyte"))
+    vy = _read_idx(_find(r, "t10k-labels-idx1-ubyte"))
+    m, s = STATS["fashion_mnist"]
+    return ImageSplits(
+        torch.from_numpy(tx.copy()).unsqueeze(1),
+        torch.from_numpy(ty.astype(np.int64)),
+        torch.from_numpy(vx.copy()).unsqueeze(1),
+        torch.from_numpy(vy.astype(np.int64)),
+        10,
+        m,
+        s,
+    )
+
+
+def load_cifar10_npz(root: str) -> ImageSplits:
+    """The 10,000 CIFAR-10 test images shipped offline, split 8,000 / 2,000 by the data README's fixed permutation."""
+    base = Path(root) if root else shared_data_dir() / "cifar10_test10k"
+    path = base if base.suffix == ".npz" else base / "cifar10_test10k.npz"
+    if not path.is_file():
+        raise DataError(f"CIFAR-10 npz not found: {path} (set data.root to the cifar10_test10k folder)")
+    d = np.load(path)
+    x = torch.from_numpy(d["images"]).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+    y = torch.from_numpy(d["labels"].astype(np.int64))
+    perm = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
+    tr, te = perm[:8000], perm[8000:]
+    m, s = STATS["cifar10"]
+    return ImageSplits(x[tr], y[tr], x[te], y[te], 10, m, s)
+
+
+def _unpickle(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"CIFAR file not found: {path}")
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="latin1")
+
+
+def load_cifar_folder(root: str, num_classes: int) -> ImageSplits:
+    """torchvision's on-disk format: cifar-10-batches-py/ or cifar-100-python/ (under root, or root itself)."""
+    sub = "cifar-10-batches-py" if num_classes == 10 else "cifar-100-python"
+    if not root:
+        raise DataError(f"data.root must point at a folder holding {sub}/ (no download is attempted)")
+    r = Path(root)
+    r = r / sub if (r / sub).is_dir() else r
+    if num_classes == 10:
+        train = [_unpickle(r / f"data_batch_{i}") for i in range(1, 6)]
+        test = [_unpickle(r / "test_batch")]
+        key = "labels"
+    else:
+        train, test, key = [_unpickle(r / "train")], [_unpickle(r / "test")], "fine_labels"
+
+    def stack(parts: list[dict]) -> tuple[Tensor, Tensor]:
+        x = np.concatenate([np.asarray(p["data"], dtype=np.uint8).reshape(-1, 3, 32, 32) for p in parts])
+        y = np.concatenate([np.asarray(p[key], dtype=np.int64) for p in parts])
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    (tx, ty), (vx, vy) = stack(train), stack(test)
+    m, s = STATS["cifar10" if num_classes == 10 else "cifar100"]
+    return ImageSplits(tx, ty, vx, vy, num_classes, m, s)
+
+
+def synthetic_images(seed: int = 0, n_train: int = 2000, n_test: int = 500, num_classes: int = 4) -> ImageSplits:
+    """Class templates plus noise (1x8x8): learnable in a few rounds, for fast tests of the whole pipeline."""
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.rand(num_classes, 1, 8, 8, generator=g) * 255
+
+    def draw(n: int) -> tuple[Tensor, Tensor]:
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        x = templates[y] * 0.6 + torch.rand(n, 1, 8, 8, generator=g) * 0.4 * 255
+        return x.to(torch.uint8), y
+
+    (tx, ty), (vx, vy) = draw(n_train), draw(n_test)
+    return ImageSplits(tx, ty, vx, vy, num_classes, (0.5,), (0.25,))
+
+
+def load_images(name: str, root: str, seed: int) -> ImageSplits:
+    if name == "fashion_mnist":
+        return load_fashion_mnist(root)
+    if name == "cifar10_npz":
+        return load_cifar10_npz(root)
+    if name == "cifar10":
+        return load_cifar_folder(root, 10)
+    if name == "cifar100":
+        return load_cifar_folder(root, 100)
+    if name == "synthetic":
+        return synthetic_images(seed)
+    raise DataError(f"unknown image dataset {name!r}")
+
+
+def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
+    """uint8 (B, C, H, W) -> float32 standardised per channel."""
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return (x.float() / 255.0 - m) / s
+
+
+def augment(x: Tensor, gen: torch.Generator, pad: int = 4) -> Tensor:
+    """Random crop with zero padding + horizontal flip (CIFAR-style), per sample, from ``gen``."""
+    b, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=gen).tolist()
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=gen).tolist()
+    flip = (torch.rand(b, generator=gen) < 0.5).tolist()
+    out = torch.empty_like(x)
+    for i in range(b):
+        crop = padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w]
+        out[i] = crop.flip(-1) if flip[i] else crop
+    return out

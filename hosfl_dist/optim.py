@@ -1,0 +1,97 @@
+"""Optimizers.
+
+Server and first-order clients use ``torch.optim``. Zeroth-order clients use :class:`TensorwiseOptimizer`, which
+updates one tensor at a time from a gradient slice that the caller regenerates from seeds, so ĝ_c never exists as a
+whole. Its arithmetic is a fixed sequence of in-place ops: two replicas fed the same (seeds, scalars) history end
+bit-identical, whether they applied it live or replayed it later (Algorithm 3), optimizer state included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from hosfl_dist.config import OptimConfig
+
+
+def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+        )
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+
+
+class TensorwiseOptimizer:
+    """AdamW / SGD over a list of tensors, stepping one tensor at a time.
+
+    ``step(params, grad_of)`` calls ``grad_of(i, p)`` for each tensor and applies the update in place. The state
+    (step count, moments) lives here, not in the tensors, so a client replica is (tensors, optimizer state, round).
+    """
+
+    def __init__(self, cfg: OptimConfig, params: Sequence[Tensor]) -> None:
+        self.cfg = cfg
+        self.steps = 0
+        self.state: list[dict[str, Tensor]] = [{} for _ in params]
+
+    def step(self, params: Sequence[Tensor], grad_of: Callable[[int, Tensor], Tensor]) -> None:
+        self.steps += 1
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                g = grad_of(i, p)
+                if self.cfg.name == "adamw":
+                    self._adamw(i, p, g)
+                else:
+                    self._sgd(i, p, g)
+
+    def _adamw(self, i: int, p: Tensor, g: Tensor) -> None:
+        c = self.cfg
+        st = self.state[i]
+        if not st:
+            st["exp_avg"] = torch.zeros_like(p)
+            st["exp_avg_sq"] = torch.zeros_like(p)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        p.mul_(1.0 - c.lr * c.weight_decay)  # decoupled weight decay
+        m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
+        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+        bias1 = 1.0 - c.beta1**self.steps
+        bias2 = 1.0 - c.beta2**self.steps
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(c.eps)
+        p.addcdiv_(m, denom, value=-c.lr / bias1)
+
+    def _sgd(self, i: int, p: Tensor, g: Tensor) -> None:
+        c = self.cfg
+        if c.weight_decay:
+            g = g.add(p, alpha=c.weight_decay)
+        if c.momentum:
+            st = self.state[i]
+            if "momentum" not in st:
+                st["momentum"] = g.clone()
+            else:
+                st["momentum"].mul_(c.momentum).add_(g)
+            g = st["momentum"]
+        p.add_(g, alpha=-c.lr)
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for st in self.state for _, t in sorted(st.items())]
+
+    def clone(self) -> TensorwiseOptimizer:
+        other = TensorwiseOptimizer(self.cfg, self.state)
+        other.steps = self.steps
+        other.state = [{k: t.clone() for k, t in st.items()} for st in self.state]
+        return other
+
+
+def tensors_digest(tensors: Iterable[Tensor]) -> str:
+    """SHA-256 over the raw bytes of tensors (bit-level identity of replicas)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu().reshape(-1)
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,160 @@
+"""Pure zeroth-order math: seeds, in-place-free perturbation, scalar projection and gradient reconstruction.
+
+Noise is never materialised as one d_c-sized vector. Each trainable tensor i gets its own slice of u_p, drawn from a
+generator seeded with ``tensor_seed(s_p, i)``: every replica regenerates exactly the same numbers in any order, one
+tensor at a time. Perturbation never writes to θc (floating-point ``θ + μu − μu`` is not θ), so after any number of
+perturbed forwards every replica is bit-identical to one that ran none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Hash integers into one 63-bit seed (stable across processes and Python versions, unlike ``hash``)."""
+    h = 0x243F6A8885A308D3
+    for p in parts:
+        h = _splitmix64(h ^ (int(p) & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+def round_seeds(run_seed: int, round_idx: int, num_perturbations: int) -> list[int]:
+    """s_p^t for p = 1..P: derived from the run seed so that nobody ships u_p (only the P seeds travel)."""
+    return [mix_seed(run_seed, 0x5EED, round_idx, p) for p in range(num_perturbations)]
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """Seed of the slice of u that belongs to trainable tensor ``index``."""
+    return mix_seed(seed, index)
+
+
+def noise_like(param: Tensor, seed: int, index: int, rng_device: str | torch.device = "cpu") -> Tensor:
+    """u_{p,i} ~ N(0, I) shaped like ``param``, regenerated from (s_p, i) on ``rng_device`` then moved to param.
+
+    The draw is always float32 on ``rng_device`` so that replicas on different devices or dtypes see the same stream.
+    """
+    gen = torch.Generator(device=rng_device)
+    gen.manual_seed(tensor_seed(seed, index))
+    u = torch.randn(param.shape, generator=gen, device=rng_device, dtype=torch.float32)
+    return u.to(device=param.device, dtype=param.dtype)
+
+
+def trainable_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner module, parameter name) for every trainable parameter, in ``named_parameters`` order.
+
+    The position in this list is the tensor index used for noise seeds, so it must be identical on every replica
+    (same architecture, same order).
+    """
+    slots = []
+    for _, mod in module.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad:
+                slots.append((mod, name))
+    return slots
+
+
+@contextlib.contextmanager
+def perturbed(
+    slots: Sequence[tuple[nn.Module, str]],
+    seed: int,
+    mu: float,
+    rng_device: str | torch.device = "cpu",
+    mode: str = "hooks",
+) -> Iterator[None]:
+    """Run forwards at θ + μ·u(seed) without modifying θ; ``slots`` = :func:`trainable_slots` of the module.
+
+    mode="hooks": a forward pre-hook on each owner module swaps its trainable tensors for freshly computed
+    θ_i + μ·u_i and the forward hook swaps θ_i back, so at most one module's perturbed copy is alive at a time
+    (client memory stays at inference level). Every trainable tensor must be read through its owner's forward;
+    a tensor that was not (e.g. read directly by a parent) raises instead of silently staying unperturbed.
+    mode="copy": perturbed copies of all trainable tensors are swapped in for the whole block (d_c extra memory,
+    works for any access pattern).
+    """
+    if mode == "copy":
+        originals = [mod._parameters[name] for mod, name in slots]
+        try:
+            with torch.no_grad():
+                for i, ((mod, name), p) in enumerate(zip(slots, originals)):
+                    mod._parameters[name] = p + mu * noise_like(p, seed, i, rng_device)
+            yield
+        finally:
+            for (mod, name), p in zip(slots, originals):
+                mod._parameters[name] = p
+        return
+    if mode != "hooks":
+        raise ValueError(f"unknown perturbation mode {mode!r} (hooks or copy)")
+
+    by_owner: dict[int, list[tuple[int, str]]] = {}
+    owners: dict[int, nn.Module] = {}
+    for i, (mod, name) in enumerate(slots):
+        by_owner.setdefault(id(mod), []).append((i, name))
+        owners[id(mod)] = mod
+    saved: dict[int, list[Tensor]] = {}
+    seen: set[int] = set()
+
+    def pre_hook(mod: nn.Module, args: object) -> None:
+        entries = by_owner[id(mod)]
+        saved[id(mod)] = [mod._parameters[name] for _, name in entries]
+        with torch.no_grad():
+            for (i, name), p in zip(entries, saved[id(mod)]):
+                mod._parameters[name] = p + mu * noise_like(p, seed, i, rng_device)
+                seen.add(i)
+
+    def post_hook(mod: nn.Module, args: object, out: object) -> None:
+        for (_, name), p in zip(by_owner[id(mod)], saved.pop(id(mod))):
+            mod._parameters[name] = p
+
+    handles = []
+    for mod in owners.values():
+        handles.append(mod.register_forward_pre_hook(pre_hook))
+        handles.append(mod.register_forward_hook(post_hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for key, originals in saved.items():  # a forward that raised mid-module: put θ back
+            for (_, name), p in zip(by_owner[key], originals):
+                owners[key]._parameters[name] = p
+    missing = [i for i in range(len(slots)) if i not in seen]
+    if missing:
+        mod, name = slots[missing[0]]
+        raise RuntimeError(
+            f"trainable tensor {type(mod).__name__}.{name} was not read through its module's forward, so hook-based "
+            "perturbation cannot reach it; use zo.perturb_mode=copy for this model"
+        )
+
+
+def project(lam: Tensor, z_tilde: Tensor, z: Tensor) -> Tensor:
+    """v_p = λᵀ(z̃_p − z)  (Eq. 13), summed over the batch, accumulated in float64."""
+    return torch.dot(lam.reshape(-1).double(), (z_tilde - z).reshape(-1).double())
+
+
+def scalar_coefficients(scalars: Sequence[float] | Tensor, mu: float) -> list[float]:
+    """c_p = v̄_p / (Pμ), so that ĝ_c = Σ_p c_p u_p  (Eq. 15)."""
+    s = torch.as_tensor(scalars, dtype=torch.float64).reshape(-1)
+    return (s / (s.numel() * mu)).tolist()
+
+
+def reconstruct(
+    param: Tensor, index: int, seeds: Sequence[int], coeffs: Sequence[float], rng_device: str | torch.device = "cpu"
+) -> Tensor:
+    """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds."""
+    g = torch.zeros_like(param)
+    for s, c in zip(seeds, coeffs):
+        g.add_(noise_like(param, s, index, rng_device), alpha=c)
+    return g

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One command from a fresh checkout to a trained model: creates .venv (torch 2.13.0 first) if missing, installs the
+# Fashion-MNIST Debian package if missing (root), then trains configs/quickstart.yaml. Extra arguments are passed on
+# as overrides, e.g. `bash launch/quickstart.sh zo.num_perturbations=8`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+[ -x "$VENV/bin/python" ] || bash launch/setup_env.sh "$VENV"
+if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  else
+    echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' (or set data.root=...)" >&2
+    exit 2
+  fi
+fi
+exec "$VENV/bin/python" -m hosfl_dist.run --config configs/quickstart.yaml "$@"

@@ -1,0 +1,58 @@
+"""The command line: one-line errors for bad input (no traceback wall), dry runs, and a short real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hosfl_dist.run", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["data.name=fashion_mnist", "data.root=/nonexistent/fmnist"], "data.root /nonexistent/fmnist does not exist"),
+        (["model.name=resnet99"], "model.name: 'resnet99'"),
+        (["zo.bogus=1"], "unknown key zo.bogus in section zo"),
+        (["clients.per_round=0"], "clients.per_round: 0"),
+        (["data.name=cifar10_npz", "data.root=/nonexistent/c10"], "CIFAR-10 npz not found"),
+        (["--config", "configs/missing.yaml"], "config file not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, needle):
+    res = cli("--dry-run", *args)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_dry_run_prints_resolved_config_and_builds():
+    res = cli("--dry-run", "--config", "configs/quickstart.yaml", "zo.num_perturbations=8", "data.name=synthetic")
+    assert res.returncode == 0, res.stderr
+    assert "num_perturbations: 8" in res.stdout
+    built = json.loads(res.stdout.split("# built:", 1)[1])
+    assert built["client_trainable_params"] > 0 and built["server_trainable_params"] > 0
+
+
+def test_short_run_writes_outputs(tmp_path, tiny_overrides):
+    res = cli(*tiny_overrides)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "run"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"round", "processed_samples", "eval_accuracy", "train_loss", "comm"} <= set(rows[-1])
+    assert rows[-1]["processed_samples"] == 240
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["processed_samples"] == 240
+    assert (out / "config.yaml").is_file()

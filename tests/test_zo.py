@@ -1,0 +1,143 @@
+"""Pure zeroth-order math: seeds, perturbation without writes, projection, reconstruction, tensorwise optimizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from hosfl_dist.config import OptimConfig
+from hosfl_dist.optim import TensorwiseOptimizer
+from hosfl_dist.zo import (
+    mix_seed,
+    noise_like,
+    perturbed,
+    project,
+    reconstruct,
+    round_seeds,
+    scalar_coefficients,
+    trainable_slots,
+)
+
+
+def small_model(dtype=torch.float64, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(dtype)  # d_c = 15 + 8 = 23
+
+
+def test_seeds_are_stable_and_distinct():
+    assert mix_seed(1, 2, 3) == mix_seed(1, 2, 3)
+    assert mix_seed(1, 2, 3) != mix_seed(1, 3, 2)
+    s = round_seeds(0, 5, 4)
+    assert len(set(s)) == 4 and s == round_seeds(0, 5, 4) and s != round_seeds(0, 6, 4)
+    assert all(0 <= x < 2**63 for x in s)
+
+
+def test_noise_is_regenerated_identically_per_tensor():
+    p = torch.zeros(3, 5)
+    a, b = noise_like(p, 7, 0), noise_like(p, 7, 0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, noise_like(p, 7, 1))  # each tensor has its own stream
+    assert noise_like(p.double(), 7, 0).dtype == torch.float64
+
+
+def test_perturbed_forward_matches_explicit_parameters_and_leaves_theta_bit_identical():
+    model = small_model()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    slots = trainable_slots(model)
+    mu, seed = 1e-3, 1234
+    explicit = {n: p + mu * noise_like(p, seed, i) for i, (n, p) in enumerate(model.named_parameters())}
+    want = functional_call(model, explicit, (x,))
+    for mode in ("hooks", "copy"):
+        with torch.no_grad(), perturbed(slots, seed, mu, mode=mode):
+            got = model(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert all(a is model.get_parameter(n) for a, (n, _) in zip(model.parameters(), model.named_parameters()))
+
+
+def test_hooks_mode_refuses_a_tensor_read_outside_its_module_forward():
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return x @ self.lin.weight.T  # reads lin.weight without calling lin
+
+    m = Direct()
+    try:
+        with torch.no_grad(), perturbed(trainable_slots(m), 1, 1e-3):
+            m(torch.randn(1, 2))
+    except RuntimeError as exc:
+        assert "perturb_mode=copy" in str(exc)
+    else:
+        raise AssertionError("unperturbed tensor went unnoticed")
+
+
+def zo_estimate(model, x, lam, seeds, mu):
+    slots = trainable_slots(model)
+    with torch.no_grad():
+        z = model(x)
+        scalars = []
+        for s in seeds:
+            with perturbed(slots, s, mu):
+                scalars.append(project(lam, model(x), z))
+    coeffs = scalar_coefficients(torch.stack(scalars), mu)
+    return torch.cat([reconstruct(p, i, seeds, coeffs).reshape(-1) for i, p in enumerate(model.parameters())])
+
+
+def test_zo_estimate_aligns_with_true_gradient_as_p_grows():
+    """cos(ĝ, ∇θ λᵀf_c) grows with P and approaches 1 when P >> d_c (here d_c = 23)."""
+    model = small_model()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    lam = torch.randn(8, 2, dtype=torch.float64)
+    (lam * model(x)).sum().backward()
+    true = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    cos = {}
+    for P in (1, 8, 64, 4096):
+        vals = []
+        for rep in range(4):
+            g = zo_estimate(model, x, lam, round_seeds(rep, 0, P), 1e-4)
+            vals.append(torch.nn.functional.cosine_similarity(g, true, dim=0).item())
+        cos[P] = sum(vals) / len(vals)
+    assert cos[1] < cos[8] < cos[64] < cos[4096], cos
+    assert cos[4096] > 0.98, cos
+    assert cos[1] < 0.6, cos  # one direction in 23 dimensions: far from the gradient
+
+
+def test_projection_is_lambda_dot_difference():
+    lam, zt, z = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(project(lam, zt, z), (lam.double() * (zt.double() - z.double())).sum())
+
+
+def test_tensorwise_adamw_matches_torch_adamw():
+    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=5e-4)
+    torch.manual_seed(0)
+    p_ours = [torch.randn(5, 3), torch.randn(4)]
+    p_ref = [nn.Parameter(t.clone()) for t in p_ours]
+    ref = torch.optim.AdamW(p_ref, lr=1e-2, weight_decay=5e-4, foreach=False)
+    ours = TensorwiseOptimizer(cfg, p_ours)
+    for _ in range(5):
+        grads = [torch.randn_like(t) for t in p_ours]
+        ours.step(p_ours, lambda i, p: grads[i])
+        for p, g in zip(p_ref, grads):
+            p.grad = g.clone()
+        ref.step()
+    for a, b in zip(p_ours, p_ref):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_tensorwise_sgd_momentum_matches_torch_sgd():
+    cfg = OptimConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=1e-3)
+    p_ours = [torch.randn(6)]
+    p_ref = [nn.Parameter(p_ours[0].clone())]
+    ref = torch.optim.SGD(p_ref, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    ours = TensorwiseOptimizer(cfg, p_ours)
+    for _ in range(4):
+        g = torch.randn(6)
+        ours.step(p_ours, lambda i, p: g)
+        p_ref[0].grad = g.clone()
+        ref.step()
+    torch.testing.assert_close(p_ours[0], p_ref[0].detach())
