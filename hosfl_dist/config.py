@@ -19,11 +19,12 @@ import yaml
 from hosfl_dist.errors import ConfigError
 
 # Names the rest of the package registers under; validated here so a typo fails before anything is built.
-ALGORITHMS = ("hosfl",)
+ALGORITHMS = ("hosfl", "sfl", "splitlora", "fsl_sage", "zo_sfl", "mu_splitfed")
 VISION_MODELS = ("small_cnn", "resnet18")
-MODELS = VISION_MODELS
+MODELS = (*VISION_MODELS, "hf")
 VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
-DATASETS = VISION_DATASETS
+TEXT_DATASETS = ("sst2", "rte", "wsc", "squad", "sentiment_multiemo")
+DATASETS = VISION_DATASETS + TEXT_DATASETS
 # Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
 VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
 
@@ -46,12 +47,33 @@ class JobConfig:
 class AlgorithmConfig:
     name: str = "hosfl"
     """Training method: one of ALGORITHMS."""
+    local_epochs: int = 1
+    """E: local epochs per round of the methods that aggregate models (SFL, SplitLoRA, FSL-SAGE, ZO-SFL)."""
+    server_update_interval: int = 5
+    """FSL-SAGE: client steps between server updates (paper: 5)."""
+    align_interval: int = 1
+    """FSL-SAGE: server updates between auxiliary-model alignments (paper: 1)."""
+    server_steps: int = 2
+    """MU-SplitFed τ: server updates per client update (paper: 2)."""
+    global_lr: float = 0.3
+    """MU-SplitFed global learning rate applied to the aggregated client update (paper: 0.3)."""
+
+    def __post_init__(self) -> None:
+        for key in ("local_epochs", "server_update_interval", "align_interval", "server_steps"):
+            _check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        _check(self.global_lr > 0, "global_lr", self.global_lr, "must be > 0")
 
 
 @dataclass
 class ModelConfig:
     name: str = "small_cnn"
-    """Model family: small_cnn or resnet18."""
+    """Model family: small_cnn, resnet18, or hf (a Hugging Face decoder LM)."""
+    source: str = ""
+    """hf: hub name, local HF directory, directory holding model.gguf_file, or tiny:<arch> (random, for tests)."""
+    gguf_file: str = ""
+    """hf: GGUF file name inside model.source (loaded and dequantised by transformers)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """hf: parameter dtype."""
     pretrained: str = ""
     """Local path to a state dict with pretrained weights (ResNet-18: torchvision ImageNet layout); empty = random."""
     freeze_bn: bool = True
@@ -63,7 +85,25 @@ class ModelConfig:
 @dataclass
 class SplitConfig:
     cut: int = 1
-    """Depth kept on the client: conv blocks (small_cnn), residual stages (resnet18)."""
+    """Depth kept on the client: conv blocks (small_cnn), residual stages (resnet18), decoder blocks (hf)."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    """LoRA rank (paper: 8)."""
+    alpha: int = 16
+    """LoRA scaling α (paper: 16)."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+    client_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Modules of the client part that get LoRA adapters (empty: client part frozen)."""
+    server_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Modules of the server part that get LoRA adapters (empty: server part frozen except what is listed)."""
+
+    def __post_init__(self) -> None:
+        _check(self.r >= 1, "r", self.r, "must be >= 1")
+        _check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
 
 @dataclass
@@ -137,6 +177,31 @@ class ClientsConfig:
 class ServerConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Server optimizer (ordinary backprop on θs)."""
+    ranks: int = 1
+    """Ranks of the server group under torchrun (ranks 0..S-1 shard θs with FSDP; rank 0 is the RPC front)."""
+    rpc_timeout_s: float = 300.0
+    """Timeout of one client->server RPC, in seconds."""
+
+    def __post_init__(self) -> None:
+        _check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")
+        _check(self.rpc_timeout_s > 0, "rpc_timeout_s", self.rpc_timeout_s, "must be > 0")
+
+
+@dataclass
+class CommConfig:
+    inject_delay: bool = False
+    """Delay every client<->server message by its link time (bytes / bandwidth + RTT/2) to measure latency hiding."""
+    uplink_mbps: float = 30.0
+    """Client->server bandwidth of the injected link model (paper App. C.1: 30 Mbps 5G uplink)."""
+    downlink_mbps: float = 200.0
+    """Server->client bandwidth of the injected link model (paper: 200 Mbps)."""
+    rtt_ms: float = 30.0
+    """Round-trip time of the injected link model (paper: 30 ms)."""
+
+    def __post_init__(self) -> None:
+        _check(self.uplink_mbps > 0, "uplink_mbps", self.uplink_mbps, "must be > 0")
+        _check(self.downlink_mbps > 0, "downlink_mbps", self.downlink_mbps, "must be > 0")
+        _check(self.rtt_ms >= 0, "rtt_ms", self.rtt_ms, "must be >= 0")
 
 
 @dataclass
@@ -155,6 +220,18 @@ class DataConfig:
     """Use at most this many training samples (0 = all)."""
     eval_max_samples: int = 0
     """Evaluate on at most this many held-out samples (0 = all)."""
+    source: Literal["local", "hub"] = "local"
+    """Text tasks: read local files (data.train_path / data.eval_path) or the Hugging Face hub (needs network)."""
+    train_path: str = ""
+    """Text tasks: local JSONL/CSV/parquet training file (sentiment_multiemo: default shared/data file)."""
+    eval_path: str = ""
+    """Text tasks: local JSONL/CSV/parquet evaluation file."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Text tasks: canonical field -> column of the local file (e.g. {sentence: text, label: label})."""
+    max_length: int = 128
+    """Text tasks: tokens per example (prompt truncated from the left of its main text)."""
+    padding_side: Literal["left", "right"] = "right"
+    """Text tasks: which side gets the padding."""
 
     def __post_init__(self) -> None:
         _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
@@ -197,6 +274,10 @@ class Config:
     """Dataset and partition."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Budget and evaluation schedule."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters of hf models."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Injected link model (latency-hiding measurements)."""
 
     def __post_init__(self) -> None:
         _check(

@@ -10,6 +10,7 @@ An algorithm is a pair:
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -205,9 +206,21 @@ def register(name: str, server_cls: type, worker_cls: type) -> None:
     ALGORITHM_REGISTRY[name] = (server_cls, worker_cls)
 
 
-def get_algorithm(name: str) -> tuple[type, type]:
-    import hosfl_dist.algorithms.hosfl  # noqa: F401  (registers on import)
+# algorithm.name -> module that registers it on import.
+ALGORITHM_MODULES = {
+    "hosfl": "hosfl",
+    "sfl": "sfl",
+    "splitlora": "sfl",
+    "fsl_sage": "fsl_sage",
+    "zo_sfl": "zo_sfl",
+    "mu_splitfed": "mu_splitfed",
+}
 
+
+def get_algorithm(name: str) -> tuple[type, type]:
+    """(server class, worker class) registered under ``name``."""
+    if name in ALGORITHM_MODULES and name not in ALGORITHM_REGISTRY:
+        importlib.import_module(f"hosfl_dist.algorithms.{ALGORITHM_MODULES[name]}")
     if name not in ALGORITHM_REGISTRY:
         raise KeyError(f"unknown algorithm {name!r}; registered: {sorted(ALGORITHM_REGISTRY)}")
     return ALGORITHM_REGISTRY[name]
