@@ -64,21 +64,19 @@ def train_loop(
     Returns (rounds run, processed samples). Every client worker runs this loop in lockstep.
     """
     budget = cfg.train.budget_samples
-    points = eval_points(budget, cfg.train.eval_every_samples)
-    nxt = 0
+    points = eval_points(budget, cfg.train.eval_every_samples)[1:]  # 0 is evaluated before the first round
     t = processed = 0
     if worker.collective.is_leader:
         worker.evaluate(t)
         on_eval(t, processed)
-    nxt = 1
     while processed < budget:
         processed += worker.run_round(t)
         t += 1
         if progress is not None:
             progress.update(min(processed, budget) - progress.n)
-        if nxt < len(points) and processed >= points[nxt]:
-            while nxt < len(points) and processed >= points[nxt]:
-                nxt += 1
+        if points and processed >= points[0]:
+            while points and processed >= points[0]:  # a round can cross several thresholds: evaluate once
+                points.pop(0)
             if worker.collective.is_leader:
                 worker.evaluate(t)
                 on_eval(t, processed)

@@ -94,3 +94,31 @@ def test_pretrained_weights_load_from_a_local_file(tmp_path):
     torch.save({"foo": torch.zeros(1)}, tmp_path / "bad.pth")
     with pytest.raises(ConfigError, match="does not match ResNet-18"):
         resnet18_split(10, 3, 2, True, str(tmp_path / "bad.pth"))
+
+
+def _write_batch(path: Path, n: int, key: str, seed: int) -> None:
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        pickle.dump({"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), key: rng.integers(0, 10, n).tolist()}, f)
+
+
+def test_torchvision_cifar_folders_load(tmp_path):
+    from hosfl_dist.data.vision import load_cifar_folder
+
+    c10 = tmp_path / "cifar-10-batches-py"
+    c10.mkdir()
+    for i in range(1, 6):
+        _write_batch(c10 / f"data_batch_{i}", 4, "labels", i)
+    _write_batch(c10 / "test_batch", 3, "labels", 9)
+    d = load_cifar_folder(str(tmp_path), 10)
+    assert d.train_x.shape == (20, 3, 32, 32) and d.test_x.shape == (3, 3, 32, 32)
+    c100 = tmp_path / "cifar-100-python"
+    c100.mkdir()
+    _write_batch(c100 / "train", 5, "fine_labels", 1)
+    _write_batch(c100 / "test", 2, "fine_labels", 2)
+    d = load_cifar_folder(str(c100), 100)
+    assert d.num_classes == 100 and d.train_y.shape == (5,)
+    with pytest.raises(DataError, match="CIFAR file not found"):
+        load_cifar_folder(str(tmp_path / "nothing"), 10)
