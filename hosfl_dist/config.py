@@ -103,6 +103,7 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check(self.r >= 1, "r", self.r, "must be >= 1")
+        _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
 
@@ -237,6 +238,7 @@ class DataConfig:
         _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
         _check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
+        _check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
 
 
 @dataclass
@@ -290,6 +292,16 @@ class Config:
         _check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
         _check(self.zo.mu > 0, "zo.mu", self.zo.mu, "must be > 0")
         _check(self.zo.num_perturbations >= 1, "zo.num_perturbations", self.zo.num_perturbations, "must be >= 1")
+        is_text = self.data.name in TEXT_DATASETS
+        _check(
+            (self.model.name == "hf") == is_text,
+            "model.name",
+            self.model.name,
+            f"data.name={self.data.name} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
+        )
+        if self.model.name == "hf":
+            _check(bool(self.model.source), "model.source", self.model.source, "model.name=hf needs a source")
+            _check(self.split.cut >= 1, "split.cut", self.split.cut, "the client keeps at least one decoder block")
         if self.model.name in VISION_CUT_RANGE:
             lo, hi = VISION_CUT_RANGE[self.model.name]
             _check(

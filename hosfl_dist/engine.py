@@ -61,14 +61,15 @@ def train_loop(
 ) -> tuple[int, int]:
     """Run rounds until ``train.budget_samples`` processed samples; evaluate at the thresholds (leader only).
 
-    Returns (rounds run, processed samples). Every client worker runs this loop in lockstep.
+    Returns (rounds run, processed samples). Every client worker runs this loop in lockstep; ``on_eval`` runs on
+    every worker after the leader evaluated (the distributed runtime sums its workers' traffic counters there).
     """
     budget = cfg.train.budget_samples
     points = eval_points(budget, cfg.train.eval_every_samples)[1:]  # 0 is evaluated before the first round
     t = processed = 0
     if worker.collective.is_leader:
         worker.evaluate(t)
-        on_eval(t, processed)
+    on_eval(t, processed)
     while processed < budget:
         processed += worker.run_round(t)
         t += 1
@@ -79,7 +80,7 @@ def train_loop(
                 points.pop(0)
             if worker.collective.is_leader:
                 worker.evaluate(t)
-                on_eval(t, processed)
+            on_eval(t, processed)
     return t, processed
 
 
@@ -98,6 +99,31 @@ def comm_summary(comm: dict[str, int]) -> dict[str, Any]:
     return {
         "bytes": comm,
         "training_total_bytes": sum(comm[c] for c in PAPER_CATEGORIES),
+    }
+
+
+def run_summary(
+    cfg: Config,
+    rec: Recorder,
+    engine: str,
+    rounds: int,
+    processed: int,
+    comm: dict[str, int],
+    client_digests: dict[str, str],
+    server_digest: str,
+) -> dict[str, Any]:
+    """summary.json of a completed run (both engines; the distributed one adds its own fields)."""
+    last = rec.history[-1] if rec.history else {}
+    return {
+        "status": "completed",
+        "engine": engine,
+        "algorithm": cfg.algorithm.name,
+        "rounds": rounds,
+        "processed_samples": processed,
+        "final": {k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
+        "comm": comm_summary(comm),
+        "client_digests": client_digests,
+        "server_digest": server_digest,
     }
 
 
@@ -125,20 +151,11 @@ class InProcessEngine:
                 cfg, self.worker, lambda r, n: rec.log(metrics_row(self.server, r, n, self.meter.snapshot())), bar
             )
             self.worker.sync_all(t)
-            last = rec.history[-1] if rec.history else {}
-            return rec.finish(
-                {
-                    "status": "completed",
-                    "engine": "in_process",
-                    "algorithm": cfg.algorithm.name,
-                    "rounds": t,
-                    "processed_samples": processed,
-                    "final": {k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
-                    "comm": comm_summary(self.meter.snapshot()),
-                    "client_digests": {"worker_0": self.worker.client_digest()},
-                    "server_digest": self.server.server_digest(),
-                }
+            digests = {"worker_0": self.worker.client_digest()}
+            summary = run_summary(
+                cfg, rec, "in_process", t, processed, self.meter.snapshot(), digests, self.server.server_digest()
             )
+            return rec.finish(summary)
         except BaseException as exc:
             rec.finish({"status": "failed", "error": f"{type(exc).__name__}: {exc}", "rounds": t})
             raise

@@ -1,5 +1,7 @@
 """Entry point: ``python -m hosfl_dist.run --config configs/X.yaml [section.key=value ...] [--dry-run]``.
 
+Started by ``torchrun --nproc_per_node=N -m hosfl_dist.run ...`` (N > 1) it runs the distributed runtime (rank 0
+server, the others client workers, see hosfl_dist/distributed); started alone it runs the in-process engine.
 Parses, builds, runs and cleans up; errors in the user's input are reported in one line (exit code 2).
 """
 
@@ -8,15 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from hosfl_dist.config import Config, dump_config, load_config
-from hosfl_dist.errors import HosflError
+from hosfl_dist.errors import ConfigError, HosflError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hosfl_dist.run", description=__doc__)
     p.add_argument("--config", help="YAML config file (sections of hosfl_dist.config.Config)")
     p.add_argument("--dry-run", action="store_true", help="build the config (and data/model) and print it; no training")
+    p.add_argument(
+        "--nproc", type=int, default=0, help="with --dry-run: also print the role map of a torchrun world of NPROC"
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
     return p.parse_args(argv)
 
@@ -26,6 +32,12 @@ def dry_run(cfg: Config) -> dict:
     from hosfl_dist.data import build_data
     from hosfl_dist.models import build_split_model
 
+    if cfg.model.name == "hf":  # hub models/data cannot be built offline: validate what can be, say what was not
+        from hosfl_dist.models.lm import check_without_hub, hub_requirements
+
+        needs = hub_requirements(cfg)
+        if needs:
+            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg)}
     data = build_data(cfg)
     split = build_split_model(cfg, data.info)
 
@@ -43,17 +55,35 @@ def dry_run(cfg: Config) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    launch = None
     try:
+        from hosfl_dist.distributed.env import launch_env, role_map
+
+        launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
+        world = launch.world_size if launch is not None else args.nproc
         if args.dry_run:
-            print(dump_config(cfg), end="")
-            print("# built:", json.dumps(dry_run(cfg)))
+            if launch is None or launch.rank == 0:
+                print(dump_config(cfg), end="")
+                print("# built:", json.dumps(dry_run(cfg)))
+                if world > 1:
+                    roles = role_map(cfg, world).describe().splitlines()
+                    print("# roles:\n" + "\n".join("#  " + line for line in roles))
             return 0
+        if world > 1 and launch is not None:
+            from hosfl_dist.distributed.runtime import run_distributed
+
+            return run_distributed(cfg, launch)
+        if cfg.server.ranks > 1:
+            raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
         from hosfl_dist.engine import InProcessEngine
 
         summary = InProcessEngine(cfg).run()
     except HosflError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if launch is None or launch.rank == 0:  # the same error on every rank: say it once
+            print(f"error: {exc}", file=sys.stderr)
+        else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
+            time.sleep(3)
         return 2
     final = summary.get("final", {})
     print(

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command from a fresh checkout to a trained model: creates .venv (torch 2.13.0 first) if missing, installs the
-# Fashion-MNIST Debian package if missing (root), then trains configs/quickstart.yaml. Extra arguments are passed on
-# as overrides, e.g. `bash launch/quickstart.sh zo.num_perturbations=8`.
+# Fashion-MNIST Debian package if missing (root), then trains configs/quickstart.yaml under torchrun on CPU (NPROC=3:
+# the server and 2 client workers, see launch/torchrun.sh). Extra arguments are passed on as overrides, e.g.
+# `bash launch/quickstart.sh zo.num_perturbations=8`; NPROC=1 runs the in-process engine instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -14,4 +15,7 @@ if [ ! -d /usr/share/datasets/fashion-mnist ]; then
     exit 2
   fi
 fi
-exec "$VENV/bin/python" -m hosfl_dist.run --config configs/quickstart.yaml "$@"
+if [ "${NPROC:-3}" = 1 ]; then
+  exec "$VENV/bin/python" -m hosfl_dist.run --config configs/quickstart.yaml "$@"
+fi
+VENV="$VENV" CONFIG=configs/quickstart.yaml exec bash launch/torchrun.sh "$@"

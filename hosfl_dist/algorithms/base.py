@@ -118,6 +118,24 @@ class ServerBase:
             for k, v in self.task.eval_stats(out, labels.to(self.device)).items():
                 self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
 
+    # Generation tasks (SQuAD): the worker drives greedy decoding through the split with eval_next_token, then
+    # sends the generated tokens and the gold labels to be scored with eval_generated.
+    @wire(args={"act": EVAL}, result={"token": EVAL})
+    def eval_next_token(self, act: Activation) -> dict[str, Tensor]:
+        """The greedy next token (B,) of each row of an evaluation activation."""
+        with torch.no_grad():
+            was = self.model.training
+            self.model.eval()
+            act = {k: v.to(self.device) for k, v in act.items()}
+            out = server_forward(self.model, act)
+            self.model.train(was)
+            return {"token": self.task.next_token(out, act["attention_mask"]).cpu()}
+
+    @wire(args={"tokens": EVAL, "labels": EVAL})
+    def eval_generated(self, tokens: Tensor, labels: Tensor) -> None:
+        for k, v in self.task.generation_stats(tokens, labels).items():
+            self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
+
     def pop_eval_metrics(self) -> dict[str, float]:
         stats, self._eval_stats = self._eval_stats, {}
         return self.task.finalize(stats)
@@ -181,9 +199,14 @@ class WorkerBase:
         params = self.eval_params(t)
         self.bind(params)
         self.module.eval()
+        generate = getattr(self.split.task, "generate", None)  # generation tasks decode through the split
         with torch.no_grad():
             for x, y in self.data.eval_batches(self.cfg.train.eval_batch_size):
-                self.transport.call("eval_batch", act=self.client_forward(x), labels=y)
+                if generate is None:
+                    self.transport.call("eval_batch", act=self.client_forward(x), labels=y)
+                else:
+                    step = lambda act: self.transport.call("eval_next_token", act=act)["token"]  # noqa: E731
+                    self.transport.call("eval_generated", tokens=generate(x, self.client_forward, step), labels=y)
         self.module.train()
 
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import TEXT_DATASETS, Config
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.zo import mix_seed
 
@@ -121,6 +121,10 @@ def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
 
 def build_data(cfg: Config) -> FederatedData:
     """Load the configured dataset from local files and partition it over ``clients.total`` clients."""
+    if cfg.data.name in TEXT_DATASETS:  # tokenised with the model's tokenizer (hosfl_dist.data.text_fed)
+        from hosfl_dist.data.text_fed import build_text_data
+
+        return build_text_data(cfg)
     from hosfl_dist.data.vision import augment, load_images, normalize
 
     splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)

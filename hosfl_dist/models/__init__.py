@@ -68,6 +68,10 @@ def server_forward(server: nn.Module, act: Activation) -> Tensor:
 
 def build_split_model(cfg: Config, data_info: dict[str, Any]) -> SplitModel:
     """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process)."""
+    if cfg.model.name == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
+        from hosfl_dist.models import lm
+
+        return lm.build(cfg, data_info)
     from hosfl_dist.models import vision
 
     with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,205 @@
+"""FSL-SAGE (Nair et al., ICML 2025): clients train against auxiliary models that estimate the server's gradient.
+
+Round t, for each sampled client m (paper App. B.3: E = 1, server update interval l = 5, alignment interval 1):
+  1. download θc^t and, when the server realigned it this round, client m's auxiliary model a_m;
+  2. for each local step j: z = f_c(x; θc_m); the client back-propagates the estimate λ̂ = ∂ℓ(a_m(z), y)/∂z through
+     f_c and steps θc_m — it never waits for the server. Every l-th step (j = 0, l, 2l, …) it also sends the smashed
+     data (z, y) to the server, which sends nothing back;
+  3. upload θc_m; after the K uploads the server FedAvgs θc, then updates its single server model θs with each
+     smashed batch of the round (in client, step order, so the result does not depend on arrival order) and keeps
+     the last ALIGN_MAX_SAMPLES smashed samples of every client as that client's alignment set;
+  4. alignment, every ``algorithm.align_interval`` rounds, when client m is next sampled: the server recomputes the
+     true λ_i = ∂ℓ_i/∂z_i on m's alignment set with the current θs and fits a_m to them by gradient matching,
+     min ‖∂ℓ(a_m(z_i))/∂z_i − λ_i‖² (ALIGN_EPOCHS epochs, batches of ALIGN_BATCH), then sends a_m down.
+The auxiliary model (paper, ResNet-18) is the first server-side block followed by a classifier: here a copy of the
+server's first block as initialised, global average pooling and a fresh linear layer. Auxiliary models live on the
+server per client and only travel down; they are not averaged. The alignment-set size, epochs and batch are those
+of the FSL-SAGE reference code; the auxiliary optimizer is ``server.optim``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.futures import Future
+
+from hosfl_dist.algorithms.base import register
+from hosfl_dist.algorithms.fed_common import (
+    ExchangeServer,
+    ExchangeWorker,
+    bound,
+    clone_params,
+    detached,
+    slot_tensors,
+)
+from hosfl_dist.comm import UPLINK_ACTIVATIONS, wire
+from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.models import Activation, SplitModel, server_forward
+from hosfl_dist.models.vision import ResNetServer, SmallCNNServer
+from hosfl_dist.optim import build_torch_optimizer
+from hosfl_dist.zo import mix_seed, trainable_slots
+
+ALIGN_MAX_SAMPLES = 1000
+"""Smashed samples kept per client for alignment (oldest dropped first)."""
+ALIGN_EPOCHS = 5
+"""Passes over a client's alignment set per alignment."""
+ALIGN_BATCH = 100
+"""Samples per alignment step (and per chunk when recomputing the true λ)."""
+
+
+class AuxModel(nn.Module):
+    """a_m(z): the first server-side block, global average pooling, a linear classifier."""
+
+    def __init__(self, block: nn.Module, channels: int, num_classes: int) -> None:
+        super().__init__()
+        self.block = block
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, z: Tensor) -> Tensor:  # (B, C, H, W) -> (B, classes)
+        h = self.block(z)
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1))
+
+
+def build_aux(split: SplitModel, seed: int) -> AuxModel:
+    """The auxiliary model of a vision split, identical in every process for the same seed."""
+    server = split.server
+    if isinstance(server, ResNetServer):
+        block: nn.Module = server.layers[0]
+        num_classes = server.fc.out_features
+    elif isinstance(server, SmallCNNServer):
+        block = server.blocks[0] if len(server.blocks) else nn.Identity()
+        num_classes = server.head.out_features
+    else:
+        raise ConfigError(
+            f"algorithm.name=fsl_sage builds its auxiliary model from a vision split (small_cnn, resnet18), "
+            f"not {type(server).__name__}"
+        )
+    convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
+    convs = convs or [m for m in split.client.modules() if isinstance(m, nn.Conv2d)]
+    block = copy.deepcopy(block)  # its own weights: the server's first block as it is at this moment (θs^0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(mix_seed(seed, 0xA0C))
+        aux = AuxModel(block, convs[-1].out_channels, num_classes)
+    return aux.to(next(server.parameters()).device)
+
+
+class FSLSageServer(ExchangeServer):
+    def __init__(self, cfg: Config, split: SplitModel) -> None:
+        super().__init__(cfg, split)
+        if cfg.model.name == "hf":
+            raise ConfigError("algorithm.name=fsl_sage is implemented for vision models only (the paper's setting)")
+        # One server model updated in place by every smashed batch, as in FSL-SAGE (no per-client copies).
+        self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
+        self.aux = build_aux(split, cfg.job.seed)
+        self.aux_slots = trainable_slots(self.aux)
+        self.aux_init = [p.detach().clone() for p in slot_tensors(self.aux_slots)]
+        self.aux_models: dict[int, tuple[list[nn.Parameter], Any]] = {}
+        self.smashed: dict[tuple[int, int], tuple[Activation, Tensor]] = {}
+        self.align_sets: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @wire(args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS})
+    def submit(self, t: int, client: int, step: int, act: Activation, labels: Tensor) -> None:
+        """Smashed data (z, y) of client m's step j; kept for the end of the round, nothing is returned."""
+        with self.lock:
+            self.check_round(t)
+            self.smashed[(client, step)] = (
+                {k: v.detach().to(self.device) for k, v in act.items()},
+                labels.to(self.device),
+            )
+
+    def end_round(self, t: int) -> None:
+        losses = []
+        for (m, _), (act, y) in sorted(self.smashed.items()):
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.task.loss(server_forward(self.model, act), y)
+            loss.backward()
+            self.opt.step()
+            losses.append(loss.item())
+            self._remember(m, act["z"], y)
+        self.smashed.clear()
+        with self.lock:
+            self.record_loss(losses)
+
+    def _remember(self, client: int, z: Tensor, y: Tensor) -> None:
+        if client in self.align_sets:
+            z0, y0 = self.align_sets[client]
+            z, y = torch.cat([z0, z]), torch.cat([y0, y])
+        self.align_sets[client] = (z[-ALIGN_MAX_SAMPLES:], y[-ALIGN_MAX_SAMPLES:])
+
+    def download_payload(self, t: int, client: int) -> dict[str, Any]:
+        out = super().download_payload(t, client)
+        if t % self.cfg.algorithm.align_interval == 0 and client in self.align_sets:
+            with self.compute:
+                out["aux"] = [p.detach().clone() for p in self.align(t, client)]
+        return out
+
+    def true_gradients(self, z: Tensor, y: Tensor) -> Tensor:
+        """λ_i = ∂ℓ_i/∂z_i for every stored sample under the current θs (each row its own sample's loss)."""
+        out = []
+        for zc, yc in zip(z.split(ALIGN_BATCH), y.split(ALIGN_BATCH)):
+            zc = zc.detach().requires_grad_(True)
+            loss = self.task.loss(server_forward(self.model, {"z": zc}), yc) * len(yc)  # Σ_i ℓ_i
+            out.append(torch.autograd.grad(loss, zc)[0])
+        return torch.cat(out)
+
+    def align(self, t: int, client: int) -> list[nn.Parameter]:
+        """Fit a_m to the server's λ on client m's alignment set (gradient matching); returns a_m's tensors."""
+        if client not in self.aux_models:
+            params = clone_params(self.aux_init, True)
+            self.aux_models[client] = (params, build_torch_optimizer(self.cfg.server.optim, params))
+        params, opt = self.aux_models[client]
+        z, y = self.align_sets[client]
+        target = self.true_gradients(z, y)
+        gen = torch.Generator().manual_seed(mix_seed(self.cfg.job.seed, 0xA119, t, client))
+        with bound(self.aux_slots, params):
+            for _ in range(ALIGN_EPOCHS):
+                for idx in torch.randperm(len(y), generator=gen).to(z.device).split(ALIGN_BATCH):
+                    zb = z[idx].detach().requires_grad_(True)
+                    loss = self.task.loss(self.aux(zb), y[idx]) * len(idx)
+                    (pred,) = torch.autograd.grad(loss, zb, create_graph=True)  # ∂ℓ(a_m(z_i))/∂z_i
+                    opt.zero_grad(set_to_none=True)
+                    F.mse_loss(pred, target[idx], reduction="sum").backward()
+                    opt.step()
+        return params
+
+
+class FSLSageWorker(ExchangeWorker):
+    """Clients that back-propagate the auxiliary model's gradient estimate and only send smashed data now and then."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aux = build_aux(self.split, self.cfg.job.seed).to(self.device)
+        self.aux_slots = trainable_slots(self.aux)
+        self.aux_init = [p.detach().requires_grad_(False) for p in slot_tensors(self.aux_slots)]
+        self.aux_params: dict[int, list[nn.Parameter]] = {}  # the last a_m each hosted client received
+
+    def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
+        if "aux" in got:
+            self.aux_params[client] = clone_params(got["aux"], False, self.device)
+        interval = self.cfg.algorithm.server_update_interval
+        opt = build_torch_optimizer(self.cfg.clients.optim, params)
+        sent: list[Future] = []
+        with bound(self.aux_slots, self.aux_params.get(client, self.aux_init)):
+            for j in range(steps):
+                x, y = self.data.next_batch(client)
+                act = self.client_forward(x)
+                z_in = act["z"].detach().requires_grad_(True)
+                loss = self.split.task.loss(self.aux(z_in), y.to(z_in.device))
+                (lam_hat,) = torch.autograd.grad(loss, z_in)  # λ̂ = ∂ℓ(a_m(z), y)/∂z, the server's λ estimated
+                opt.zero_grad(set_to_none=True)
+                act["z"].backward(lam_hat)
+                opt.step()
+                if j % interval == 0:  # smashed data for the server's update; nothing to wait for
+                    sent.append(
+                        self.transport.call_async("submit", t=t, client=client, step=j, act=detached(act), labels=y)
+                    )
+        for fut in sent:  # delivered before the model upload that may close the round
+            fut.wait()
+
+
+register("fsl_sage", FSLSageServer, FSLSageWorker)

@@ -1,0 +1,88 @@
+"""ZO-SFL (paper App. B.3): SplitFed with the two-point SPSA estimator on both sides instead of backprop.
+
+One client step of client m (local epochs E = 1, FedAvg of θc and of the server copies θs_m after each round, as
+in SFL): with z = (u, v) ~ N(0, I) regenerated from the step's seed on both sides (MeZO's seed trick),
+  client:  z₊ = f_c(x; θc + μu),  z₋ = f_c(x; θc − μu)            — two activation uploads per step
+  server:  ℓ± = ℓ(f_s(z±; θs_m ± μv), y),  g = (ℓ₊ − ℓ₋) / (2μ)   — the SPSA projected gradient of the whole model
+  both:    θc ← opt(θc, g·u),  θs_m ← opt(θs_m, g·v)              — one float32 scalar g goes down, never λ
+Perturbations use the project's seeded, write-free scheme (``zo.perturb_mode``), the exact counterpart of MeZO's
+in-place ±μz (same memory: one module's perturbed copy at a time; θ is never modified, so nothing drifts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hosfl_dist.algorithms.base import register
+from hosfl_dist.algorithms.fed_common import (
+    ExchangeServer,
+    ExchangeWorker,
+    bound,
+    server_seed,
+    spsa_pair,
+    step_seed,
+    zo_step,
+)
+from hosfl_dist.comm import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, wire
+from hosfl_dist.models import Activation, server_forward
+from hosfl_dist.optim import TensorwiseOptimizer
+
+
+class ZOSFLServer(ExchangeServer):
+    first_order = False
+
+    def new_server_optimizer(self, params: list[nn.Parameter]) -> Any:
+        return TensorwiseOptimizer(self.cfg.server.optim, params)
+
+    def loss_on(self, act: Activation, labels: Tensor) -> float:
+        """ℓ(f_s(z; θs currently bound), y) without a graph."""
+        with torch.no_grad():
+            out = server_forward(self.model, {k: v.to(self.device) for k, v in act.items()})
+            return self.task.loss(out, labels.to(self.device)).item()
+
+    @wire(
+        args={"act_plus": UPLINK_ACTIVATIONS, "act_minus": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
+        result={"g": DOWNLINK_SCALARS_SEEDS},
+    )
+    def submit(
+        self, t: int, client: int, step: int, act_plus: Activation, act_minus: Activation, labels: Tensor
+    ) -> dict[str, Tensor]:
+        copy = self.copy_for(t, client)
+        seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
+        mu = self.cfg.zo.mu
+        with self.compute, bound(self.slots, copy.params):
+            lp, lm = spsa_pair(
+                self.slots,
+                seed,
+                mu,
+                self.cfg.zo,
+                lambda sign: self.loss_on(act_plus if sign > 0 else act_minus, labels),
+            )
+            g = (lp - lm) / (2 * mu)
+            zo_step(copy.opt, copy.params, seed, g, self.cfg.zo.rng_device)
+            self.record_loss([(lp + lm) / 2])
+        return {"g": torch.tensor(g, dtype=torch.float32)}
+
+
+class ZOSFLWorker(ExchangeWorker):
+    """Clients that only run forwards: two perturbed ones per step, then a seeded update with the returned g."""
+
+    first_order = False
+
+    def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
+        zo = self.cfg.zo
+        opt = TensorwiseOptimizer(self.cfg.clients.optim, params)
+        for j in range(steps):
+            x, y = self.data.next_batch(client)
+            seed = step_seed(self.cfg.job.seed, t, client, j)
+            act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign, x=x: self.client_forward(x))
+            g = self.transport.call(
+                "submit", t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y
+            )["g"]
+            zo_step(opt, params, seed, float(g), zo.rng_device)  # θc ← opt(θc, g·u)
+
+
+register("zo_sfl", ZOSFLServer, ZOSFLWorker)

@@ -1,0 +1,149 @@
+"""Text tasks in the federated pipeline: load, tokenise with the model's tokenizer, partition, batch.
+
+Splits: ``sentiment_multiemo`` reads ``shared/data/sentiment_multiemo/{train,test}.jsonl`` (or ``data.root`` /
+``data.train_path`` / ``data.eval_path``) as the SST-2 task. SST-2, RTE, WSC and SQuAD read ``data.train_path`` and
+``data.eval_path`` with ``data.columns`` (``data.source=local``), or the hub's train and validation splits
+(``data.source=hub``; GLUE test labels are hidden, so validation is the evaluation split, as in the paper).
+
+Batches are dicts ``{"input_ids", "attention_mask"}`` (B, T) with the columns that are padding in every row of the
+batch dropped. Labels: classification (B,) label index; SQuAD training (B, T) token labels; SQuAD evaluation the gold
+answers as UTF-8 bytes (N, A, L), scored after generation (see ``models.lm.GenerationTask``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hosfl_dist.config import Config
+from hosfl_dist.data import FederatedData, partition
+from hosfl_dist.data.partition import iid_partition
+from hosfl_dist.data.text import (
+    SENTIMENT_COLUMNS,
+    TokenizedTextData,
+    get_task,
+    label_word_ids,
+    load_text_split,
+    local_sentiment_paths,
+    tokenize_split,
+)
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.zo import mix_seed
+
+HUB_SPLITS = {"train": "train", "eval": "validation"}
+
+
+class TextFederatedData(FederatedData):
+    """:class:`FederatedData` over tokenised text: batches are trimmed of all-padding columns."""
+
+    def __init__(
+        self,
+        train: TokenizedTextData,
+        evaluation: TokenizedTextData,
+        eval_labels: Tensor,
+        shards: Sequence[np.ndarray],
+        batch_size: int,
+        seed: int,
+        info: dict[str, Any],
+    ) -> None:
+        super().__init__(
+            {"input_ids": train.input_ids, "attention_mask": train.attention_mask},
+            train.labels,
+            {"input_ids": evaluation.input_ids, "attention_mask": evaluation.attention_mask},
+            eval_labels,
+            shards,
+            batch_size,
+            seed,
+            info,
+        )
+        self.train_text, self.eval_text = train, evaluation
+
+    def next_batch(self, client: int) -> tuple[dict[str, Tensor], Tensor]:
+        b = self.train_text.select(self.stream(client).next_indices(), trim=True)
+        return {"input_ids": b.input_ids, "attention_mask": b.attention_mask}, b.labels
+
+    def eval_batches(self, batch_size: int) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+        n = len(self.eval_labels)
+        for start in range(0, n, batch_size):
+            idx = torch.arange(start, min(n, start + batch_size))
+            b = self.eval_text.select(idx, trim=True)
+            yield {"input_ids": b.input_ids, "attention_mask": b.attention_mask}, self.eval_labels[idx]
+
+
+def task_name(cfg: Config) -> str:
+    """The prompt/label task of ``data.name`` (the offline sentiment data is SST-2 shaped)."""
+    return "sst2" if cfg.data.name == "sentiment_multiemo" else cfg.data.name
+
+
+def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, eval) canonical examples of the configured text data set."""
+    d = cfg.data
+    task = task_name(cfg)
+    if d.name == "sentiment_multiemo":
+        if d.source == "hub":
+            raise ConfigError("data.source=hub: sentiment_multiemo is a local data set; use data.source=local")
+        from hosfl_dist.data.vision import shared_data_dir
+
+        train_path, eval_path = d.train_path, d.eval_path
+        if not (train_path and eval_path):
+            default_train, default_eval = local_sentiment_paths(d.root or str(shared_data_dir()))
+            train_path, eval_path = train_path or default_train, eval_path or default_eval
+        columns = d.columns or SENTIMENT_COLUMNS
+        return (
+            load_text_split(task, "train", "local", train_path, columns),
+            load_text_split(task, "test", "local", eval_path, columns),
+        )
+    if d.source == "hub":
+        return (
+            load_text_split(task, HUB_SPLITS["train"], "hub", None, d.columns or None),
+            load_text_split(task, HUB_SPLITS["eval"], "hub", None, d.columns or None),
+        )
+    for key in ("train_path", "eval_path"):
+        if not getattr(d, key):
+            raise ConfigError(f"data.{key} is empty: data.name={d.name} with data.source=local needs a local file")
+    return (
+        load_text_split(task, "train", "local", d.train_path, d.columns or None),
+        load_text_split(task, "eval", "local", d.eval_path, d.columns or None),
+    )
+
+
+def build_text_data(cfg: Config) -> TextFederatedData:
+    """Load, subsample, tokenise with ``cfg.model``'s tokenizer and partition the text data set."""
+    from hosfl_dist.models.lm import encode_answers, load_tokenizer
+
+    d = cfg.data
+    spec = get_task(task_name(cfg))
+    train_ex, eval_ex = load_examples(cfg)
+    if d.train_max_samples and d.train_max_samples < len(train_ex):
+        keep = torch.randperm(len(train_ex), generator=torch.Generator().manual_seed(mix_seed(cfg.job.seed, 1)))
+        train_ex = [train_ex[i] for i in keep[: d.train_max_samples].sort().values.tolist()]
+    if d.eval_max_samples:
+        eval_ex = eval_ex[: d.eval_max_samples]
+    tokenizer = load_tokenizer(cfg)
+    train = tokenize_split(spec, train_ex, tokenizer, d.max_length, d.padding_side, train=True)
+    evaluation = tokenize_split(spec, eval_ex, tokenizer, d.max_length, d.padding_side, train=False)
+    info: dict[str, Any] = {
+        "task": spec.name,
+        "kind": spec.kind,
+        "train_size": len(train),
+        "eval_size": len(evaluation),
+        "max_length": d.max_length,
+        "padding_side": d.padding_side,
+        "train_truncated": train.n_truncated,
+        "eval_truncated": evaluation.n_truncated,
+    }
+    if spec.kind == "classification":
+        info["label_word_ids"] = label_word_ids(spec, tokenizer)
+        info["num_classes"] = len(info["label_word_ids"])
+        eval_labels = evaluation.labels
+        shards = partition(train.labels, cfg)
+    else:
+        if d.partition != "iid":
+            raise ConfigError(f"data.partition={d.partition} needs class labels; {spec.name} supports only iid")
+        eval_labels = encode_answers(evaluation.meta["answers"])  # (N, A, L) gold answers as bytes
+        shards = iid_partition(len(train), cfg.clients.total, mix_seed(cfg.job.seed, 0x9A27))
+    return TextFederatedData(train, evaluation, eval_labels, shards, cfg.clients.batch_size, cfg.job.seed, info)

@@ -1,0 +1,215 @@
+"""Process setup of the distributed runtime: the only module that reads the launcher's environment.
+
+``torchrun`` (locally, or under ``srun`` with c10d rendezvous) starts W processes and sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT. This module turns them into a :class:`RoleMap`:
+
+- ranks 0..S-1 (S = ``server.ranks``) are the server group; rank 0 is its RPC front and holds the outputs;
+- ranks S..W-1 are client workers; logical client m is hosted by worker ``m mod (W-S)`` (round-robin, so the K
+  sampled clients of a round spread over the workers).
+
+A world size that does not fit these roles is refused with the numbers before any process group exists.
+:func:`init_distributed` starts the default process group, the client-worker group (the P-scalar all_reduce), the
+server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, gracefully or not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError
+
+SERVER_NAME = "server"
+"""RPC name of rank 0, the server front."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: str
+    run_id: str
+    """torchrun's rendezvous id (TORCHELASTIC_RUN_ID), empty when RANK/WORLD_SIZE were set by hand."""
+    restart: int = 0
+    """How many times torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The torchrun environment of this process, or None when it was started without a launcher."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ConfigError(f"incomplete launcher environment: {', '.join(missing)} not set (start with torchrun)")
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise ConfigError(
+            f"launcher environment is not numeric: RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}"
+        ) from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"launcher environment: RANK={rank} outside WORLD_SIZE={world}")
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return LaunchEnv(
+        rank, world, local, env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID", ""), restart
+    )
+
+
+@dataclass(frozen=True)
+class RoleMap:
+    """Which rank does what, and which logical clients each client worker hosts."""
+
+    world_size: int
+    server_ranks: tuple[int, ...]
+    worker_ranks: tuple[int, ...]
+    hosted: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """client-worker rank -> ids of the logical clients it hosts (data shard + θc replica each)."""
+
+    @property
+    def leader(self) -> int:
+        """The client worker that reports v̄ to the server, runs evaluation and sends the metrics rows."""
+        return self.worker_ranks[0]
+
+    def role(self, rank: int) -> str:
+        if rank == 0:
+            return "server"
+        if rank in self.server_ranks:
+            return "server-shard"
+        return "worker"
+
+    def rpc_name(self, rank: int) -> str:
+        return SERVER_NAME if rank == 0 else f"{self.role(rank)}{rank}"
+
+    def label(self, rank: int) -> str:
+        """How log lines name a process: ``[server]``, ``[server-shard 1]``, ``[worker 2]``."""
+        return "server" if rank == 0 else f"{self.role(rank)} {rank}"
+
+    def describe(self) -> str:
+        lines = [
+            f"world size {self.world_size}: {len(self.server_ranks)} server rank(s), "
+            f"{len(self.worker_ranks)} client worker(s)"
+        ]
+        for r in range(self.world_size):
+            if r == 0:
+                what = "RPC front, θs and its optimizer" + (", FSDP shard" if len(self.server_ranks) > 1 else "")
+            elif r in self.server_ranks:
+                what = "FSDP shard of θs, follows rank 0"
+            else:
+                ids = self.hosted[r]
+                what = f"hosts {len(ids)} logical clients {_ids(ids)}" + (" (leader)" if r == self.leader else "")
+            lines.append(f"  rank {r}: {self.role(r):12s} {what}")
+        return "\n".join(lines)
+
+
+def role_map(cfg: Config, world_size: int) -> RoleMap:
+    """Map W ranks onto S server ranks and W-S client workers; refuse a world that does not fit, with the numbers."""
+    s, m = cfg.server.ranks, cfg.clients.total
+    if world_size < s + 1:
+        raise ConfigError(
+            f"world size {world_size} does not fit the roles: server.ranks={s} server rank(s) plus at least one "
+            f"client worker need {s + 1} processes"
+        )
+    workers = tuple(range(s, world_size))
+    if len(workers) > m:
+        raise ConfigError(
+            f"world size {world_size} does not fit the roles: {len(workers)} client workers for clients.total={m} "
+            f"logical clients would leave {len(workers) - m} worker(s) without a client; use at most {s + m} processes"
+        )
+    hosted = {r: tuple(range(i, m, len(workers))) for i, r in enumerate(workers)}
+    return RoleMap(world_size, tuple(range(s)), workers, hosted)
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, ids[:8])) + (", …]" if len(ids) > 8 else "]")
+
+
+def process_device(cfg: Config, env: LaunchEnv) -> torch.device:
+    """job.device for this process: a bare "cuda" means the GPU of this local rank."""
+    dev = torch.device(cfg.job.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
+    return dev
+
+
+@dataclass
+class Distributed:
+    """The live process groups and RPC agent of one process."""
+
+    env: LaunchEnv
+    roles: RoleMap
+    device: torch.device
+    worker_group: dist.ProcessGroup | None
+    """Client workers only: the P-scalar all_reduce and small control reductions."""
+    server_group: dist.ProcessGroup | None
+    """Server ranks only, when server.ranks > 1: FSDP collectives and the call broadcast from rank 0."""
+    rpc_up: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    def store(self) -> dist.Store | None:
+        """The rendezvous key-value store (used to elect the one process that reports a failure)."""
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - best effort: no store means every failing process reports
+            return None
+
+    def shutdown(self, graceful: bool) -> None:
+        """Stop RPC, then the process groups. Graceful waits for every peer (normal end); otherwise leave at once."""
+        if self.rpc_up:
+            self.rpc_up = False
+            try:
+                rpc.shutdown(graceful=graceful)
+            except Exception:  # noqa: BLE001 - peers may already be gone; leaving is all that is left to do
+                if graceful:
+                    raise
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed:
+    """Start the default process group (gloo on CPU, NCCL for CUDA tensors), the role groups and RPC (TensorPipe).
+
+    ``server.rpc_timeout_s`` bounds every wait on a peer: one RPC, one collective, the rendezvous itself.
+    """
+    device = process_device(cfg, env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.server.rpc_timeout_s)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    out = Distributed(env, roles, device, None, None)
+    try:
+        # new_group is collective over the whole world: every rank creates every group, in the same order.
+        workers = dist.new_group(list(roles.worker_ranks), timeout=timeout)
+        servers = dist.new_group(list(roles.server_ranks), timeout=timeout) if len(roles.server_ranks) > 1 else None
+        out.worker_group = workers if env.rank in roles.worker_ranks else None
+        out.server_group = servers if env.rank in roles.server_ranks else None
+        opts = rpc.TensorPipeRpcBackendOptions(
+            rpc_timeout=cfg.server.rpc_timeout_s,
+            # the server holds K submits of a round at once (async, no thread each) plus syncs and reports
+            num_worker_threads=max(16, 4 * len(roles.worker_ranks)),
+        )
+        with warnings.catch_warnings():  # TensorPipe's own device-map exchange uses a deprecated group handle
+            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+            rpc.init_rpc(roles.rpc_name(env.rank), rank=env.rank, world_size=env.world_size, rpc_backend_options=opts)
+        out.rpc_up = True
+    except BaseException:
+        out.shutdown(graceful=False)
+        raise
+    return out

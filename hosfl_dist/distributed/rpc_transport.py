@@ -1,0 +1,218 @@
+"""The distributed transport: client worker -> server over ``torch.distributed.rpc``, worker <-> worker over a
+process group.
+
+:class:`RPCTransport` is the RPC twin of :class:`hosfl_dist.transport.InProcessTransport`: it counts the same
+:class:`~hosfl_dist.comm.WireSpec` of the server method on the same tensors (the call's arguments when they are
+sent, the result's fields when they arrive), so both engines report identical traffic for the same run. Tensors
+are staged to CPU before they cross (TensorPipe needs device maps for CUDA tensors; the server moves them to its
+device itself), and views are compacted so that the bytes on the wire are the bytes counted.
+
+:class:`ProcessGroupCollective` sums among client workers. Both keep :class:`TransportStats` (time blocked in the
+transport), which the benchmark turns into the transport's share of a round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from hosfl_dist.comm import CATEGORIES, CommMeter, WireSpec, count_call, count_result
+from hosfl_dist.distributed.env import SERVER_NAME
+
+
+@dataclasses.dataclass
+class TransportStats:
+    """Time a client worker spent blocked in the transport, and what it moved."""
+
+    rpc_calls: int = 0
+    rpc_wait_s: float = 0.0
+    """Blocked in a synchronous call or in ``wait()`` on an async one (includes the server's compute)."""
+    allreduce_calls: int = 0
+    allreduce_bytes: int = 0
+    """Bytes of the buffers this worker contributed to all_reduce (the K×P scalar matrix per round)."""
+    allreduce_s: float = 0.0
+    """Blocked in all_reduce (includes waiting for the slowest worker)."""
+
+    def copy(self) -> TransportStats:
+        return dataclasses.replace(self)
+
+    def add_delta(self, after: TransportStats, before: TransportStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(after, f.name) - getattr(before, f.name))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+
+
+class _TimedFuture(Future):
+    """A future whose ``wait()`` is added to the worker's blocked time."""
+
+    def __init__(self, stats: TransportStats, lock: threading.Lock) -> None:
+        super().__init__()
+        self._stats, self._lock = stats, lock
+
+    def wait(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().wait()
+        finally:
+            with self._lock:
+                self._stats.rpc_wait_s += time.perf_counter() - start
+
+
+def server_wire_spec(server_cls: type, method: str) -> WireSpec:
+    spec = getattr(getattr(server_cls, method, None), "__wire__", None)
+    if spec is None:
+        raise AttributeError(f"{server_cls.__name__}.{method} is not a server method declared with @wire")
+    return spec
+
+
+def to_wire(obj: Any) -> Any:
+    """A copy of ``obj`` safe to send: tensors on CPU, detached and compact (a view would ship its whole storage)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type != "cpu":
+            return t.cpu()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return t.clone(memory_format=torch.contiguous_format)
+        return t
+    if isinstance(obj, Mapping):
+        return {k: to_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_wire(v) for v in obj)
+    return obj
+
+
+class RPCTransport:
+    """Calls into the server front on rank 0 through the RRef it published, counted like the in-process transport."""
+
+    def __init__(
+        self, front: rpc.RRef, server_cls: type, meter: CommMeter, timeout_s: float, stats: TransportStats
+    ) -> None:
+        self.front = front
+        self.server_cls = server_cls
+        self.meter = meter
+        self.timeout_s = timeout_s
+        self.stats = stats
+        self._lock = threading.Lock()
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        return self.call_async(method, **kwargs).wait()
+
+    def call_async(self, method: str, **kwargs: Any) -> Future:
+        spec = server_wire_spec(self.server_cls, method)
+        count_call(self.meter, spec, kwargs)
+        sent = rpc.rpc_async(SERVER_NAME, serve, args=(self.front, method, to_wire(kwargs)), timeout=self.timeout_s)
+        out = _TimedFuture(self.stats, self._lock)
+        with self._lock:
+            self.stats.rpc_calls += 1
+
+        def arrived(f: Future) -> None:
+            try:
+                value = f.value()
+                count_result(self.meter, spec, value)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                out.set_exception(exc)
+                return
+            out.set_result(value)
+
+        sent.add_done_callback(arrived)
+        return out
+
+    def report(self, kind: str, **payload: Any) -> None:
+        """Runtime bookkeeping for the server (metrics rows, end of run, failures); never counted as traffic."""
+        rpc.rpc_sync(SERVER_NAME, report, args=(self.front, kind, payload), timeout=self.timeout_s)
+
+
+class ProcessGroupCollective:
+    """Sums among the client workers over their own process group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: dist.ProcessGroup, is_leader: bool, device: torch.device, stats: TransportStats) -> None:
+        self.group = group
+        self._leader = is_leader
+        # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.stats = stats
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leader
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        buf = t.detach().to(self.device, copy=True)
+        start = time.perf_counter()
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+        self.stats.allreduce_s += time.perf_counter() - start
+        self.stats.allreduce_calls += 1
+        self.stats.allreduce_bytes += buf.numel() * buf.element_size()
+        return buf.to(t.device)
+
+    def sum_counts(self, counts: Mapping[str, int]) -> dict[str, int]:
+        """Per-category byte counters summed over workers (int64: exact), for metrics rows and the summary."""
+        vec = torch.tensor([int(counts.get(c, 0)) for c in CATEGORIES], dtype=torch.int64, device=self.device)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.group)
+        return dict(zip(CATEGORIES, vec.tolist()))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every worker's ``obj``, in worker-rank order (small picklable values: digests, stats)."""
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        # an all_reduce rather than dist.barrier: it works the same on gloo and NCCL, without a device guess
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RPC entry points, executed on rank 0. They find the server front through the RRef the client holds.
+
+_PUBLISHED: Future = Future()
+"""Completes with the RRef of this process's server front once rank 0 has built it."""
+
+
+def publish(front: object) -> rpc.RRef:
+    """Make ``front`` reachable: workers block in :func:`fetch_front` until this runs (rank 0 only)."""
+    ref = rpc.RRef(front)
+    _PUBLISHED.set_result(ref)
+    return ref
+
+
+@rpc.functions.async_execution
+def _published_front() -> Future:
+    return _PUBLISHED
+
+
+def fetch_front(timeout_s: float) -> rpc.RRef:
+    """The RRef of the server front, waiting (up to ``timeout_s``) until rank 0 has built the server."""
+    return rpc.rpc_sync(SERVER_NAME, _published_front, timeout=timeout_s)
+
+
+@rpc.functions.async_execution
+def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
+    """A @wire server method, answered with a future (``submit`` completes only when its round has run)."""
+    return front.local_value().serve(method, kwargs)
+
+
+def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> None:
+    front.local_value().report(kind, payload)
+
+
+def _note_failure(message: str) -> None:
+    if _PUBLISHED.done():
+        _PUBLISHED.value().local_value().fail(message)
+
+
+def notify_failure(message: str, timeout_s: float = 5.0) -> None:
+    """Tell the server front that this process failed (best effort: the server may be the one that is gone)."""
+    with contextlib.suppress(Exception):  # the launcher stops the job anyway; this only improves summary.json
+        rpc.rpc_sync(SERVER_NAME, _note_failure, args=(message,), timeout=timeout_s)

@@ -1,0 +1,70 @@
+"""Sweep a grid of overrides over seeds (ablations: P, μ, cut layer, ...) and report it like a comparison.
+
+    python -m hosfl_dist.experiments.sweep --config configs/paper/table3/cifar10_iid.yaml \\
+        --grid zo.num_perturbations=1,5,10 --seeds 0,1,2 --out results/ablation_P
+
+Several --grid options make their cartesian product (e.g. --grid zo.mu=1e-4,1e-3 --grid split.cut=1,2). Each grid
+point is one row of table.md / table.json and one curve of the plot, labelled by its overrides; runs go to
+--out/runs/<label>/seed<k>/ and finished ones are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.experiments.cli import parser, run_experiment
+from hosfl_dist.experiments.runs import RunSpec, parse_list, safe_name
+
+PROG = "hosfl_dist.experiments.sweep"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(PROG, __doc__)
+    p.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2,...",
+        help="a swept key and its values (repeatable: the product of all grids is run)",
+    )
+    return p.parse_args(argv)
+
+
+def grid_points(grids: list[str]) -> list[list[str]]:
+    """["a=1,2", "b=x"] -> [["a=1", "b=x"], ["a=2", "b=x"]]."""
+    axes = []
+    for g in grids:
+        key, sep, values = g.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--grid {g!r} is not of the form section.key=v1,v2,...")
+        axes.append([f"{key.strip()}={v}" for v in parse_list(values, f"--grid {key}")])
+    keys = [a[0].split("=")[0] for a in axes]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--grid names a key twice: {keys}")
+    return [list(p) for p in itertools.product(*axes)]
+
+
+def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict[str, Any]]:
+    seeds = parse_list(args.seeds, "--seeds", int)
+    out = Path(args.out)
+    specs = {}
+    for point in grid_points(args.grid):
+        name = ",".join(point)
+        specs[name] = [
+            RunSpec(name, s, [*args.sets, *point], out / "runs" / safe_name(name) / f"seed{s}") for s in seeds
+        ]
+    title = args.title or f"{Path(args.config).stem}: sweep of {', '.join(args.grid)}"
+    return specs, title, {"grid": args.grid}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_experiment(PROG, parse_args(argv), argv, build)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The distributed runtime on this machine: torchrun with c10d rendezvous on a free port (the rendezvous the Slurm
+# script uses across nodes); rank 0 is the server, the other ranks are client workers. Extra arguments are passed on
+# as overrides, e.g. `NPROC=4 bash launch/torchrun.sh zo.overlap=true`.
+#   NPROC          processes (1 server + NPROC-1 client workers, or server.ranks servers)  [3]
+#   CONFIG         YAML config                                                            [configs/quickstart.yaml]
+#   VENV           virtual environment with torch and hosfl_dist                         [.venv, else python3 on PATH]
+#   TORCHRUN_ARGS  extra torchrun options, word-split, e.g. "--max-restarts=0"           [empty]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NPROC=${NPROC:-3}
+CONFIG=${CONFIG:-configs/quickstart.yaml}
+VENV=${VENV:-.venv}
+PYTHON=python3
+[ -x "$VENV/bin/python" ] && PYTHON="$VENV/bin/python"
+# shellcheck disable=SC2206  # TORCHRUN_ARGS is deliberately word-split
+exec "$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
+  --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="hosfl-$$" ${TORCHRUN_ARGS:-} \
+  -m hosfl_dist.run --config "$CONFIG" "$@"

