@@ -61,7 +61,7 @@ class TensorwiseOptimizer:
         v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
         bias1 = 1.0 - c.beta1**self.steps
         bias2 = 1.0 - c.beta2**self.steps
-        denom = (v.sqrt() / math.sqrt(bias2)).add_(c.eps)
+        denom = v.sqrt().div_(math.sqrt(bias2)).add_(c.eps)  # one θ-sized temporary; same kernels as sqrt()/x
         p.addcdiv_(m, denom, value=-c.lr / bias1)
 
     def _sgd(self, i: int, p: Tensor, g: Tensor) -> None:

@@ -53,6 +53,12 @@ def noise_like(param: Tensor, seed: int, index: int, rng_device: str | torch.dev
     return u.to(device=param.device, dtype=param.dtype)
 
 
+def perturbed_tensor(param: Tensor, seed: int, index: int, mu: float, rng_device: str | torch.device = "cpu") -> Tensor:
+    """θ_i + μ·u_i as one new tensor: the fresh noise is scaled and shifted in place, so no other θ-sized buffer is
+    alive at the same time. Bit-identical to ``param + mu * noise_like(...)`` (same multiply, and a + b == b + a)."""
+    return noise_like(param, seed, index, rng_device).mul_(mu).add_(param)
+
+
 def trainable_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """(owner module, parameter name) for every trainable parameter, in ``named_parameters`` order.
 
@@ -89,7 +95,7 @@ def perturbed(
         try:
             with torch.no_grad():
                 for i, ((mod, name), p) in enumerate(zip(slots, originals)):
-                    mod._parameters[name] = p + mu * noise_like(p, seed, i, rng_device)
+                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device)
             yield
         finally:
             for (mod, name), p in zip(slots, originals):
@@ -111,7 +117,7 @@ def perturbed(
         saved[id(mod)] = [mod._parameters[name] for _, name in entries]
         with torch.no_grad():
             for (i, name), p in zip(entries, saved[id(mod)]):
-                mod._parameters[name] = p + mu * noise_like(p, seed, i, rng_device)
+                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device)
                 seen.add(i)
 
     def post_hook(mod: nn.Module, args: object, out: object) -> None:
@@ -139,9 +145,19 @@ def perturbed(
         )
 
 
+PROJECT_CHUNK = 1 << 16
+"""Elements per float64 slice of the projection: the float64 copies of λ and z̃ − z never exceed this size, so a
+projection needs ~1.3 MB of scratch instead of five z-sized buffers (tensors up to this size take one dot, as before)."""
+
+
 def project(lam: Tensor, z_tilde: Tensor, z: Tensor) -> Tensor:
-    """v_p = λᵀ(z̃_p − z)  (Eq. 13), summed over the batch, accumulated in float64."""
-    return torch.dot(lam.reshape(-1).double(), (z_tilde - z).reshape(-1).double())
+    """v_p = λᵀ(z̃_p − z)  (Eq. 13), summed over the batch, accumulated in float64 slice by slice."""
+    lam, z_tilde, z = lam.reshape(-1), z_tilde.reshape(-1), z.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=lam.device)
+    for s in range(0, lam.numel(), PROJECT_CHUNK):
+        e = s + PROJECT_CHUNK
+        total += torch.dot(lam[s:e].double(), (z_tilde[s:e] - z[s:e]).double())
+    return total
 
 
 def scalar_coefficients(scalars: Sequence[float] | Tensor, mu: float) -> list[float]:

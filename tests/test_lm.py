@@ -271,3 +271,17 @@ def test_offline_smollm2_config_builds(capsys):
     built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
     assert built["client_trainable_params"] == 5 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8)  # q_proj, v_proj
     assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
+
+
+def test_centralized_lora_reference_trains_the_same_split(tmp_path, text_files, capsys):
+    """bench/centralized_lora.py: first-order LoRA on the same model/data; its metrics rows follow the run's."""
+    spec = importlib.util.spec_from_file_location("centralized_lora", ROOT / "bench" / "centralized_lora.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    overrides = [o for o in lm_overrides(tmp_path, text_files) if not o.startswith("model.name")]
+    assert bench.main(["--config", str(ROOT / "configs" / "smollm2_sentiment.yaml"), "model.name=hf", *overrides]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["processed_samples"] for r in rows] == [0, 8, 16]
+    assert rows[0]["train_loss"] is None and rows[-1]["train_loss"] > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["samples_per_step"] == 8 and summary["steps"] == 2

@@ -193,6 +193,9 @@ class ProfileSpec:
     """GGUF file inside the model directory / package (default: the only .gguf file there)."""
     seed: int = 0
     """Weights, batch and stand-in values derive from it."""
+    overlap: bool = False
+    """hosfl: latency hiding (zo.overlap): the P perturbed forwards run before λ arrives, as HOSFLWorker does then;
+    False (the config default): λ is received first. The worker keeps the P z̃ either way."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -489,8 +492,12 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
             worker.bind(rep.params)
             with torch.no_grad():
                 act = worker.client_forward(x)  # z_m (Eq. 1), uploaded with y_m
-            lam = mocker.gradient(act["z"])  # λ_m (Eq. 11)
-            z_tilde = worker.zo_activations(x, seeds)  # z̃_p (Eq. 12)
+            if spec.overlap:  # §3.4: the perturbed forwards run while z is in flight
+                z_tilde = worker.zo_activations(x, seeds)  # z̃_p (Eq. 12)
+                lam = mocker.gradient(act["z"])  # λ_m (Eq. 11)
+            else:
+                lam = mocker.gradient(act["z"])
+                z_tilde = worker.zo_activations(x, seeds)
             v = torch.stack([project(lam, zt, act["z"]) for zt in z_tilde]).float()  # v_p (Eq. 13)
             worker.apply_update(rep, seeds, v)  # K = 1: v̄ = v; ĝ_c regenerated tensor by tensor (Eq. 15-16)
 
@@ -610,6 +617,7 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path) -> list[
         spec.gguf_file,
         "--seed",
         str(spec.seed),
+        "--overlap" if spec.overlap else "--no-overlap",
         "--steps",
         str(steps),
         "--modes",
@@ -720,6 +728,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--gguf", default="", help="GGUF file name inside the model directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--overlap", action=argparse.BooleanOptionalAction, default=False, help="hosfl: perturbed forwards before λ"
+    )
     p.add_argument("--steps", type=int, default=1, help="client steps measured per mode (peak over them)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
@@ -747,6 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             gguf_file=args.gguf,
             seed=args.seed,
+            overlap=args.overlap,
         )
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if args.steps < 1:
