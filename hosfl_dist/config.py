@@ -52,7 +52,7 @@ class AlgorithmConfig:
     server_update_interval: int = 5
     """FSL-SAGE: client steps between server updates (paper: 5)."""
     align_interval: int = 1
-    """FSL-SAGE: server updates between auxiliary-model alignments (paper: 1)."""
+    """FSL-SAGE: rounds between auxiliary-model alignments (paper: 1; counted in rounds as in its reference code)."""
     server_steps: int = 2
     """MU-SplitFed τ: server updates per client update (paper: 2)."""
     global_lr: float = 0.3

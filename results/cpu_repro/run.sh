@@ -10,3 +10,14 @@ for part in iid dirichlet; do
     --title "CPU repro: CIFAR-10 (8k offline images), small CNN, ${part}, 40k samples" \
     --out "results/cpu_repro/${part}"
 done
+
+# Traffic in the paper's own geometry (ResNet-18 cut after stage 2, 32x32 inputs, batch 32, 500 samples per client so
+# E=1 is 16 steps, K=10): 5,120 samples, i.e. one SFL round; every round of the 160k-sample run is the same, so the
+# 160k totals are these x 31.25 (accuracy after 5k samples of a randomly initialised ResNet is meaningless here).
+"$PY" -m hosfl_dist.experiments.compare --config configs/paper/table3/cifar10_iid.yaml \
+  --methods hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed --seeds 0 --jobs 2 --threads 1 \
+  --set data.name=cifar10_npz --set job.device=cpu --set clients.total=16 --set clients.per_round=10 \
+  --set train.budget_samples=5120 --set train.eval_every_samples=100000 --set data.eval_max_samples=100 \
+  --set data.augment=false \
+  --title "Paper geometry (ResNet-18 cut 2, 500 samples/client, K=10): traffic of 5,120 samples" \
+  --out results/cpu_repro/paper_geometry_traffic
