@@ -7,10 +7,8 @@ gives the same result whether one worker hosts all clients or two workers host h
 
 from __future__ import annotations
 
-import json
 import math
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.optim import tensors_digest
 from hosfl_dist.transport import InProcessTransport, LocalCollective
 from hosfl_dist.zo import noise_like, trainable_slots
+from tiny import run_in_process
 
 BASELINES = ("sfl", "fsl_sage", "zo_sfl", "mu_splitfed")
 SGD = ["clients.optim.name=sgd", "server.optim.name=sgd", "clients.optim.weight_decay=0", "server.optim.weight_decay=0"]
@@ -51,12 +50,7 @@ def small(tmp_path):
     ]
 
 
-def run(overrides):
-    cfg = load_config(None, overrides)
-    engine = InProcessEngine(cfg)
-    summary = engine.run()
-    rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
-    return cfg, engine, summary, rows
+run = run_in_process
 
 
 def one_step(small, alg, clients=1, extra=()):

@@ -33,26 +33,11 @@ from hosfl_dist.distributed.front import ServerFront
 from hosfl_dist.engine import InProcessEngine
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import build_split_model
+from tiny import TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
-TINY = [
-    "data.name=synthetic",
-    "model.name=small_cnn",
-    "model.width=4",
-    "split.cut=1",
-    "clients.total=6",
-    "clients.per_round=3",
-    "clients.batch_size=8",
-    "zo.num_perturbations=3",
-    "clients.optim.lr=1e-2",
-    "server.optim.lr=1e-2",
-    "train.budget_samples=240",
-    "train.eval_every_samples=120",
-    "train.eval_batch_size=250",
-    "server.rpc_timeout_s=60",
-    "job.progress=false",
-]
+TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60"]
 
 
 # ------------------------------------------------------------------------------------------------------------------

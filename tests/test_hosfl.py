@@ -12,19 +12,14 @@ from hosfl_dist.algorithms.base import sample_clients
 from hosfl_dist.algorithms.hosfl import HOSFLServer, SeedScalarHistory
 from hosfl_dist.comm import CommMeter
 from hosfl_dist.config import OptimConfig, load_config
-from hosfl_dist.engine import InProcessEngine
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.optim import TensorwiseOptimizer, tensors_digest
 from hosfl_dist.transport import InProcessTransport
 from hosfl_dist.zo import reconstruct, round_seeds, scalar_coefficients
+from tiny import run_in_process
 
 
-def run(overrides):
-    cfg = load_config(None, overrides)
-    engine = InProcessEngine(cfg)
-    summary = engine.run()
-    rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
-    return cfg, engine, summary, rows
+run = run_in_process
 
 
 def test_stale_replica_replaying_50_rounds_is_bit_identical_adamw():

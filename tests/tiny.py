@@ -1,0 +1,36 @@
+"""The tiny synthetic-data run that the in-process, baseline and distributed tests share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.config import Config, load_config
+from hosfl_dist.engine import InProcessEngine
+
+TINY_OVERRIDES = [
+    "data.name=synthetic",
+    "model.name=small_cnn",
+    "model.width=4",
+    "split.cut=1",
+    "clients.total=6",
+    "clients.per_round=3",
+    "clients.batch_size=8",
+    "zo.num_perturbations=3",
+    "clients.optim.lr=1e-2",
+    "server.optim.lr=1e-2",
+    "train.budget_samples=240",
+    "train.eval_every_samples=120",
+    "train.eval_batch_size=250",
+    "job.progress=false",
+]
+
+
+def run_in_process(overrides: list[str]) -> tuple[Config, InProcessEngine, dict[str, Any], list[dict[str, Any]]]:
+    """Train with the in-process engine; return (config, engine, summary, metrics rows)."""
+    cfg = load_config(None, overrides)
+    engine = InProcessEngine(cfg)
+    summary = engine.run()
+    rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
+    return cfg, engine, summary, rows
