@@ -138,6 +138,10 @@ class InProcessEngine:
         self.meter = CommMeter()
         self.server: ServerBase = server_cls(cfg, self.split)
         transport = InProcessTransport(self.server, self.meter)
+        if cfg.comm.inject_delay:  # emulate the client-server link (App. C.1) to measure latency hiding
+            from hosfl_dist.measure.link import DelayedTransport, Link
+
+            transport = DelayedTransport(transport, Link.from_config(cfg.comm))
         hosted = range(cfg.clients.total)
         self.worker: WorkerBase = worker_cls(cfg, self.split, self.data, hosted, transport, LocalCollective())
 

@@ -147,7 +147,7 @@ def perturbed(
 
 PROJECT_CHUNK = 1 << 16
 """Elements per float64 slice of the projection: the float64 copies of λ and z̃ − z never exceed this size, so a
-projection needs ~1.3 MB of scratch instead of five z-sized buffers (tensors up to this size take one dot, as before)."""
+projection needs ~1.3 MB of scratch instead of five z-sized buffers (up to this size it is one dot, as before)."""
 
 
 def project(lam: Tensor, z_tilde: Tensor, z: Tensor) -> Tensor:

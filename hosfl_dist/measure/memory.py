@@ -258,25 +258,38 @@ def _resolve_lm_source(spec: ProfileSpec) -> tuple[str, str | None]:
     return src, gguf
 
 
-_LM_CACHE: dict[tuple, nn.Module] = {}
+_LM_CACHE: dict[tuple, nn.Module] | None = None
+"""Loaded LMs kept while several modes are profiled in one process (see :func:`_lm_cache`); None: no cache."""
+
+
+@contextlib.contextmanager
+def _lm_cache() -> Iterator[None]:
+    """Load each LM once for the modes profiled inside (a cached copy stays in memory, so no RSS figures then)."""
+    global _LM_CACHE
+    _LM_CACHE = {}
+    try:
+        yield
+    finally:
+        _LM_CACHE = None
 
 
 def _load_lm(spec: ProfileSpec) -> nn.Module:
-    """The full causal LM (cached per process; callers get a deep copy they may cut or adapt)."""
-    from hosfl_dist.models.hf_split import load_causal_lm
+    """The full causal LM, loaded afresh (or a deep copy of the cached one inside :func:`_lm_cache`)."""
+    from hosfl_dist.models.hf_split import load_causal_lm, tiny_causal_lm
 
-    key = (spec.model, spec.gguf_file, spec.dtype)
-    if key not in _LM_CACHE:
-        src, gguf = _resolve_lm_source(spec)
-        if src.startswith("tiny:"):
-            from hosfl_dist.models.hf_split import tiny_causal_lm
-
-            model = tiny_causal_lm(src.removeprefix("tiny:"), seed=spec.seed).to(DTYPES[spec.dtype])
-        else:
-            model, _ = load_causal_lm(src, gguf_file=gguf, dtype=DTYPES[spec.dtype], local_files_only=True)
-        _LM_CACHE.clear()
-        _LM_CACHE[key] = model
-    return copy.deepcopy(_LM_CACHE[key])
+    key = (spec.model, spec.gguf_file, spec.dtype, spec.seed)
+    if _LM_CACHE is not None and key in _LM_CACHE:
+        return copy.deepcopy(_LM_CACHE[key])
+    src, gguf = _resolve_lm_source(spec)
+    if src.startswith("tiny:"):
+        model = tiny_causal_lm(src.removeprefix("tiny:"), seed=spec.seed).to(DTYPES[spec.dtype])
+    else:
+        model, _ = load_causal_lm(src, gguf_file=gguf, dtype=DTYPES[spec.dtype], local_files_only=True)
+    if _LM_CACHE is None:
+        return model
+    _LM_CACHE.clear()
+    _LM_CACHE[key] = model
+    return copy.deepcopy(model)
 
 
 def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
@@ -315,13 +328,13 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
     if whole:
         if spec.lora:
             apply_lora(model, targets, lora.r, lora.alpha, lora.dropout, seed=spec.seed)
-        model = model.to(device)
+        full = model.to(device)
 
         def lm_loss(inp: dict[str, Tensor]) -> Tensor:
-            logits = model(**inp).logits  # (B, T, V)
+            logits = full(**inp).logits  # (B, T, V)
             return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
-        return Setup(model, inputs, ids, lm_loss)
+        return Setup(full, inputs, ids, lm_loss)
     client, server = split_causal_lm(model, spec.cut)
     del model, server  # the client keeps only its blocks; the rest is freed here
     if spec.lora:
@@ -341,6 +354,9 @@ class Mocker:
     def gradient(self, z: Tensor) -> Tensor:
         """λ_m = ∂ℓ/∂z_m: same shape, dtype and device as z."""
         return torch.randn(z.shape, generator=self.gen, dtype=z.dtype).to(z.device)
+
+    def receive(self, act: dict[str, Tensor]) -> None:
+        """Inference: the activation is uploaded and nothing comes back."""
 
     def loss(self, z: Tensor) -> float:
         """ZO-SFL: the loss scalar the server returns for one uploaded activation."""
@@ -375,7 +391,9 @@ def _worker_config(spec: ProfileSpec) -> Any:
 
     return build_config(
         {
-            "model": {"name": spec.model if not spec.is_lm else "hf"},
+            # Only the zo/clients sections matter to the worker; model and data just have to be a valid pair.
+            "model": {"name": "hf", "source": spec.model} if spec.is_lm else {"name": spec.model},
+            "data": {"name": "sst2" if spec.is_lm else "synthetic"},
             "split": {"cut": spec.cut},
             "zo": {"num_perturbations": spec.P, "mu": spec.mu, "perturb_mode": "hooks"},
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
@@ -383,6 +401,21 @@ def _worker_config(spec: ProfileSpec) -> Any:
             "job": {"seed": spec.seed, "device": spec.device, "progress": False},
         }
     )
+
+
+def standin_worker(spec: ProfileSpec, setup: Setup) -> Any:
+    """An HOSFLWorker hosting one client whose server is the stand-in, with its optimizer state allocated.
+
+    Its ``client_forward``, ``zo_activations`` and ``apply_update`` are the code a real client runs.
+    """
+    from hosfl_dist.algorithms.hosfl import HOSFLWorker
+    from hosfl_dist.models import ClassificationTask, SplitModel
+
+    split = SplitModel(setup.module, nn.Identity(), ClassificationTask())
+    worker = HOSFLWorker(_worker_config(spec), split, None, [0], _StandInTransport(), _NoPeers())
+    rep = worker.replicas[0]
+    rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
+    return worker
 
 
 @dataclass
@@ -458,7 +491,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
         def inference_step() -> None:
             with torch.no_grad():
                 act = split.client_forward(x)
-            mocker.loss(act["z"])  # uploaded; the stand-in answers without touching it
+            mocker.receive(act)  # uploaded
 
         return ModeStep(inference_step, [*_module_tensors(module), *_flat(x)], module, [], [], act_bytes)
 
@@ -475,14 +508,12 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
 
         return ModeStep(sfl_step, [*_module_tensors(module), *state, *_flat(x)], module, trainable, state, act_bytes)
 
-    from hosfl_dist.algorithms.hosfl import HOSFLWorker
     from hosfl_dist.optim import TensorwiseOptimizer
     from hosfl_dist.zo import perturbed, project, reconstruct, round_seeds, trainable_slots
 
     if mode == "hosfl":
-        worker = HOSFLWorker(_worker_config(spec), split, None, [0], _StandInTransport(), _NoPeers())
+        worker = standin_worker(spec, setup)
         rep = worker.replicas[0]
-        rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
         state = rep.opt.state_tensors()
         rounds = iter(range(1, 1 << 62))
 
@@ -627,29 +658,28 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path) -> list[
     ]
 
 
-def profile(
-    spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1
-) -> dict[str, Any]:
+def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1) -> dict[str, Any]:
     """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios."""
     for m in modes:
         if m not in MODES:
             raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     results = {}
-    for mode in modes:
-        if isolate:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "mode.json"
-                proc = subprocess.run(_child_command(spec, mode, steps, path), capture_output=True, text=True)
-                if proc.returncode != 0:
-                    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                    raise RuntimeError(f"profiling mode {mode} failed: {tail}")
-                results[mode] = json.loads(path.read_text())
-        else:
-            results[mode] = profile_mode(spec, mode, steps)
-            gc.collect()
+    with contextlib.nullcontext() if isolate else _lm_cache():
+        for mode in modes:
+            if isolate:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "mode.json"
+                    proc = subprocess.run(_child_command(spec, mode, steps, path), capture_output=True, text=True)
+                    if proc.returncode != 0:
+                        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                        raise RuntimeError(f"profiling mode {mode} failed: {tail}")
+                    results[mode] = json.loads(path.read_text())
+            else:
+                results[mode] = profile_mode(spec, mode, steps)
+                gc.collect()
     ref = results.get("inference", {}).get("peak_bytes")
     ratios = {m: r["peak_bytes"] / ref for m, r in results.items()} if ref else {}
-    rss_ref = results.get("inference", {}).get("rss_peak_bytes")
+    rss_ref = results.get("inference", {}).get("rss_peak_bytes") if isolate else None
     rss_ratios = (
         {m: r["rss_peak_bytes"] / rss_ref for m, r in results.items() if r.get("rss_peak_bytes")} if rss_ref else {}
     )
@@ -697,10 +727,12 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     ratios = report.get("ratio_to_inference", {})
     for i, m in enumerate(modes):
-        text = f"{bottom[i]:.1f} MB" + (f"\n×{ratios[m]:.2f}" if m in ratios else "")
+        text = f"{bottom[i]:.1f} MiB" + (f"\n×{ratios[m]:.2f}" if m in ratios else "")
         ax.text(i, bottom[i], text, ha="center", va="bottom", fontsize=8)
     s = report["spec"]
-    what = f"{s['model']}, cut {s['cut']}, batch {s['batch']}" + (f", seq {s['seq']}" if s["model"] not in VISION_INPUTS else "")
+    what = f"{s['model']}, cut {s['cut']}, batch {s['batch']}"
+    if s["model"] not in VISION_INPUTS:
+        what += f", seq {s['seq']}" + ("" if s["lora"] else ", full fine-tuning")
     ax.set(ylabel="client peak memory (MiB, tensor count)", title=f"Client peak memory: {what}, P={s['P']}")
     ax.set_ylim(top=max(bottom) * 1.2)
     ax.legend(fontsize=8, loc="upper left")

@@ -1,0 +1,220 @@
+"""An emulated client-server link: a transport wrapper that delays every message by its link time.
+
+Each message pays the one-way delay of the App. C.1 link model (:func:`hosfl_dist.measure.latency.link_delay_s`):
+``bytes · 8 / bandwidth + RTT/2``, on the uplink for the call's tensors (client → server) and on the downlink for
+the result's tensors (server → client). Messages on one direction of one client's link are serialised in order: a
+message starts when the previous one has left the sender (FIFO), so a burst pays its bytes back to back, as on a
+real link. Per client means per ``client=`` argument of the call; calls without one (plan, finish_round, eval)
+use the worker's own link.
+
+Delays are asynchronous, which is the point: ``call_async`` returns at once and the caller keeps computing while
+its message is "in flight". A network thread fires each message at its arrival time; a server thread runs the
+server's methods in arrival order (the server is another machine, so its forward/backward runs beside the
+client's work, not in its thread); the result travels back and completes the caller's future. Nothing but the
+timing changes: the server sees the same calls in the same order per client, so results are identical with and
+without the link (tested).
+
+    transport = DelayedTransport(InProcessTransport(server, meter), Link.from_config(cfg.comm))
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.futures import Future
+
+from hosfl_dist.comm import CommMeter, payload_bytes
+from hosfl_dist.config import CommConfig
+from hosfl_dist.measure.latency import link_delay_s
+from hosfl_dist.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bandwidths and RTT of a client's link (defaults: the 5G setting of App. C.1)."""
+
+    uplink_mbps: float = 30.0
+    downlink_mbps: float = 200.0
+    rtt_ms: float = 30.0
+
+    @classmethod
+    def from_config(cls, comm: CommConfig) -> Link:
+        return cls(comm.uplink_mbps, comm.downlink_mbps, comm.rtt_ms)
+
+    def uplink_s(self, nbytes: int) -> float:
+        """One-way delay of an idle uplink for a message of ``nbytes``."""
+        return link_delay_s(nbytes, self.uplink_mbps, self.rtt_ms)
+
+    def downlink_s(self, nbytes: int) -> float:
+        return link_delay_s(nbytes, self.downlink_mbps, self.rtt_ms)
+
+
+@dataclass
+class LinkQueue:
+    """One direction of one link: a message leaves the sender after the previous one did (FIFO serialisation)."""
+
+    mbps: float
+    rtt_ms: float
+    free_at: float = 0.0
+    """When the sender's side of the link is free again (the previous message's last bit has left)."""
+
+    def arrival(self, now: float, nbytes: int) -> float:
+        """Arrival time of a message of ``nbytes`` handed to the link at ``now``."""
+        start = max(now, self.free_at)
+        self.free_at = start + link_delay_s(nbytes, self.mbps, 0.0)
+        return start + link_delay_s(nbytes, self.mbps, self.rtt_ms)
+
+
+class _Scheduler:
+    """Runs callbacks at given times, in (time, submission) order, on one thread that exits when idle."""
+
+    def __init__(self, name: str, clock: Callable[[], float], idle_s: float = 0.5) -> None:
+        self.name, self.clock, self.idle_s = name, clock, idle_s
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def at(self, due: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the emulated link was closed")
+            heapq.heappush(self._heap, (due, next(self._seq), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        self._thread = None
+                        return
+                    if self._heap:
+                        wait = self._heap[0][0] - self.clock()
+                        if wait <= 0:
+                            _, _, fn = heapq.heappop(self._heap)
+                            break
+                        self._cond.wait(wait)
+                    elif not self._cond.wait(self.idle_s) and not self._heap:
+                        self._thread = None  # idle: a later at() starts a new thread
+                        return
+            try:
+                fn()
+            except Exception:  # a callback must not take the link down with it
+                logger.exception("%s: a callback failed", self.name)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@dataclass
+class LinkStats:
+    """What the link carried and the delays it injected (seconds summed over messages, queueing included)."""
+
+    messages: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    uplink_s: float = 0.0
+    downlink_s: float = 0.0
+    by_method: dict[str, int] = field(default_factory=dict)
+    late_s: float = 0.0
+    """Summed lateness of deliveries and answers against their scheduled times (thread wake-up and GIL waits)."""
+    trace: list[dict[str, Any]] | None = None
+    """Per message (with ``DelayedTransport(trace=True)``): method, sent, arrive, served, done, back, answered."""
+
+
+class DelayedTransport:
+    """Wraps a transport (in-process or RPC) so that every call pays its link time, asynchronously."""
+
+    def __init__(
+        self, inner: Transport, link: Link, clock: Callable[[], float] = time.perf_counter, trace: bool = False
+    ) -> None:
+        self.inner = inner
+        self.meter: CommMeter = inner.meter
+        self.link = link
+        self.clock = clock
+        self.stats = LinkStats(trace=[] if trace else None)
+        self._lock = threading.Lock()
+        self._up: dict[Any, LinkQueue] = {}
+        self._down: dict[Any, LinkQueue] = {}
+        self._network = _Scheduler("link-network", clock)
+        self._server = _Scheduler("link-server", clock)
+
+    def _queue(self, queues: dict[Any, LinkQueue], key: Any, mbps: float) -> LinkQueue:
+        if key not in queues:
+            queues[key] = LinkQueue(mbps, self.link.rtt_ms)
+        return queues[key]
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        return self.call_async(method, **kwargs).wait()
+
+    def call_async(self, method: str, **kwargs: Any) -> Future:
+        """Send the call now; the server runs it when it arrives; the future completes when the answer is back."""
+        key = kwargs.get("client", "worker")
+        nbytes = payload_bytes(kwargs)
+        now = self.clock()
+        with self._lock:
+            arrive = self._queue(self._up, key, self.link.uplink_mbps).arrival(now, nbytes)
+            self.stats.messages += 1
+            self.stats.uplink_bytes += nbytes
+            self.stats.uplink_s += arrive - now
+            self.stats.by_method[method] = self.stats.by_method.get(method, 0) + 1
+        out: Future = Future()
+        rec: dict[str, Any] = {"method": method, "sent": now, "arrive": arrive}
+        if self.stats.trace is not None:
+            with self._lock:
+                self.stats.trace.append(rec)
+
+        def answered(value: Any) -> None:  # on the network thread, at the answer's arrival
+            rec["answered"] = self.clock()
+            with self._lock:
+                self.stats.late_s += rec["answered"] - rec["back"]
+            out.set_result(value)
+
+        def answer(f: Future) -> None:
+            try:
+                value = f.value()
+            except Exception as exc:  # noqa: BLE001 - the caller's wait() re-raises it
+                out.set_exception(exc)
+                return
+            size = payload_bytes(value)
+            sent = rec["done"] = self.clock()
+            with self._lock:
+                back = rec["back"] = self._queue(self._down, key, self.link.downlink_mbps).arrival(sent, size)
+                self.stats.downlink_bytes += size
+                self.stats.downlink_s += back - sent
+            self._network.at(back, lambda: answered(value))
+
+        def deliver() -> None:  # on the server thread, in arrival order
+            rec["served"] = self.clock()
+            with self._lock:
+                self.stats.late_s += rec["served"] - arrive
+            try:
+                fut = self.inner.call_async(method, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the server refused the call: the caller sees why
+                out.set_exception(exc)
+                return
+            fut.add_done_callback(answer)
+
+        self._network.at(arrive, lambda: self._server.at(self.clock(), deliver))
+        return out
+
+    def close(self) -> None:
+        """Stop the link's threads (they also stop by themselves when idle)."""
+        self._network.close()
+        self._server.close()

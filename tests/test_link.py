@@ -1,0 +1,108 @@
+"""The emulated link (hosfl_dist.measure.link): delay math by hand, asynchronous delivery, unchanged results."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosfl_dist.comm import DOWNLINK_GRADIENTS, UPLINK_ACTIVATIONS, CommMeter, wire
+from hosfl_dist.config import load_config
+from hosfl_dist.engine import InProcessEngine
+from hosfl_dist.measure.link import DelayedTransport, Link, LinkQueue
+from hosfl_dist.transport import InProcessTransport
+
+
+def test_link_queue_is_serialisation_plus_half_rtt_and_fifo():
+    q = LinkQueue(mbps=8.0, rtt_ms=20.0)  # 1 MB = 8 Mbit takes 1 s
+    assert q.arrival(0.0, 1_000_000) == pytest.approx(1.010)
+    assert q.arrival(0.0, 1_000_000) == pytest.approx(2.010)  # sent together: waits for the first to leave
+    assert q.arrival(0.5, 0) == pytest.approx(2.010)  # an empty message still queues behind them, pays RTT/2
+    assert q.arrival(5.0, 500_000) == pytest.approx(5.510)  # link idle again
+    paper = Link()  # App. C.1: 30 Mbps up, 200 Mbps down, 30 ms RTT
+    assert paper.uplink_s(3_750_000) == pytest.approx(1.015)  # 30 Mbit at 30 Mbps
+    assert paper.downlink_s(25_000_000) == pytest.approx(1.015)  # 200 Mbit at 200 Mbps
+
+
+class EchoServer:
+    """λ = 2z, returned at once; records when each call reached it."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.arrivals = []
+
+    @wire(args={"act": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS})
+    def submit(self, client: int, act: torch.Tensor) -> dict:
+        self.arrivals.append((client, self.clock()))
+        if client < 0:
+            raise RuntimeError("server refused the call")
+        return {"lam": act * 2}
+
+
+def test_window_by_hand_and_the_client_computes_while_in_flight():
+    """z of 100 kB: 0.1 s up at 8 Mbps, λ 0.1 s down, RTT 0: the window is 0.2 s; 0.15 s of client work in it is
+    hidden, so the answer is there at 0.2 s, not 0.35 s."""
+    clock = time.perf_counter
+    server = EchoServer(clock)
+    meter = CommMeter()
+    link = DelayedTransport(InProcessTransport(server, meter), Link(8.0, 8.0, 0.0), clock)
+    z = torch.ones(25_000)  # 100 kB
+    t0 = clock()
+    fut = link.call_async("submit", client=0, act=z)
+    assert clock() - t0 < 0.05 and not fut.done()  # returned at once
+    time.sleep(0.15)  # the client's perturbed forwards
+    lam = fut.wait()["lam"]
+    elapsed = clock() - t0
+    assert torch.equal(lam, 2 * z)
+    assert server.arrivals[0][1] - t0 == pytest.approx(0.1, abs=0.04)
+    assert 0.2 <= elapsed < 0.3
+    assert link.stats.uplink_bytes == link.stats.downlink_bytes == 100_000
+    assert link.stats.uplink_s == pytest.approx(0.1) and link.stats.downlink_s == pytest.approx(0.1, abs=1e-3)
+    assert meter.bytes[UPLINK_ACTIVATIONS] == meter.bytes[DOWNLINK_GRADIENTS] == 100_000
+    link.close()
+
+
+def test_each_client_has_its_own_link_and_errors_reach_the_caller():
+    clock = time.perf_counter
+    server = EchoServer(clock)
+    link = DelayedTransport(InProcessTransport(server, CommMeter()), Link(8.0, 8.0, 0.0), clock)
+    z = torch.ones(12_500)  # 50 kB: 0.05 s on an idle link
+    t0 = clock()
+    futs = [link.call_async("submit", client=m, act=z) for m in (0, 1, 0)]
+    for f in futs:
+        f.wait()
+    arrivals = {(m, round(t - t0, 2)) for m, t in server.arrivals}
+    # clients 0 and 1 send in parallel; client 0's second message waits for its first to leave
+    assert [m for m, _ in server.arrivals] == [0, 1, 0]
+    assert server.arrivals[0][1] - t0 == pytest.approx(0.05, abs=0.03)
+    assert server.arrivals[1][1] - t0 == pytest.approx(0.05, abs=0.03)
+    assert server.arrivals[2][1] - t0 == pytest.approx(0.10, abs=0.03), arrivals
+    with pytest.raises(RuntimeError, match="server refused"):
+        link.call("submit", client=-1, act=z)
+    link.close()
+
+
+def run(overrides):
+    cfg = load_config(None, overrides)
+    engine = InProcessEngine(cfg)
+    summary = engine.run()
+    rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("wall_time_s")
+    return summary, rows, engine.worker.transport
+
+
+def test_engine_results_are_unchanged_by_the_link_with_overlap_on_and_off(tiny_overrides, tmp_path):
+    fast = ["comm.inject_delay=true", "comm.rtt_ms=1", "comm.uplink_mbps=2000", "comm.downlink_mbps=2000"]
+    ref, ref_rows, plain = run(tiny_overrides)
+    assert not isinstance(plain, DelayedTransport)
+    for i, extra in enumerate((fast, [*fast, "zo.overlap=true"])):
+        s, rows, link = run([*tiny_overrides, *extra, f"job.out_dir={tmp_path / str(i)}"])
+        assert isinstance(link, DelayedTransport) and link.stats.messages > 0 and link.stats.uplink_s > 0
+        assert link.stats.by_method["submit"] == s["rounds"] * 3  # K = 3 activations a round went over the link
+        assert rows == ref_rows
+        assert s["client_digests"] == ref["client_digests"] and s["server_digest"] == ref["server_digest"]
+        assert s["comm"] == ref["comm"]

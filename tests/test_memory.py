@@ -1,0 +1,167 @@
+"""Known-answer tests of the client memory profiler (hosfl_dist.measure.memory): byte counts worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.measure.memory import (
+    AllocationTracker,
+    ProfileSpec,
+    Setup,
+    main,
+    make_step,
+    measure,
+    profile_mode,
+)
+from hosfl_dist.zo import PROJECT_CHUNK, perturbed, trainable_slots
+
+F32 = 4
+
+
+def test_tracker_counts_storages_not_views_and_frees_exactly():
+    w = torch.zeros(10, 10)
+    tr = AllocationTracker()
+    assert tr.register([w, w.t(), w[0]]) == 400  # one storage, counted once
+    with tr:
+        a = torch.empty(1000)  # +4000
+        b = a.view(10, 100)  # a view: nothing new
+        b.add_(1.0)  # in place: nothing new
+        c = a * 2  # +4000 -> peak 8400
+        del a, b  # a's storage dies with its last view
+        assert tr.current == 400 + 4000
+        d = torch.empty(500)  # +2000, below the peak
+        del c, d
+    assert tr.peak == 400 + 8000
+    assert tr.current == 400
+    assert tr.allocations == 1 + 3  # w, a, c, d
+
+
+def test_tracker_follows_in_place_resize():
+    tr = AllocationTracker()
+    with tr:
+        a = torch.empty(10)
+        a.resize_(100)
+        assert tr.current == 400
+    del a
+    assert tr.current == 0 and tr.peak == 400
+
+
+def test_perturbed_forward_adds_exactly_one_modules_copy():
+    """hooks mode: θ_i + μu_i exists only while its module runs, and no other θ-sized buffer exists beside it."""
+    d, batch = 64, 2
+    model = nn.Sequential(nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False))
+    x = torch.randn(batch, d)
+    slots = trainable_slots(model)
+
+    def peak(run):
+        tr = AllocationTracker()
+        resident = tr.register([*model.parameters(), x])
+        with tr, torch.no_grad():
+            run()
+        return tr.peak - resident
+
+    plain = peak(lambda: model(x))
+    assert plain == 2 * batch * d * F32  # h1 and h2 alive together
+
+    def perturbed_forward():
+        with perturbed(slots, 7, 1e-3):
+            model(x)
+
+    assert peak(perturbed_forward) - plain == d * d * F32  # one module's weight, once
+
+
+def linear_setup(din: int, dout: int, batch: int) -> Setup:
+    torch.manual_seed(0)
+    return Setup(nn.Linear(din, dout, bias=False), torch.randn(batch, din), torch.zeros(batch, dtype=torch.long))
+
+
+SPEC = ProfileSpec(model="small_cnn", cut=1, num_perturbations=3, overlap=True)
+
+
+def working(mode: str, din: int, dout: int, batch: int, spec: ProfileSpec = SPEC) -> dict:
+    return measure(make_step(mode, spec, linear_setup(din, dout, batch)))
+
+
+def test_inference_peak_is_weights_input_and_output():
+    din, dout, batch = 32, 48, 16
+    r = working("inference", din, dout, batch)
+    assert r["resident_bytes"] == (din * dout + batch * din) * F32
+    assert r["working_bytes"] == batch * dout * F32  # z = x Wᵀ, nothing else
+    assert r["activation_bytes"] == batch * dout * F32
+
+
+def test_zo_sfl_peak_is_one_perturbed_copy_plus_one_activation():
+    """Activation-dominated (z > W): a perturbed W' and the z it produces; the update's buffers (2W) are smaller."""
+    din, dout, batch = 16, 16, 64  # W = 1 KiB, z = 4 KiB
+    r = working("zo_sfl", din, dout, batch)
+    w, z = din * dout * F32, batch * dout * F32
+    assert r["resident_bytes"] == 3 * w + batch * din * F32  # θ, AdamW m and v, x
+    assert r["working_bytes"] == w + z
+
+
+def test_hosfl_peak_holds_z_lambda_and_p_perturbed_activations_and_bounded_projection_scratch():
+    din, dout = 16, 16
+    P = SPEC.P
+    w = din * dout * F32
+    for batch in (64, 4 * PROJECT_CHUNK // dout):  # z below, then 4x above, the projection slice
+        r = working("hosfl", din, dout, batch)
+        z = batch * dout * F32
+        n = min(batch * dout, PROJECT_CHUNK)
+        scratch = n * (8 + F32 + 8)  # float64 λ slice, z̃ − z slice and its float64 copy
+        held = (P + 2) * z  # z, λ and the P z̃ are all alive when the projections run
+        assert r["resident_bytes"] == 3 * w + batch * din * F32
+        assert held + scratch <= r["working_bytes"] <= held + scratch + 2 * w + 1024
+
+
+def test_sfl_adds_gradients_and_backward_buffers_and_exceeds_hosfl():
+    din, dout, batch = 64, 64, 8  # weight-dominated: W = 16 KiB, z = 2 KiB
+    sfl = working("sfl", din, dout, batch)
+    hosfl = working("hosfl", din, dout, batch)
+    w, z = din * dout * F32, batch * dout * F32
+    assert hosfl["resident_bytes"] == 3 * w + batch * din * F32
+    assert sfl["resident_bytes"] == hosfl["resident_bytes"] + 4  # torch AdamW keeps its step count as a tensor
+    assert sfl["working_bytes"] >= w + 2 * z  # ∂ℓ/∂W, z and λ at least
+    assert sfl["working_bytes"] > hosfl["working_bytes"]
+    assert sfl["trainable_params"] == hosfl["trainable_params"] == din * dout
+
+
+def test_lm_modes_are_ordered_and_deterministic():
+    """A tiny Llama with LoRA (frozen base): inference < hosfl < sfl < full_local, and two runs count the same."""
+    spec = ProfileSpec(model="tiny:llama", cut=2, batch=4, seq=16)
+    r = {m: profile_mode(spec, m) for m in ("inference", "hosfl", "sfl", "full_local")}
+    assert r["inference"]["peak_bytes"] < r["hosfl"]["peak_bytes"] < r["sfl"]["peak_bytes"]
+    assert r["sfl"]["peak_bytes"] < r["full_local"]["peak_bytes"]
+    assert r["hosfl"]["trainable_params"] == r["sfl"]["trainable_params"] > 0
+    # LoRA r = 8: (A, B) of q_proj (64 -> 64) and v_proj (64 -> 32) in each of the 2 client blocks
+    assert r["hosfl"]["trainable_params"] == 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)
+    assert r["inference"]["activation_bytes"] == 4 * 16 * 64 * F32  # z: (B, T, D) float32
+    again = profile_mode(spec, "hosfl")
+    assert again["peak_bytes"] == r["hosfl"]["peak_bytes"]
+    assert again["allocations"] == r["hosfl"]["allocations"]
+
+
+def test_cli_writes_json_and_png_and_isolates_modes(tmp_path):
+    out = tmp_path / "mem"
+    argv = ["--model", "small_cnn", "--cut", "1", "--batch", "4", "--modes", "inference,hosfl", "--out", str(out)]
+    assert main(argv) == 0  # one process per mode (the default)
+    report = json.loads((out / "memory.json").read_text())
+    assert (out / "memory.png").stat().st_size > 0
+    assert report["isolated_processes"] is True
+    assert report["ratio_to_inference"]["inference"] == 1.0
+    assert report["modes"]["hosfl"]["rss_peak_bytes"] is None or report["modes"]["hosfl"]["rss_peak_bytes"] > 0
+    z = 4 * 16 * 14 * 14 * F32  # small_cnn block 1 on 28x28: (B, 16, 14, 14)
+    assert report["modes"]["inference"]["activation_bytes"] == z
+
+
+def test_bad_input_is_one_line(capsys):
+    with pytest.raises(ConfigError, match="cut"):
+        ProfileSpec(model="small_cnn", cut=3)
+    assert main(["--model", "resnet18", "--cut", "1", "--modes", "training", "--no-isolate"]) == 2
+    assert "unknown mode 'training'" in capsys.readouterr().err
+    assert main(["--model", "pkg:no_such_package_here", "--no-isolate"]) == 2
+    assert "no installed package" in capsys.readouterr().err
