@@ -42,16 +42,10 @@ def measure(model: str, batch: int, seq: int) -> dict:
     peaks["hosfl_overlap"] = overlap["peak_bytes"]
     # What the HO-SFL data flow must hold beside an inference forward, in units of |z| (activation share a = |z|/inf):
     # overlap on: z and z̃_1..z̃_{P-1} while z̃_P is computed (λ not there yet) -> 1 + P·a;
-    # overlap off as HOSFLWorker runs it: z, λ and every z̃ kept until the projections -> 1 + (P+1)·a;
-    # overlap off projecting each z̃ as it comes: z and λ -> 1 + 2a; with λᵀz computed once and z dropped: 1 + a.
+    # overlap off: λᵀz is taken when λ arrives and z dropped, each z̃ projected as it comes -> λ beside a forward, 1 + a.
     a = report["modes"]["inference"]["activation_bytes"] / ref
     P = spec.P
-    floors = {
-        "hosfl_overlap": 1 + P * a,
-        "hosfl": 1 + (P + 1) * a,
-        "hosfl_streaming": 1 + 2 * a,
-        "hosfl_streaming_lambda_z": 1 + a,
-    }
+    floors = {"hosfl_overlap": 1 + P * a, "hosfl": 1 + a}
     return {
         "model": model,
         "spec": report["spec"],

@@ -107,7 +107,7 @@ def rows_memory(data: dict) -> list[dict]:
         z_share = r["activation_bytes"] / r["peak_bytes"]["inference"]
         for mode, label in names.items():
             value = r["ratio_to_inference"][mode]
-            target = 1.05 if mode.startswith("hosfl") else None
+            target = 1.05 if mode == "hosfl" else None  # overlap on trades P·|z| of memory for latency
             ref = paper.get(mode.removesuffix("_overlap"))
             floors = r.get("data_flow_floors", {})
             floor = ""
@@ -115,9 +115,8 @@ def rows_memory(data: dict) -> list[dict]:
                 floor = f"data-flow floor 1 + P·|z|/inf = {floors['hosfl_overlap']:.3f}; "
             elif mode == "hosfl":
                 floor = (
-                    f"data-flow floor as the worker keeps z, λ, P z̃: {floors['hosfl']:.3f}; projecting each z̃ at "
-                    f"once: {floors['hosfl_streaming']:.3f}; with λᵀz precomputed: "
-                    f"{floors['hosfl_streaming_lambda_z']:.3f}; "
+                    f"data-flow floor 1 + |λ|/inf (λ beside one forward; λᵀz taken once, each z̃ projected at once): "
+                    f"{floors['hosfl']:.3f}; "
                 )
             out.append(
                 {

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hosfl_dist.measure.memory import ProfileSpec, build_setup, standin_worker  # noqa: E402
-from hosfl_dist.zo import noise_like, project, round_seeds  # noqa: E402
+from hosfl_dist.zo import Projector, noise_like, round_seeds  # noqa: E402
 
 CLIENTS = {
     # name: (spec, target) -- the quickstart client (configs/quickstart.yaml) and a tiny LM client with LoRA
@@ -93,7 +93,7 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 3) -> dict:
         t3 = time.perf_counter()
         z_tilde = worker.zo_activations(x, seeds)
         t4 = time.perf_counter()
-        v = torch.stack([project(lam, zt, z) for zt in z_tilde]).float()
+        v = worker.zo_scalars(x, seeds, Projector(lam, z), z_tilde)
         t5 = time.perf_counter()
         worker.apply_update(rep, seeds, v)
         t6 = time.perf_counter()

@@ -146,18 +146,42 @@ def perturbed(
 
 
 PROJECT_CHUNK = 1 << 16
-"""Elements per float64 slice of the projection: the float64 copies of λ and z̃ − z never exceed this size, so a
-projection needs ~1.3 MB of scratch instead of five z-sized buffers (up to this size it is one dot, as before)."""
+"""Elements per float64 slice of a projection: the float64 copies never exceed this size, so a projection needs
+~1 MB of scratch instead of z-sized buffers (up to this size it is one dot)."""
 
 
-def project(lam: Tensor, z_tilde: Tensor, z: Tensor) -> Tensor:
-    """v_p = λᵀ(z̃_p − z)  (Eq. 13), summed over the batch, accumulated in float64 slice by slice."""
-    lam, z_tilde, z = lam.reshape(-1), z_tilde.reshape(-1), z.reshape(-1)
+def dot64(lam: Tensor, a: Tensor) -> Tensor:
+    """λᵀa over all elements, accumulated in float64 slice by slice."""
+    lam, a = lam.reshape(-1), a.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=lam.device)
     for s in range(0, lam.numel(), PROJECT_CHUNK):
         e = s + PROJECT_CHUNK
-        total += torch.dot(lam[s:e].double(), (z_tilde[s:e] - z[s:e]).double())
+        total += torch.dot(lam[s:e].double(), a[s:e].double())
     return total
+
+
+class Projector:
+    """v_p = λᵀ(z̃_p − z)  (Eq. 13), summed over the batch, computed as λᵀz̃_p − λᵀz in float64.
+
+    λᵀz is taken once when λ arrives, so the client can drop z and keep only λ and the z̃ being projected: its
+    peak is inference + |λ| (paper: 4.14 vs 4.01 GB) instead of inference + |z| + |λ| + P|z̃|. The products of
+    float32 values are exact in float64 and the sums carry ~1e-16 relative error of Σ|λz|, orders of magnitude
+    below the float32 rounding of z̃ itself, so nothing is lost against forming z̃ − z first.
+    """
+
+    def __init__(self, lam: Tensor, z: Tensor) -> None:
+        if lam.shape != z.shape:
+            raise ValueError(f"λ has shape {tuple(lam.shape)} but the activation z has {tuple(z.shape)}")
+        self.lam = lam
+        self.base = dot64(lam, z)
+
+    def __call__(self, z_tilde: Tensor) -> Tensor:
+        return dot64(self.lam, z_tilde) - self.base
+
+
+def project(lam: Tensor, z_tilde: Tensor, z: Tensor) -> Tensor:
+    """One projection v = λᵀ(z̃ − z), the same arithmetic as :class:`Projector`."""
+    return Projector(lam, z)(z_tilde)
 
 
 def scalar_coefficients(scalars: Sequence[float] | Tensor, mu: float) -> list[float]:

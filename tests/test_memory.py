@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,16 +105,20 @@ def test_zo_sfl_peak_is_one_perturbed_copy_plus_one_activation():
     assert r["working_bytes"] == w + z
 
 
-def test_hosfl_peak_holds_z_lambda_and_p_perturbed_activations_and_bounded_projection_scratch():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hosfl_peak_is_what_the_worker_must_hold_plus_bounded_projection_scratch(overlap):
+    """Overlap off: λᵀz is taken when λ arrives and z dropped, then each z̃ is projected as soon as it is computed,
+    so at most two z-sized tensors live (z and λ, then λ and one z̃). Overlap on: z and the P z̃ wait for λ."""
     din, dout = 16, 16
-    P = SPEC.P
+    spec = dataclasses.replace(SPEC, overlap=overlap)
+    P = spec.P
     w = din * dout * F32
     for batch in (64, 4 * PROJECT_CHUNK // dout):  # z below, then 4x above, the projection slice
-        r = working("hosfl", din, dout, batch)
+        r = working("hosfl", din, dout, batch, spec)
         z = batch * dout * F32
         n = min(batch * dout, PROJECT_CHUNK)
-        scratch = n * (8 + F32 + 8)  # float64 λ slice, z̃ − z slice and its float64 copy
-        held = (P + 2) * z  # z, λ and the P z̃ are all alive when the projections run
+        scratch = n * (8 + 8)  # float64 copies of a λ slice and of a z (or z̃) slice
+        held = (P + 2) * z if overlap else 2 * z
         assert r["resident_bytes"] == 3 * w + batch * din * F32
         assert held + scratch <= r["working_bytes"] <= held + scratch + 2 * w + 1024
 

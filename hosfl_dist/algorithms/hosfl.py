@@ -32,7 +32,7 @@ from hosfl_dist.comm import (
 from hosfl_dist.config import Config
 from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.optim import TensorwiseOptimizer, build_torch_optimizer, tensors_digest
-from hosfl_dist.zo import perturbed, project, reconstruct, round_seeds, scalar_coefficients
+from hosfl_dist.zo import Projector, perturbed, reconstruct, round_seeds, scalar_coefficients
 
 
 class SeedScalarHistory:
@@ -210,14 +210,26 @@ class HOSFLWorker(WorkerBase):
         for seeds, scalars in zip(hist_seeds.tolist(), hist_scalars):
             self.apply_update(rep, seeds, scalars)
 
+    def perturbed_forward(self, x: Any, seed: int) -> Tensor:
+        """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc and without an autograd graph."""
+        with torch.no_grad(), perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode):
+            return self.client_forward(x)["z"]
+
     def zo_activations(self, x: Any, seeds: Sequence[int]) -> list[Tensor]:
-        """z̃_p = f_c(x; θc + μu_p) for p = 1..P, without writing to θc (Eq. 12)."""
-        out = []
-        with torch.no_grad():
-            for s in seeds:
-                with perturbed(self.slots, s, self.mu, self.rng_device, self.perturb_mode):
-                    out.append(self.client_forward(x)["z"])
-        return out
+        """The P perturbed activations at once: latency hiding runs them before λ arrives (§3.4)."""
+        return [self.perturbed_forward(x, s) for s in seeds]
+
+    def zo_scalars(self, x: Any, seeds: Sequence[int], proj: Projector, z_tilde: list[Tensor] | None) -> Tensor:
+        """v_p for p = 1..P (Eq. 13) as float32, the P scalars that go on the wire.
+
+        With latency hiding the precomputed z̃ are projected; otherwise each perturbed forward is projected as soon
+        as it is computed, so one z̃ is alive at a time (the client's peak stays at inference + |λ|).
+        """
+        if z_tilde is None:
+            vals = [proj(self.perturbed_forward(x, s)) for s in seeds]
+        else:
+            vals = [proj(zt) for zt in z_tilde]
+        return torch.stack(vals).float()
 
     def run_round(self, t: int) -> int:
         sampled = self.transport.call("plan", t=t)["sampled"]
@@ -235,18 +247,22 @@ class HOSFLWorker(WorkerBase):
             with torch.no_grad():
                 act = self.client_forward(x)
             fut = self.transport.call_async("submit", t=t, client=m, act=act, labels=y)
+            z = act["z"]
+            del act
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ.
             z_tilde = self.zo_activations(x, seeds) if self.cfg.zo.overlap else None
-            jobs.append((m, rep, x, act["z"], fut, z_tilde, seeds))
+            jobs.append((m, rep, x, z, fut, z_tilde, seeds))
+            del z, z_tilde
 
         rows = torch.zeros(self.K, self.P, dtype=torch.float32)
         slot = {m: i for i, m in enumerate(sampled.tolist())}
-        for m, rep, x, z, fut, z_tilde, seeds in jobs:  # Phase 3: scalars
-            lam = fut.wait()["lam"].to(z.device)
-            if z_tilde is None:
-                self.bind(rep.params)
-                z_tilde = self.zo_activations(x, seeds)
-            v = torch.stack([project(lam, zt, z) for zt in z_tilde]).float()  # P float32 scalars go on the wire
+        while jobs:  # Phase 3: scalars, client by client; each job's z and z̃ are freed once projected
+            m, rep, x, z, fut, z_tilde, seeds = jobs.pop(0)
+            proj = Projector(fut.wait()["lam"].to(z.device), z)
+            del z  # only λ and the z̃ being projected stay alive
+            self.bind(rep.params)
+            v = self.zo_scalars(x, seeds, proj, z_tilde)
+            del z_tilde, proj
             rows[slot[m]] = v
             self.meter.add(UPLINK_SCALARS, v.numel() * v.element_size())
         # Phase 4: aggregation. Each row has one contributor and zeros elsewhere, so the sum is exact and the mean

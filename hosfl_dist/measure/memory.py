@@ -5,9 +5,9 @@ takes the uploaded activation and returns a correctly shaped λ (or loss scalars
 measured apart from the server's. Modes:
 
     inference   z = f_c(x) under no_grad (the floor every method pays)
-    hosfl       what HOSFLWorker does for one sampled client: z, λ from the stand-in, the P perturbed forwards
-                z̃_p = f_c(x; θ + μu_p) (Eq. 12), the P projections (Eq. 13) and the tensorwise optimizer step from
-                regenerated noise (Eq. 15-16), through the worker's own methods
+    hosfl       HOSFLWorker.run_round for one sampled client, the stand-in answering λ: z, the P perturbed
+                forwards z̃_p = f_c(x; θ + μu_p) (Eq. 12) each projected on λ (Eq. 13), and the tensorwise optimizer
+                step from regenerated noise (Eq. 15-16)
     sfl         client backprop: forward with autograd, backward from the stand-in λ, AdamW step
     zo_sfl      two perturbed forwards (±μu) whose activations go to the stand-in for loss scalars, SPSA update
     full_local  the whole model (f_c and f_s) trained on the client: forward, loss, backward, AdamW step
@@ -194,8 +194,8 @@ class ProfileSpec:
     seed: int = 0
     """Weights, batch and stand-in values derive from it."""
     overlap: bool = False
-    """hosfl: latency hiding (zo.overlap): the P perturbed forwards run before λ arrives, as HOSFLWorker does then;
-    False (the config default): λ is received first. The worker keeps the P z̃ either way."""
+    """hosfl: latency hiding (zo.overlap): the P perturbed forwards run before λ arrives and are all kept until it
+    does; False (the config default): λ is received first and each z̃ is projected as soon as it is computed."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -364,17 +364,56 @@ class Mocker:
 
 
 class _StandInTransport:
-    """The worker's link to the server, unused by the pieces profiled here (the Mocker answers instead)."""
+    """The worker's link with the stand-in in place of the server: client 0 is sampled every round, ``sync`` gives
+    the round's seeds (one shared replica, so no history), ``submit`` answers λ from the :class:`Mocker` at once
+    and keeps nothing it was sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, mocker: Mocker, seed: int, num_perturbations: int) -> None:
         from hosfl_dist.comm import CommMeter
 
         self.meter = CommMeter()
+        self.mocker, self.seed, self.P = mocker, seed, num_perturbations
 
     def call(self, method: str, **kwargs: Any) -> Any:
-        raise RuntimeError(f"the profiler's client does not call the server ({method})")
+        from hosfl_dist.zo import round_seeds
 
-    call_async = call
+        if method == "plan":
+            return {"sampled": torch.tensor([0])}
+        if method == "sync":
+            none = torch.zeros(0, self.P)
+            seeds = torch.tensor(round_seeds(self.seed, kwargs["t"], self.P), dtype=torch.long)
+            return {"seeds": seeds, "hist_seeds": none.long(), "hist_scalars": none}
+        raise RuntimeError(f"the profiler's stand-in server does not answer {method!r}")
+
+    def call_async(self, method: str, **kwargs: Any) -> _LateAnswer:
+        if method != "submit":
+            raise RuntimeError(f"the profiler's stand-in server does not answer {method!r}")
+        z = kwargs["act"]["z"]
+        return _LateAnswer(lambda: {"lam": self.mocker.gradient(z)})
+
+
+class _LateAnswer:
+    """λ made when the client waits for it: with latency hiding it arrives after the P perturbed forwards (the
+    window W covers them), so it is not alive during them, as on a real link."""
+
+    def __init__(self, make: Callable[[], dict[str, Tensor]]) -> None:
+        self.make: Callable[[], dict[str, Tensor]] | None = make
+
+    def wait(self) -> dict[str, Tensor]:
+        make, self.make = self.make, None  # the answer holds no reference to the uploaded z afterwards
+        if make is None:
+            raise RuntimeError("the stand-in's answer was already taken")
+        return make()
+
+
+class _OneBatch:
+    """The hosted client's data: the profiled batch, every round."""
+
+    def __init__(self, x: Any, y: Tensor) -> None:
+        self.batch = (x, y)
+
+    def next_batch(self, client: int) -> tuple[Any, Tensor]:
+        return self.batch
 
 
 class _NoPeers:
@@ -395,7 +434,7 @@ def _worker_config(spec: ProfileSpec) -> Any:
             "model": {"name": "hf", "source": spec.model} if spec.is_lm else {"name": spec.model},
             "data": {"name": "sst2" if spec.is_lm else "synthetic"},
             "split": {"cut": spec.cut},
-            "zo": {"num_perturbations": spec.P, "mu": spec.mu, "perturb_mode": "hooks"},
+            "zo": {"num_perturbations": spec.P, "mu": spec.mu, "perturb_mode": "hooks", "overlap": spec.overlap},
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},
             "job": {"seed": spec.seed, "device": spec.device, "progress": False},
@@ -403,16 +442,18 @@ def _worker_config(spec: ProfileSpec) -> Any:
     )
 
 
-def standin_worker(spec: ProfileSpec, setup: Setup) -> Any:
-    """An HOSFLWorker hosting one client whose server is the stand-in, with its optimizer state allocated.
+def standin_worker(spec: ProfileSpec, setup: Setup, mocker: Mocker | None = None) -> Any:
+    """An HOSFLWorker hosting client 0 whose server is the stand-in, with its optimizer state allocated.
 
-    Its ``client_forward``, ``zo_activations`` and ``apply_update`` are the code a real client runs.
+    ``worker.run_round(t)`` is the code a real client runs for one sampled round (K = 1, so v̄ = v).
     """
     from hosfl_dist.algorithms.hosfl import HOSFLWorker
     from hosfl_dist.models import ClassificationTask, SplitModel
 
     split = SplitModel(setup.module, nn.Identity(), ClassificationTask())
-    worker = HOSFLWorker(_worker_config(spec), split, None, [0], _StandInTransport(), _NoPeers())
+    link = _StandInTransport(mocker or Mocker(spec.seed), spec.seed, spec.P)
+    data = _OneBatch(setup.inputs, setup.labels)
+    worker = HOSFLWorker(_worker_config(spec), split, data, [0], link, _NoPeers())
     rep = worker.replicas[0]
     rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
     return worker
@@ -509,28 +550,16 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
         return ModeStep(sfl_step, [*_module_tensors(module), *state, *_flat(x)], module, trainable, state, act_bytes)
 
     from hosfl_dist.optim import TensorwiseOptimizer
-    from hosfl_dist.zo import perturbed, project, reconstruct, round_seeds, trainable_slots
+    from hosfl_dist.zo import perturbed, reconstruct, round_seeds, trainable_slots
 
     if mode == "hosfl":
-        worker = standin_worker(spec, setup)
+        worker = standin_worker(spec, setup, mocker)
         rep = worker.replicas[0]
         state = rep.opt.state_tensors()
         rounds = iter(range(1, 1 << 62))
 
         def hosfl_step() -> None:
-            # HOSFLWorker.run_round for one sampled client, with the stand-in in place of the server
-            seeds = round_seeds(spec.seed, next(rounds), spec.P)
-            worker.bind(rep.params)
-            with torch.no_grad():
-                act = worker.client_forward(x)  # z_m (Eq. 1), uploaded with y_m
-            if spec.overlap:  # §3.4: the perturbed forwards run while z is in flight
-                z_tilde = worker.zo_activations(x, seeds)  # z̃_p (Eq. 12)
-                lam = mocker.gradient(act["z"])  # λ_m (Eq. 11)
-            else:
-                lam = mocker.gradient(act["z"])
-                z_tilde = worker.zo_activations(x, seeds)
-            v = torch.stack([project(lam, zt, act["z"]) for zt in z_tilde]).float()  # v_p (Eq. 13)
-            worker.apply_update(rep, seeds, v)  # K = 1: v̄ = v; ĝ_c regenerated tensor by tensor (Eq. 15-16)
+            worker.run_round(next(rounds))  # HOSFLWorker's own round, the stand-in in place of the server
 
         resident = [*_module_tensors(module), *state, *_flat(x)]
         return ModeStep(hosfl_step, resident, module, list(rep.params), state, act_bytes)
