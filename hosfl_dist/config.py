@@ -18,8 +18,8 @@ import yaml
 
 from hosfl_dist.errors import ConfigError
 
-# Names the rest of the package registers under; validated here so a typo fails before anything is built.
-ALGORITHMS = ("hosfl", "sfl", "splitlora", "fsl_sage", "zo_sfl", "mu_splitfed")
+# Names the rest of the package registers under; validated here so a typo fails before anything is built
+# (algorithm names come from the registry in hosfl_dist.algorithms).
 VISION_MODELS = ("small_cnn", "resnet18")
 MODELS = (*VISION_MODELS, "hf")
 VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
@@ -46,7 +46,8 @@ class JobConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "hosfl"
-    """Training method: one of ALGORITHMS."""
+    """Training method: a name registered in hosfl_dist.algorithms (hosfl, sfl, splitlora, fsl_sage, zo_sfl,
+    mu_splitfed)."""
     local_epochs: int = 1
     """E: local epochs per round of the methods that aggregate models (SFL, SplitLoRA, FSL-SAGE, ZO-SFL)."""
     server_update_interval: int = 5
@@ -188,21 +189,46 @@ class ServerConfig:
         _check(self.rpc_timeout_s > 0, "rpc_timeout_s", self.rpc_timeout_s, "must be > 0")
 
 
+def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:
+    """One-way delay of a message: serialisation ``nbytes * 8 / (mbps * 1e6)`` plus half the round-trip time."""
+    if mbps <= 0:
+        raise ConfigError(f"link bandwidth must be > 0 Mbps, got {mbps}")
+    if nbytes < 0 or rtt_ms < 0:
+        raise ConfigError(f"nbytes and rtt_ms must be >= 0, got nbytes={nbytes}, rtt_ms={rtt_ms}")
+    return nbytes * 8 / (mbps * 1e6) + rtt_ms / 2e3
+
+
 @dataclass
-class CommConfig:
-    inject_delay: bool = False
-    """Delay every client<->server message by its link time (bytes / bandwidth + RTT/2) to measure latency hiding."""
+class LinkConfig:
+    """A client's link to the server; defaults are the 5G setting of the paper's App. C.1. The same section drives
+    the latency model (hosfl_dist.measure.latency) and the emulated link (comm.inject_delay)."""
+
     uplink_mbps: float = 30.0
-    """Client->server bandwidth of the injected link model (paper App. C.1: 30 Mbps 5G uplink)."""
+    """Client->server bandwidth in Mbit/s (paper App. C.1: 30 Mbps 5G uplink)."""
     downlink_mbps: float = 200.0
-    """Server->client bandwidth of the injected link model (paper: 200 Mbps)."""
+    """Server->client bandwidth in Mbit/s (paper: 200 Mbps)."""
     rtt_ms: float = 30.0
-    """Round-trip time of the injected link model (paper: 30 ms)."""
+    """Round-trip time in ms; each one-way message pays half of it (paper: 30 ms)."""
 
     def __post_init__(self) -> None:
         _check(self.uplink_mbps > 0, "uplink_mbps", self.uplink_mbps, "must be > 0")
         _check(self.downlink_mbps > 0, "downlink_mbps", self.downlink_mbps, "must be > 0")
         _check(self.rtt_ms >= 0, "rtt_ms", self.rtt_ms, "must be >= 0")
+
+    def uplink_s(self, nbytes: int) -> float:
+        """One-way delay of an idle uplink for a message of ``nbytes``."""
+        return link_delay_s(nbytes, self.uplink_mbps, self.rtt_ms)
+
+    def downlink_s(self, nbytes: int) -> float:
+        """One-way delay of an idle downlink for a message of ``nbytes``."""
+        return link_delay_s(nbytes, self.downlink_mbps, self.rtt_ms)
+
+
+@dataclass
+class CommConfig(LinkConfig):
+    inject_delay: bool = False
+    """Delay every client<->server message by its link time (bytes / bandwidth + RTT/2), in either runtime, to
+    measure latency hiding; the link is this section's uplink_mbps / downlink_mbps / rtt_ms."""
 
 
 @dataclass
@@ -282,12 +308,6 @@ class Config:
     """Injected link model (latency-hiding measurements)."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.algorithm.name in ALGORITHMS,
-            "algorithm.name",
-            self.algorithm.name,
-            f"choose one of {list(ALGORITHMS)}",
-        )
         _check(self.model.name in MODELS, "model.name", self.model.name, f"choose one of {list(MODELS)}")
         _check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
         _check(self.zo.mu > 0, "zo.mu", self.zo.mu, "must be > 0")
@@ -310,11 +330,32 @@ class Config:
                 self.split.cut,
                 f"{self.model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part",
             )
+        self._check_algorithm()
         _check(
             self.train.budget_samples >= self.clients.batch_size,
             "train.budget_samples",
             self.train.budget_samples,
             f"is smaller than one client batch (clients.batch_size={self.clients.batch_size})",
+        )
+
+    def _check_algorithm(self) -> None:
+        from hosfl_dist.algorithms import get_algorithm  # the registry; imports the algorithm modules
+
+        spec = get_algorithm(self.algorithm.name)
+        family = "hf" if self.model.name == "hf" else "vision"
+        _check(
+            family in spec.families,
+            "algorithm.name",
+            spec.name,
+            f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
+        )
+        lora = self.lora
+        _check(
+            not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),
+            "algorithm.name",
+            spec.name,
+            "needs LoRA adapters on both sides (model.name=hf with lora.client_targets and lora.server_targets); "
+            "use algorithm.name=sfl otherwise",
         )
 
 
@@ -360,6 +401,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def build_config(raw: dict[str, Any]) -> Config:
     """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors)."""
     return _build(Config, raw, "")
+
+
+def build_section(cls: type, raw: Any, name: str) -> Any:
+    """Construct one dataclass section (of this tree, or another tool's YAML) with the same strict checks, its keys
+    named ``name.key`` in errors."""
+    return _build(cls, raw, f"{name}.")
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

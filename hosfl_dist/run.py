@@ -1,7 +1,7 @@
 """Entry point: ``python -m hosfl_dist.run --config configs/X.yaml [section.key=value ...] [--dry-run]``.
 
-Started by ``torchrun --nproc_per_node=N -m hosfl_dist.run ...`` (N > 1) it runs the distributed runtime (rank 0
-server, the others client workers, see hosfl_dist/distributed); started alone it runs the in-process engine.
+Started by ``torchrun --nproc_per_node=N -m hosfl_dist.run ...`` (N > 1) it runs the torchrun runtime (rank 0
+server, the others client workers, see hosfl_dist/runtime/torchrun.py); started alone it runs the in-process runtime.
 Parses, builds, runs and cleans up; errors in the user's input are reported in one line (exit code 2).
 """
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     launch = None
     try:
-        from hosfl_dist.distributed.env import launch_env, role_map
+        from hosfl_dist.runtime.env import launch_env, role_map
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
@@ -71,25 +71,20 @@ def main(argv: list[str] | None = None) -> int:
                     print("# roles:\n" + "\n".join("#  " + line for line in roles))
             return 0
         if world > 1 and launch is not None:
-            from hosfl_dist.distributed.runtime import run_distributed
+            from hosfl_dist.runtime.torchrun import run_torchrun
 
-            return run_distributed(cfg, launch)
+            return run_torchrun(cfg, launch)
         if cfg.server.ranks > 1:
             raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
-        from hosfl_dist.engine import InProcessEngine
+        from hosfl_dist.runtime.inprocess import run_in_process
 
-        summary = InProcessEngine(cfg).run()
+        run_in_process(cfg)
     except HosflError as exc:
         if launch is None or launch.rank == 0:  # the same error on every rank: say it once
             print(f"error: {exc}", file=sys.stderr)
         else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
             time.sleep(3)
         return 2
-    final = summary.get("final", {})
-    print(
-        f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
-        f"eval_accuracy={final.get('eval_accuracy')}, wall {summary['wall_time_s']} s -> {cfg.job.out_dir}"
-    )
     return 0
 
 

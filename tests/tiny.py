@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hosfl_dist.config import Config, load_config
-from hosfl_dist.engine import InProcessEngine
+from hosfl_dist.runtime.inprocess import InProcessRunner
 
 TINY_OVERRIDES = [
     "data.name=synthetic",
@@ -27,10 +27,14 @@ TINY_OVERRIDES = [
 ]
 
 
-def run_in_process(overrides: list[str]) -> tuple[Config, InProcessEngine, dict[str, Any], list[dict[str, Any]]]:
-    """Train with the in-process engine; return (config, engine, summary, metrics rows)."""
-    cfg = load_config(None, overrides)
-    engine = InProcessEngine(cfg)
-    summary = engine.run()
-    rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
-    return cfg, engine, summary, rows
+def runner(overrides: list[str]) -> InProcessRunner:
+    """An in-process runner set up (data, model, server, worker built) but not trained."""
+    return InProcessRunner(load_config(None, overrides)).setup()
+
+
+def run_in_process(overrides: list[str]) -> tuple[Config, InProcessRunner, dict[str, Any], list[dict[str, Any]]]:
+    """Train with the in-process runtime; return (config, runner, summary, metrics rows)."""
+    r = runner(overrides)
+    summary = r.run()
+    rows = [json.loads(line) for line in Path(r.cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
+    return r.cfg, r, summary, rows

@@ -1,0 +1,90 @@
+"""The algorithms, one module each, and the registry that ``algorithm.name`` selects from.
+
+Every module of this package that defines a method ends with ``register(AlgorithmSpec(...))``: the server and worker
+classes and what the rest of the code asks about the method (does its client back-propagate, which model parts each
+role holds, which traffic it may send, which models it supports). The registry finds the modules by listing this
+package, so adding a method is one new module (plus its tests); nothing else names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from hosfl_dist.errors import ConfigError
+
+MODEL_PARTS = ("client", "server")
+"""f_c and f_s. A role that does not need a part drops it after the model is built."""
+FAMILIES = ("vision", "hf")
+"""Model families: the vision models (small_cnn, resnet18) and Hugging Face decoder LMs."""
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    """``algorithm.name``."""
+    server: type
+    """Lives on rank 0 (or in-process): θs, its optimizer and the method's history; its @wire methods are the only
+    client -> server calls."""
+    worker: type
+    """A client worker: runs rounds for the logical clients it hosts."""
+    zeroth_order_client: bool
+    """The client estimates gradients from forward differences: its part runs without dropout (z and the perturbed
+    z̃ must differ by the perturbation alone) and never builds an autograd graph."""
+    traffic: frozenset[str]
+    """The paper's traffic categories (Table 5) the method may send; ``control`` and ``eval`` are always allowed."""
+    worker_parts: tuple[str, ...] = ("client",)
+    """Model parts a client worker holds ("server" too when the client derives something from f_s)."""
+    server_parts: tuple[str, ...] = ("server",)
+    """Model parts the server holds ("client" too when it keeps θc^t, i.e. methods that aggregate client models)."""
+    families: tuple[str, ...] = FAMILIES
+    """Model families the method supports."""
+    needs_lora: bool = False
+    """Trains LoRA adapters on both sides (model.name=hf with client and server targets)."""
+
+    def __post_init__(self) -> None:
+        from hosfl_dist.transport.wire import CONTROL, EVAL, wire_specs
+
+        for method, spec in wire_specs(self.server).items():
+            stray = spec.categories() - self.traffic - {CONTROL, EVAL}
+            if stray:
+                raise ValueError(
+                    f"{self.name}: {self.server.__name__}.{method} sends {sorted(stray)} outside its traffic"
+                )
+        for part in (*self.worker_parts, *self.server_parts):
+            if part not in MODEL_PARTS:
+                raise ValueError(f"{self.name}: unknown model part {part!r}")
+
+
+_REGISTRY: dict[str, AlgorithmSpec] = {}
+_SKIP = frozenset({"base", "exchange"})
+"""Modules of this package that hold shared parts, not methods."""
+
+
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] != spec:
+        raise ValueError(f"algorithm {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _discover() -> None:
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name not in _SKIP:
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def algorithm_names() -> list[str]:
+    """Every registered ``algorithm.name``."""
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    """The spec registered under ``name``; ConfigError listing the names otherwise."""
+    if name not in _REGISTRY:
+        _discover()
+    if name not in _REGISTRY:
+        raise ConfigError(f"invalid value for algorithm.name: {name!r} (choose one of {algorithm_names()})")
+    return _REGISTRY[name]

@@ -1,99 +1,56 @@
-"""What every algorithm is made of, and the registry that ``algorithm.name`` selects from.
+"""What every algorithm is made of: a server and a worker, both state and math only.
 
-An algorithm is a pair:
-- a **server** object (lives on rank 0, or in-process): holds θs, its optimizer and whatever history the method
-  needs; its public methods are the only client->server calls, each declared with :func:`hosfl_dist.comm.wire`;
-- a **worker** object (a client worker hosting some logical clients): runs a round for its hosted clients through
-  a :class:`~hosfl_dist.transport.Transport` (to the server) and a :class:`~hosfl_dist.transport.Collective` (to the
-  other client workers). The same worker code runs in the in-process engine and under torchrun.
+- The **server** (rank 0, or in-process) holds θs, its optimizer and whatever history the method needs; its
+  methods declared with :func:`~hosfl_dist.transport.wire.wire` are the only client -> server calls. Ordering,
+  gathering a round's calls and running one call at a time are the endpoint's job
+  (:class:`~hosfl_dist.transport.endpoint.ServerEndpoint`), not the server's.
+- The **worker** (a client worker hosting some logical clients) runs a round for its hosted clients through an
+  injected :class:`~hosfl_dist.transport.Transport` (to the server) and :class:`~hosfl_dist.transport.Collective`
+  (to the other client workers). The same worker code runs in every runtime.
 """
 
 from __future__ import annotations
 
-import importlib
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.futures import Future
 
-from hosfl_dist.comm import CONTROL, EVAL, CommMeter, wire
 from hosfl_dist.config import Config
+from hosfl_dist.core.digest import tensors_digest
+from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
+from hosfl_dist.core.seeding import sample_clients
 from hosfl_dist.data import FederatedData
 from hosfl_dist.models import Activation, SplitModel, server_forward
-from hosfl_dist.optim import tensors_digest
 from hosfl_dist.transport import Collective, Transport
-from hosfl_dist.zo import mix_seed, trainable_slots
+from hosfl_dist.transport.wire import EVAL, wire
 
 EVAL_CLIENT = -1
 """Id of the evaluation replica kept by the leader client worker."""
 
 
-def sample_clients(seed: int, round_idx: int, total: int, per_round: int) -> list[int]:
-    """S_t: K of M clients, uniformly without replacement, sorted (the server's draw, reproducible from the seed)."""
-    g = torch.Generator().manual_seed(mix_seed(seed, 0x5A3F, round_idx))
-    return sorted(torch.randperm(total, generator=g)[:per_round].tolist())
-
-
-@dataclass
-class RoundBatch:
-    """Activations of one round gathered on the server before its single forward/backward."""
-
-    items: dict[int, tuple[Activation, Tensor, Future]] = field(default_factory=dict)
+def round_plan(cfg: Config, t: int) -> list[int]:
+    """S_t: the K clients the server samples for round t. A seeded draw, so the server and every worker compute the
+    same set without a message; the server's instructions to the sampled clients (seeds, catch-up) are the traffic."""
+    return sample_clients(cfg.job.seed, t, cfg.clients.total, cfg.clients.per_round)
 
 
 class ServerBase:
-    """Parts every server shares: client sampling, the round barrier, evaluation, train-loss bookkeeping."""
+    """Parts every server shares: the round's size, evaluation, train-loss bookkeeping."""
 
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         self.cfg = cfg
         self.model = split.server
         self.task = split.task
         self.device = next(self.model.parameters()).device
-        self.lock = threading.Lock()
-        self._rounds: dict[int, RoundBatch] = {}
         self._loss_sum = 0.0
         self._loss_count = 0
         self._eval_stats: dict[str, float] = {}
 
-    # -- control -------------------------------------------------------------------------------------------------
-    @wire(result={"sampled": CONTROL})
-    def plan(self, t: int) -> dict[str, Tensor]:
-        c = self.cfg.clients
-        return {"sampled": torch.tensor(sample_clients(self.cfg.job.seed, t, c.total, c.per_round), dtype=torch.long)}
-
     def expected_in_round(self, t: int) -> int:
+        """Clients whose gathered calls make up round t."""
         return self.cfg.clients.per_round
-
-    # -- the round barrier ---------------------------------------------------------------------------------------
-    def _gather(
-        self, t: int, client: int, act: Activation, labels: Tensor, run: Callable[[int, RoundBatch], None]
-    ) -> Future:
-        """Hold a client's activation until all clients of round ``t`` arrived, then ``run`` the round once.
-
-        The round is processed in client-id order whatever the arrival order, so results are order-independent.
-        """
-        fut: Future = Future()
-        with self.lock:
-            batch = self._rounds.setdefault(t, RoundBatch())
-            if client in batch.items:
-                raise RuntimeError(f"client {client} submitted twice in round {t}")
-            batch.items[client] = (act, labels, fut)
-            ready = len(batch.items) == self.expected_in_round(t)
-            if ready:
-                del self._rounds[t]
-        if ready:
-            try:
-                run(t, batch)
-            except Exception as exc:  # fail every waiting client, not only the last one
-                for _, _, f in batch.items.values():
-                    if not f.done():
-                        f.set_exception(exc)
-                raise
-        return fut
 
     def record_loss(self, losses: Sequence[float]) -> None:
         self._loss_sum += float(sum(losses))
@@ -108,33 +65,33 @@ class ServerBase:
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------------
-    @wire(args={"act": EVAL, "labels": EVAL})
-    def eval_batch(self, act: Activation, labels: Tensor) -> None:
+    def _eval_forward(self, act: Activation) -> Tensor:
         with torch.no_grad():
             was = self.model.training
             self.model.eval()
             out = server_forward(self.model, {k: v.to(self.device) for k, v in act.items()})
             self.model.train(was)
-            for k, v in self.task.eval_stats(out, labels.to(self.device)).items():
-                self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
+        return out
+
+    def _add_eval_stats(self, stats: dict[str, float]) -> None:
+        for k, v in stats.items():
+            self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
+
+    @wire(args={"act": EVAL, "labels": EVAL})
+    def eval_batch(self, act: Activation, labels: Tensor) -> None:
+        self._add_eval_stats(self.task.eval_stats(self._eval_forward(act), labels.to(self.device)))
 
     # Generation tasks (SQuAD): the worker drives greedy decoding through the split with eval_next_token, then
     # sends the generated tokens and the gold labels to be scored with eval_generated.
     @wire(args={"act": EVAL}, result={"token": EVAL})
     def eval_next_token(self, act: Activation) -> dict[str, Tensor]:
         """The greedy next token (B,) of each row of an evaluation activation."""
-        with torch.no_grad():
-            was = self.model.training
-            self.model.eval()
-            act = {k: v.to(self.device) for k, v in act.items()}
-            out = server_forward(self.model, act)
-            self.model.train(was)
-            return {"token": self.task.next_token(out, act["attention_mask"]).cpu()}
+        out = self._eval_forward(act)
+        return {"token": self.task.next_token(out, act["attention_mask"].to(self.device)).cpu()}
 
     @wire(args={"tokens": EVAL, "labels": EVAL})
     def eval_generated(self, tokens: Tensor, labels: Tensor) -> None:
-        for k, v in self.task.generation_stats(tokens, labels).items():
-            self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
+        self._add_eval_stats(self.task.generation_stats(tokens, labels))
 
     def pop_eval_metrics(self) -> dict[str, float]:
         stats, self._eval_stats = self._eval_stats, {}
@@ -142,15 +99,6 @@ class ServerBase:
 
     def server_digest(self) -> str:
         return tensors_digest(p for p in self.model.parameters())
-
-
-@dataclass
-class Replica:
-    """One client's copy of θc (its trainable tensors), its optimizer state and the round it is current at."""
-
-    params: list[nn.Parameter]
-    opt: Any
-    round: int = 0
 
 
 class WorkerBase:
@@ -172,16 +120,21 @@ class WorkerBase:
         self.hosted = set(hosted)
         self.transport = transport
         self.collective = collective
-        self.meter: CommMeter = transport.meter
         self.slots = trainable_slots(self.module)
+        self.processed = 0
+        """Samples processed by all clients so far (every worker knows the total)."""
+
+    def plan(self, t: int) -> tuple[list[int], list[int]]:
+        """(S_t, the sampled clients this worker hosts)."""
+        sampled = round_plan(self.cfg, t)
+        return sampled, [m for m in sampled if m in self.hosted]
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:
         """Point the client module's trainable slots at a replica's tensors (no copy)."""
-        for (mod, name), p in zip(self.slots, params):
-            mod._parameters[name] = p
+        bind_slots(self.slots, params)
 
-    def current_params(self) -> list[nn.Parameter]:
-        return [mod._parameters[name] for mod, name in self.slots]
+    def current_params(self) -> list[Tensor]:
+        return slot_tensors(self.slots)
 
     def fresh_params(self, requires_grad: bool = True) -> list[nn.Parameter]:
         """Copies of the trainable tensors as initialised (every replica starts from the same θc^0)."""
@@ -194,10 +147,13 @@ class WorkerBase:
     def device(self) -> torch.device:
         return next(iter(self.module.parameters()), torch.zeros(0)).device
 
+    def run_round(self, t: int) -> int:
+        """One round for the hosted clients; returns the samples all clients processed in it."""
+        raise NotImplementedError
+
     def evaluate(self, t: int) -> None:
         """Run the held-out split through an up-to-date θc and the server (leader worker only)."""
-        params = self.eval_params(t)
-        self.bind(params)
+        self.bind(self.eval_params(t))
         self.module.eval()
         generate = getattr(self.split.task, "generate", None)  # generation tasks decode through the split
         with torch.no_grad():
@@ -212,6 +168,10 @@ class WorkerBase:
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
         raise NotImplementedError
 
+    def sync_all(self, t: int) -> None:
+        """Bring what the worker holds to round t at the end of the run, so that digests are comparable."""
+        raise NotImplementedError
+
     def client_digest(self) -> str:
         raise NotImplementedError
 
@@ -220,30 +180,3 @@ def _to(inputs: Any, device: torch.device) -> Any:
     if isinstance(inputs, dict):
         return {k: v.to(device) for k, v in inputs.items()}
     return inputs.to(device)
-
-
-ALGORITHM_REGISTRY: dict[str, tuple[type, type]] = {}
-
-
-def register(name: str, server_cls: type, worker_cls: type) -> None:
-    ALGORITHM_REGISTRY[name] = (server_cls, worker_cls)
-
-
-# algorithm.name -> module that registers it on import.
-ALGORITHM_MODULES = {
-    "hosfl": "hosfl",
-    "sfl": "sfl",
-    "splitlora": "sfl",
-    "fsl_sage": "fsl_sage",
-    "zo_sfl": "zo_sfl",
-    "mu_splitfed": "mu_splitfed",
-}
-
-
-def get_algorithm(name: str) -> tuple[type, type]:
-    """(server class, worker class) registered under ``name``."""
-    if name in ALGORITHM_MODULES and name not in ALGORITHM_REGISTRY:
-        importlib.import_module(f"hosfl_dist.algorithms.{ALGORITHM_MODULES[name]}")
-    if name not in ALGORITHM_REGISTRY:
-        raise KeyError(f"unknown algorithm {name!r}; registered: {sorted(ALGORITHM_REGISTRY)}")
-    return ALGORITHM_REGISTRY[name]

@@ -27,22 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.futures import Future
 
-from hosfl_dist.algorithms.base import register
-from hosfl_dist.algorithms.fed_common import (
-    ExchangeServer,
-    ExchangeWorker,
-    bound,
-    clone_params,
-    detached,
-    slot_tensors,
-)
-from hosfl_dist.comm import UPLINK_ACTIVATIONS, wire
+from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
 from hosfl_dist.config import Config
+from hosfl_dist.core.optim import build_torch_optimizer
+from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
+from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.models.vision import ResNetServer, SmallCNNServer
-from hosfl_dist.optim import build_torch_optimizer
-from hosfl_dist.zo import mix_seed, trainable_slots
+from hosfl_dist.transport.wire import DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 ALIGN_MAX_SAMPLES = 1000
 """Smashed samples kept per client for alignment (oldest dropped first)."""
@@ -83,7 +77,7 @@ def build_aux(split: SplitModel, seed: int) -> AuxModel:
     convs = convs or [m for m in split.client.modules() if isinstance(m, nn.Conv2d)]
     block = copy.deepcopy(block)  # its own weights: the server's first block as it is at this moment (θs^0)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(mix_seed(seed, 0xA0C))
+        torch.manual_seed(stream_seed(seed, Stream.AUX_INIT))
         aux = AuxModel(block, convs[-1].out_channels, num_classes)
     return aux.to(next(server.parameters()).device)
 
@@ -91,8 +85,6 @@ def build_aux(split: SplitModel, seed: int) -> AuxModel:
 class FSLSageServer(ExchangeServer):
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         super().__init__(cfg, split)
-        if cfg.model.name == "hf":
-            raise ConfigError("algorithm.name=fsl_sage is implemented for vision models only (the paper's setting)")
         # One server model updated in place by every smashed batch, as in FSL-SAGE (no per-client copies).
         self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
         self.aux = build_aux(split, cfg.job.seed)
@@ -105,12 +97,8 @@ class FSLSageServer(ExchangeServer):
     @wire(args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS})
     def submit(self, t: int, client: int, step: int, act: Activation, labels: Tensor) -> None:
         """Smashed data (z, y) of client m's step j; kept for the end of the round, nothing is returned."""
-        with self.lock:
-            self.check_round(t)
-            self.smashed[(client, step)] = (
-                {k: v.detach().to(self.device) for k, v in act.items()},
-                labels.to(self.device),
-            )
+        self.check_round(t)
+        self.smashed[(client, step)] = ({k: v.detach().to(self.device) for k, v in act.items()}, labels.to(self.device))
 
     def end_round(self, t: int) -> None:
         losses = []
@@ -122,8 +110,7 @@ class FSLSageServer(ExchangeServer):
             losses.append(loss.item())
             self._remember(m, act["z"], y)
         self.smashed.clear()
-        with self.lock:
-            self.record_loss(losses)
+        self.record_loss(losses)
 
     def _remember(self, client: int, z: Tensor, y: Tensor) -> None:
         if client in self.align_sets:
@@ -134,8 +121,7 @@ class FSLSageServer(ExchangeServer):
     def download_payload(self, t: int, client: int) -> dict[str, Any]:
         out = super().download_payload(t, client)
         if t % self.cfg.algorithm.align_interval == 0 and client in self.align_sets:
-            with self.compute:
-                out["aux"] = [p.detach().clone() for p in self.align(t, client)]
+            out["aux"] = [p.detach().clone() for p in self.align(t, client)]
         return out
 
     def true_gradients(self, z: Tensor, y: Tensor) -> Tensor:
@@ -155,7 +141,7 @@ class FSLSageServer(ExchangeServer):
         params, opt = self.aux_models[client]
         z, y = self.align_sets[client]
         target = self.true_gradients(z, y)
-        gen = torch.Generator().manual_seed(mix_seed(self.cfg.job.seed, 0xA119, t, client))
+        gen = generator(self.cfg.job.seed, Stream.ALIGNMENT, t, client)
         with bound(self.aux_slots, params):
             for _ in range(ALIGN_EPOCHS):
                 for idx in torch.randperm(len(y), generator=gen).to(z.device).split(ALIGN_BATCH):
@@ -202,4 +188,15 @@ class FSLSageWorker(ExchangeWorker):
             fut.wait()
 
 
-register("fsl_sage", FSLSageServer, FSLSageWorker)
+register(
+    AlgorithmSpec(
+        name="fsl_sage",
+        server=FSLSageServer,
+        worker=FSLSageWorker,
+        zeroth_order_client=False,
+        traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_MODEL, DOWNLINK_MODEL}),
+        worker_parts=("client", "server"),  # the auxiliary model starts from f_s's first block
+        server_parts=("server", "client"),
+        families=("vision",),  # the paper's setting: the auxiliary model is a vision block
+    )
+)

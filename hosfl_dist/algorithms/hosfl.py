@@ -1,38 +1,58 @@
 """HO-SFL (Algorithms 1-3): server backprop + client zeroth-order projection with dimension-free aggregation.
 
-Round t, for each sampled client m (a worker runs this for the clients it hosts):
-  1. ClientSync: fetch the (seeds, v̄) history since the replica's round and replay it (Algorithm 3);
-  2. z_m = f_c(x_m; θc^t), sent with y_m;                                          (Eq. 1)
-  3. the server batches the K activations into one forward/backward with θs^t, steps θs once with the mean
-     gradient, and returns λ_m = ∂ℓ_m/∂z_m;                                          (Eq. 11)
-  4. v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P                          (Eq. 13)
-  5. v̄_p = mean over the K clients (only P scalars per client travel);             (Eq. 14)
-  6. every replica rebuilds ĝ_c = 1/(Pμ) Σ_p v̄_p u_p from the seeds and steps its optimizer. (Eq. 15-16)
+Round t, as the code below runs it (a worker runs the client side for the sampled clients it hosts):
+  plan       S_t = the K clients of a seeded draw (``round_plan``: server and workers compute the same set)
+  sync       each sampled client m receives the round's seeds s^t and the (seeds, v̄) history since its replica's
+             round t'_m, and replays it (ClientSync, Algorithm 3). The request is sent as soon as round t−1's
+             scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so it is
+             not a round trip on the critical path
+  client     z_m = f_c(x_m; θc^t) goes up with y_m                                              (Eq. 1)
+  server     the K activations are gathered into one forward/backward with θs^t; θs steps once with the mean
+             gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered)          (Eq. 11)
+  client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding the P perturbed
+             forwards run while z_m is in flight                                                 (Eq. 12-13)
+  aggregate  v̄ = mean over the K clients of their P scalars (:func:`mean_over_clients`), among the client
+             workers: P scalars per client up, v̄ down                                           (Eq. 14)
+  close      the leader reports v̄ (``finish_round``, not awaited) and the server appends it to the history
+  update     every replica rebuilds ĝ_c = 1/(Pμ) Σ_p v̄_p u_p from the seeds and steps its optimizer (Eq. 15-16)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.futures import Future
 
-from hosfl_dist.algorithms.base import EVAL_CLIENT, Replica, RoundBatch, ServerBase, WorkerBase, register
-from hosfl_dist.comm import (
+from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
+from hosfl_dist.config import Config
+from hosfl_dist.core.digest import tensors_digest
+from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer
+from hosfl_dist.core.seeding import round_seeds
+from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
+from hosfl_dist.models import Activation, SplitModel, server_forward
+from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
     DOWNLINK_SCALARS_SEEDS,
     EVAL,
     UPLINK_ACTIVATIONS,
     UPLINK_SCALARS,
+    Exchange,
     wire,
 )
-from hosfl_dist.config import Config
-from hosfl_dist.models import Activation, SplitModel, server_forward
-from hosfl_dist.optim import TensorwiseOptimizer, build_torch_optimizer, tensors_digest
-from hosfl_dist.zo import Projector, perturbed, reconstruct, round_seeds, scalar_coefficients
+
+SCALARS = Exchange("scalars", up=UPLINK_SCALARS, down=DOWNLINK_SCALARS_SEEDS)
+"""The dimension-free aggregation: each sampled client sends its P scalars and receives v̄."""
+
+
+def mean_over_clients(rows: Tensor) -> Tensor:
+    """v̄_p = (1/K) Σ_m v_{m,p} (Eq. 14): (K, P) -> (P,), summed in float64, returned as the float32 that travels."""
+    return (rows.double().sum(0) / rows.shape[0]).float()
 
 
 class SeedScalarHistory:
@@ -73,6 +93,7 @@ class SeedScalarHistory:
         self.offset += drop
 
 
+# ------------------------------------------------------------------------------------------------------ server
 class HOSFLServer(ServerBase):
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         super().__init__(cfg, split)
@@ -86,6 +107,19 @@ class HOSFLServer(ServerBase):
     def seeds_of(self, t: int) -> Tensor:
         return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
 
+    def _catch_up(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
+        """The history rows a replica at round ``since`` replays to reach round t; the replica is then at t."""
+        if client not in self.client_round:
+            raise RuntimeError(f"round {t}: unknown client {client}")
+        if since != self.client_round[client]:
+            raise RuntimeError(
+                f"round {t}: client {client} reports its replica at round {since}, the server has it at "
+                f"{self.client_round[client]}"
+            )
+        window = self.history.window(since, t)
+        self.client_round[client] = t
+        return window
+
     @wire(
         args={"since": CONTROL},
         result={
@@ -93,37 +127,35 @@ class HOSFLServer(ServerBase):
             "hist_seeds": DOWNLINK_SCALARS_SEEDS,
             "hist_scalars": DOWNLINK_SCALARS_SEEDS,
         },
+        after_previous_round=True,
     )
     def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
         """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
-        hist_seeds, hist_scalars = self.history.window(since, t)
-        with self.lock:
-            self.client_round[client] = t
+        hist_seeds, hist_scalars = self._catch_up(t, client, since)
         return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
-    @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL})
+    @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)
     def eval_sync(self, t: int, since: int, client: int = EVAL_CLIENT) -> dict[str, Tensor]:
         """History for the evaluation replica, or for the end-of-run check that every replica agrees.
 
         Counted as evaluation traffic: it is monitoring, not part of training.
         """
-        hist_seeds, hist_scalars = self.history.window(since, t)
-        with self.lock:
-            self.client_round[client] = t
-        self._trim()
+        hist_seeds, hist_scalars = self._catch_up(t, client, since)
+        self.history.trim(min(self.client_round.values()))
         return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
-    @wire(args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS})
-    def submit(self, t: int, client: int, act: Activation, labels: Tensor) -> Future:
-        """(z_m, y_m) in; a future of {"lam": λ_m} that completes once round t's K activations are processed."""
-        return self._gather(t, client, act, labels, self._forward_backward)
-
-    def _forward_backward(self, t: int, batch: RoundBatch) -> None:
+    @wire(
+        args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS}, gather=True
+    )
+    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Tensor]]:
+        """Round t's (z_m, y_m) of the K sampled clients in; {m: {"lam": λ_m}} out, after one step of θs."""
         if t != self.rounds_done:
             raise RuntimeError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
-        clients = sorted(batch.items)
-        acts = [{k: v.to(self.device) for k, v in batch.items[m][0].items()} for m in clients]
-        labels = [batch.items[m][1].to(self.device) for m in clients]
+        clients = sorted(batch)
+        if clients != round_plan(self.cfg, t):
+            raise RuntimeError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        acts = [{k: v.to(self.device) for k, v in batch[m]["act"].items()} for m in clients]
+        labels = [batch[m]["labels"].to(self.device) for m in clients]
         zs = [a["z"].detach().requires_grad_(True) for a in acts]
         self.opt.zero_grad(set_to_none=True)
         losses = []
@@ -144,33 +176,37 @@ class HOSFLServer(ServerBase):
                 loss_m = self.task.loss(server_forward(self.model, {**a, "z": z}), y)
                 loss_m.backward()
                 losses.append(loss_m.item())
-        k = len(clients)
         for p in self.model.parameters():  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
             if p.grad is not None:
-                p.grad.div_(k)
+                p.grad.div_(len(clients))
         self.opt.step()
         self.rounds_done += 1
         self.record_loss(losses)
-        for m, z in zip(clients, zs):  # λ_m = ∂ℓ_m/∂z_m: the client's own loss, not divided by K
-            batch.items[m][2].set_result({"lam": z.grad.detach()})
+        # λ_m = ∂ℓ_m/∂z_m: the client's own loss, not divided by K
+        return {m: {"lam": z.grad.detach()} for m, z in zip(clients, zs)}
 
-    @wire(args={"scalars": CONTROL})
-    def finish_round(self, t: int, scalars: Tensor, sampled: Tensor) -> None:
-        """Record v̄^t for catch-up; the sampled clients are now current at t+1."""
+    @wire(args={"scalars": CONTROL}, closes_round=True)
+    def finish_round(self, t: int, scalars: Tensor) -> None:
+        """Record v̄^t for catch-up; the sampled clients are now current at t+1, and round t is closed."""
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
-        with self.lock:
-            for m in sampled.tolist():
-                self.client_round[m] = t + 1
-        self._trim()
-
-    def _trim(self) -> None:
-        with self.lock:
-            self.history.trim(min(self.client_round.values()))
+        for m in round_plan(self.cfg, t):
+            self.client_round[m] = t + 1
+        self.history.trim(min(self.client_round.values()))
 
 
 def _batchable(acts: Sequence[Activation]) -> bool:
     first = acts[0]
     return all(a.keys() == first.keys() and all(a[k].shape[1:] == first[k].shape[1:] for k in a) for a in acts)
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+@dataclass
+class Replica:
+    """One client's copy of θc (its trainable tensors), its optimizer state and the round it is current at."""
+
+    params: list[nn.Parameter]
+    opt: TensorwiseOptimizer
+    round: int = 0
 
 
 class HOSFLWorker(WorkerBase):
@@ -185,7 +221,7 @@ class HOSFLWorker(WorkerBase):
         self.K = cfg.clients.per_round
         self.per_client = cfg.clients.replicas == "per_client"
         ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.collective.is_leader else [])
-        # t'_m as this worker knows it (the server keeps its own copy for trimming).
+        # t'_m as this worker knows it (the server keeps its own copy and checks that both agree).
         self.client_round = dict.fromkeys(ids, 0)
         if self.per_client:
             self.replicas = {m: self._new_replica() for m in ids}
@@ -193,6 +229,10 @@ class HOSFLWorker(WorkerBase):
             shared = self._new_replica()
             self.replicas = dict.fromkeys(ids, shared)
         self.bind(self.replicas[ids[0]].params if ids else self.fresh_params(requires_grad=False))
+        self._syncs: dict[int, dict[int, Future]] = {}
+        """Sync answers requested ahead, by round."""
+        self._closing: Future | None = None
+        """The leader's last finish_round, awaited before the next one and before evaluation."""
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
@@ -231,13 +271,17 @@ class HOSFLWorker(WorkerBase):
             vals = [proj(zt) for zt in z_tilde]
         return torch.stack(vals).float()
 
+    # -- the round -----------------------------------------------------------------------------------------------
+    def request_syncs(self, t: int, clients: Sequence[int]) -> dict[int, Future]:
+        return {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in clients}
+
     def run_round(self, t: int) -> int:
-        sampled = self.transport.call("plan", t=t)["sampled"]
-        mine = [m for m in sampled.tolist() if m in self.hosted]
+        sampled, mine = self.plan(t)
+        syncs = self._syncs.pop(t, None) or self.request_syncs(t, mine)
         jobs = []
-        for m in mine:  # Phase 1: sync and forward
+        for m in mine:  # sync (catch-up) and forward; z_m goes up and the P perturbed forwards need no λ
             rep = self.replicas[m]
-            got = self.transport.call("sync", t=t, client=m, since=self.client_round[m])
+            got = syncs[m].wait()
             if self.per_client:
                 self.replay(rep, got["hist_seeds"], got["hist_scalars"])
             self.client_round[m] = t
@@ -246,59 +290,65 @@ class HOSFLWorker(WorkerBase):
             self.bind(rep.params)
             with torch.no_grad():
                 act = self.client_forward(x)
-            fut = self.transport.call_async("submit", t=t, client=m, act=act, labels=y)
+            lam = self.transport.call_async("submit", t=t, client=m, act=act, labels=y)
             z = act["z"]
             del act
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ.
             z_tilde = self.zo_activations(x, seeds) if self.cfg.zo.overlap else None
-            jobs.append((m, rep, x, z, fut, z_tilde, seeds))
+            jobs.append((m, rep, x, z, lam, z_tilde, seeds))
             del z, z_tilde
 
         rows = torch.zeros(self.K, self.P, dtype=torch.float32)
-        slot = {m: i for i, m in enumerate(sampled.tolist())}
-        while jobs:  # Phase 3: scalars, client by client; each job's z and z̃ are freed once projected
-            m, rep, x, z, fut, z_tilde, seeds = jobs.pop(0)
-            proj = Projector(fut.wait()["lam"].to(z.device), z)
+        slot = {m: i for i, m in enumerate(sampled)}
+        while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
+            m, rep, x, z, lam, z_tilde, seeds = jobs.pop(0)
+            proj = Projector(lam.wait()["lam"].to(z.device), z)
             del z  # only λ and the z̃ being projected stay alive
             self.bind(rep.params)
-            v = self.zo_scalars(x, seeds, proj, z_tilde)
+            rows[slot[m]] = self.zo_scalars(x, seeds, proj, z_tilde)
             del z_tilde, proj
-            rows[slot[m]] = v
-            self.meter.add(UPLINK_SCALARS, v.numel() * v.element_size())
-        # Phase 4: aggregation. Each row has one contributor and zeros elsewhere, so the sum is exact and the mean
-        # below does not depend on how clients are spread over workers.
-        rows = self.collective.all_reduce_sum(rows)
-        vbar = (rows.double().sum(0) / self.K).float()  # v̄_p (Eq. 14)
-        for _ in mine:
-            self.meter.add(DOWNLINK_SCALARS_SEEDS, vbar.numel() * vbar.element_size())
+        vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine}, mean_over_clients)
+
+        self._settle()
         if self.collective.is_leader:
-            self.transport.call("finish_round", t=t, scalars=vbar, sampled=sampled)
+            self._closing = self.transport.call_async("finish_round", t=t, scalars=vbar)
+        for m in mine:
+            self.client_round[m] = t + 1  # the update below is applied before the next round starts
+        n = len(sampled) * self.cfg.clients.batch_size
+        self.processed += n
+        if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
+            self._syncs[t + 1] = self.request_syncs(t + 1, self.plan(t + 1)[1])
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:
                 self.apply_update(self.replicas[m], seeds_t, vbar)
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
-        for m in mine:
-            self.client_round[m] = t + 1
-        return len(sampled) * self.cfg.clients.batch_size
+        return n
+
+    def _settle(self) -> None:
+        """Wait for the leader's last round report (already answered unless the server is slow; errors surface)."""
+        if self._closing is not None:
+            self._closing.wait()
+            self._closing = None
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
-    def eval_params(self, t: int) -> Sequence[nn.Parameter]:
-        rep = self.replicas[EVAL_CLIENT]
-        got = self.transport.call("eval_sync", t=t, since=self.client_round[EVAL_CLIENT])
+    def _catch_up(self, t: int, client: int) -> None:
+        got = self.transport.call("eval_sync", t=t, since=self.client_round[client], client=client)
         if self.per_client:
-            self.replay(rep, got["hist_seeds"], got["hist_scalars"])
-        self.client_round[EVAL_CLIENT] = t
-        return rep.params
+            self.replay(self.replicas[client], got["hist_seeds"], got["hist_scalars"])
+        self.client_round[client] = t
+
+    def eval_params(self, t: int) -> Sequence[nn.Parameter]:
+        self._settle()
+        self._catch_up(t, EVAL_CLIENT)
+        return self.replicas[EVAL_CLIENT].params
 
     def sync_all(self, t: int) -> None:
         """Bring every hosted replica to round t through Algorithm 3 (end of run), so digests are comparable."""
+        self._settle()
         for m in sorted(self.hosted):
-            got = self.transport.call("eval_sync", t=t, since=self.client_round[m], client=m)
-            if self.per_client:
-                self.replay(self.replicas[m], got["hist_seeds"], got["hist_scalars"])
-            self.client_round[m] = t
+            self._catch_up(t, m)
 
     def client_digest(self) -> str:
         """SHA-256 of θc and the optimizer state, identical on every up-to-date replica."""
@@ -308,4 +358,12 @@ class HOSFLWorker(WorkerBase):
         return digests.pop()
 
 
-register("hosfl", HOSFLServer, HOSFLWorker)
+register(
+    AlgorithmSpec(
+        name="hosfl",
+        server=HOSFLServer,
+        worker=HOSFLWorker,
+        zeroth_order_client=True,
+        traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_SCALARS, DOWNLINK_GRADIENTS, DOWNLINK_SCALARS_SEEDS}),
+    )
+)

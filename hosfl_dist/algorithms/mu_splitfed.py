@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import register
-from hosfl_dist.algorithms.fed_common import ExchangeWorker, bound, server_seed, spsa_pair, step_seed, zo_step
-from hosfl_dist.algorithms.zo_sfl import ZOSFLServer
-from hosfl_dist.comm import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, wire
+from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.exchange import ExchangeWorker, server_seed, spsa_pair, step_seed, zo_step
+from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer
 from hosfl_dist.config import Config
+from hosfl_dist.core.optim import TensorwiseOptimizer
+from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, SplitModel
-from hosfl_dist.optim import TensorwiseOptimizer
+from hosfl_dist.transport.wire import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, wire
 
 
 class MUSplitFedServer(ZOSFLServer):
@@ -53,7 +54,7 @@ class MUSplitFedServer(ZOSFLServer):
         copy = self.copy_for(t, client)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
         zo, mu = self.cfg.zo, self.cfg.zo.mu
-        with self.compute, bound(self.slots, copy.params):
+        with bound(self.slots, copy.params):
             for k in range(self.tau):  # the unbalanced updates: τ server steps for this one client step
                 sk = server_seed(seed, k)
                 lp, lm = spsa_pair(self.slots, sk, mu, zo, lambda sign: self.loss_on(act, labels))
@@ -80,7 +81,17 @@ class MUSplitFedWorker(ExchangeWorker):
         delta = self.transport.call(
             "submit", t=t, client=client, act=act, act_plus=act_plus, act_minus=act_minus, labels=y
         )["g"]
+        del act, act_plus, act_minus  # sent: the update needs only the scalar
         zo_step(TensorwiseOptimizer(self.cfg.clients.optim, params), params, seed, float(delta), zo.rng_device)
 
 
-register("mu_splitfed", MUSplitFedServer, MUSplitFedWorker)
+register(
+    AlgorithmSpec(
+        name="mu_splitfed",
+        server=MUSplitFedServer,
+        worker=MUSplitFedWorker,
+        zeroth_order_client=True,
+        traffic=ZO_SFL_TRAFFIC,
+        server_parts=("server", "client"),
+    )
+)

@@ -19,13 +19,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import register
-from hosfl_dist.algorithms.fed_common import ExchangeServer, ExchangeWorker, bound, detached
-from hosfl_dist.comm import DOWNLINK_GRADIENTS, UPLINK_ACTIVATIONS, wire
-from hosfl_dist.config import Config
-from hosfl_dist.errors import ConfigError
-from hosfl_dist.models import Activation, SplitModel, server_forward
-from hosfl_dist.optim import build_torch_optimizer
+from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
+from hosfl_dist.core.optim import build_torch_optimizer
+from hosfl_dist.core.params import bound
+from hosfl_dist.models import Activation, server_forward
+from hosfl_dist.transport.wire import DOWNLINK_GRADIENTS, DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 
 class SFLServer(ExchangeServer):
@@ -36,7 +35,7 @@ class SFLServer(ExchangeServer):
     def submit(self, t: int, client: int, act: Activation, labels: Tensor) -> dict[str, Tensor]:
         """One step of client m: backprop on θs_m, step it, and return λ = ∂ℓ_m/∂z."""
         copy = self.copy_for(t, client)
-        with self.compute, bound(self.slots, copy.params):
+        with bound(self.slots, copy.params):
             act = {k: v.to(self.device) for k, v in act.items()}
             z = act["z"].detach().requires_grad_(True)
             loss = self.task.loss(server_forward(self.model, {**act, "z": z}), labels.to(self.device))
@@ -61,27 +60,26 @@ class SFLWorker(ExchangeWorker):
             opt.step()
 
 
-def require_lora(split: SplitModel) -> None:
-    """SplitLoRA trains LoRA adapters on both sides; anything else is plain SFL and should say so."""
-    for side, module in (("client", split.client), ("server", split.server)):
-        if not any(p.requires_grad and "lora_" in n for n, p in module.named_parameters()):
-            raise ConfigError(
-                f"algorithm.name=splitlora needs LoRA adapters on both sides, but the {side} part has none "
-                "(model.name=hf with lora.client_targets and lora.server_targets); use algorithm.name=sfl otherwise"
-            )
-
-
-class SplitLoRAServer(SFLServer):
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        require_lora(split)
-        super().__init__(cfg, split)
-
-
-class SplitLoRAWorker(SFLWorker):
-    def __init__(self, cfg: Config, split: SplitModel, *args: Any, **kwargs: Any) -> None:
-        require_lora(split)
-        super().__init__(cfg, split, *args, **kwargs)
-
-
-register("sfl", SFLServer, SFLWorker)
-register("splitlora", SplitLoRAServer, SplitLoRAWorker)
+SFL_TRAFFIC = frozenset({UPLINK_ACTIVATIONS, DOWNLINK_GRADIENTS, UPLINK_MODEL, DOWNLINK_MODEL})
+register(
+    AlgorithmSpec(
+        name="sfl",
+        server=SFLServer,
+        worker=SFLWorker,
+        zeroth_order_client=False,
+        traffic=SFL_TRAFFIC,
+        server_parts=("server", "client"),
+    )
+)
+register(
+    AlgorithmSpec(
+        name="splitlora",
+        server=SFLServer,
+        worker=SFLWorker,
+        zeroth_order_client=False,
+        traffic=SFL_TRAFFIC,
+        server_parts=("server", "client"),
+        families=("hf",),
+        needs_lora=True,
+    )
+)

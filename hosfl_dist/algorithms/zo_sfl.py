@@ -16,19 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import register
-from hosfl_dist.algorithms.fed_common import (
-    ExchangeServer,
-    ExchangeWorker,
-    bound,
-    server_seed,
-    spsa_pair,
-    step_seed,
-    zo_step,
-)
-from hosfl_dist.comm import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, wire
+from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, server_seed, spsa_pair, step_seed, zo_step
+from hosfl_dist.core.optim import TensorwiseOptimizer
+from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, server_forward
-from hosfl_dist.optim import TensorwiseOptimizer
+from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 
 class ZOSFLServer(ExchangeServer):
@@ -53,7 +46,7 @@ class ZOSFLServer(ExchangeServer):
         copy = self.copy_for(t, client)
         seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
         mu = self.cfg.zo.mu
-        with self.compute, bound(self.slots, copy.params):
+        with bound(self.slots, copy.params):
             lp, lm = spsa_pair(
                 self.slots,
                 seed,
@@ -82,7 +75,18 @@ class ZOSFLWorker(ExchangeWorker):
             g = self.transport.call(
                 "submit", t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y
             )["g"]
+            del act_plus, act_minus  # sent: the update needs only the scalar
             zo_step(opt, params, seed, float(g), zo.rng_device)  # θc ← opt(θc, g·u)
 
 
-register("zo_sfl", ZOSFLServer, ZOSFLWorker)
+ZO_SFL_TRAFFIC = frozenset({UPLINK_ACTIVATIONS, DOWNLINK_SCALARS_SEEDS, UPLINK_MODEL, DOWNLINK_MODEL})
+register(
+    AlgorithmSpec(
+        name="zo_sfl",
+        server=ZOSFLServer,
+        worker=ZOSFLWorker,
+        zeroth_order_client=True,
+        traffic=ZO_SFL_TRAFFIC,
+        server_parts=("server", "client"),
+    )
+)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hosfl_dist.config import TEXT_DATASETS, Config
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
-from hosfl_dist.zo import mix_seed
+from hosfl_dist.core.seeding import Stream, generator, stream_seed
 
 
 class ClientStream:
@@ -84,9 +84,9 @@ class FederatedData:
     def stream(self, client: int) -> ClientStream:
         if client not in self._streams:
             self._streams[client] = ClientStream(
-                self.shards[client], self.batch_size, mix_seed(self.seed, 0xDA7A, client)
+                self.shards[client], self.batch_size, stream_seed(self.seed, Stream.CLIENT_BATCHES, client)
             )
-            self._aug_gens[client] = torch.Generator().manual_seed(mix_seed(self.seed, 0xA06, client))
+            self._aug_gens[client] = generator(self.seed, Stream.AUGMENT, client)
         return self._streams[client]
 
     def next_batch(self, client: int) -> tuple[Any, Tensor]:
@@ -113,7 +113,7 @@ def _take(inputs: Any, idx: Tensor) -> Any:
 
 
 def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
-    seed = mix_seed(cfg.job.seed, 0x9A27)
+    seed = stream_seed(cfg.job.seed, Stream.PARTITION)
     if cfg.data.partition == "dirichlet":
         return dirichlet_partition(labels.numpy(), cfg.clients.total, cfg.data.alpha, seed)
     return iid_partition(len(labels), cfg.clients.total, seed)
@@ -130,7 +130,7 @@ def build_data(cfg: Config) -> FederatedData:
     splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
     tx, ty, vx, vy = splits.train_x, splits.train_y, splits.test_x, splits.test_y
     if cfg.data.train_max_samples:
-        keep = torch.randperm(len(ty), generator=torch.Generator().manual_seed(mix_seed(cfg.job.seed, 1)))
+        keep = torch.randperm(len(ty), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
         keep = keep[: cfg.data.train_max_samples].sort().values
         tx, ty = tx[keep], ty[keep]
     if cfg.data.eval_max_samples:

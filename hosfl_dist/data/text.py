@@ -36,47 +36,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from hosfl_dist.data.squad_metric import (
-    extract_answer,
-    squad_evaluate,
-    squad_exact_match,
-    squad_f1,
-    squad_normalize,
-)
 from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.tasks.generation import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = [
-    "SENTIMENT_COLUMNS",
-    "TASKS",
-    "TextTaskSpec",
-    "TokenizedTextData",
-    "classification_logits",
-    "classification_loss",
-    "extract_answer",
-    "format_example",
-    "get_task",
-    "label_word_ids",
-    "lm_loss",
-    "load_text_split",
-    "local_sentiment_paths",
-    "squad_evaluate",
-    "squad_exact_match",
-    "squad_f1",
-    "squad_normalize",
-    "tokenize_split",
-]
-
 TASKS: tuple[str, ...] = ("sst2", "rte", "wsc", "squad")
 SENTIMENT_COLUMNS: dict[str, str] = {"sentence": "text", "label": "label"}
 """Column mapping of the local sentiment files (``{"text": ..., "label": 0|1}``) onto SST-2's fields."""
-IGNORE_INDEX = -100
-"""Label of the positions that :func:`lm_loss` skips (prompt and padding)."""
 
 
 @dataclass(frozen=True)
@@ -518,42 +488,3 @@ def tokenize_split(
         labels = torch.empty((n, 0), dtype=torch.long)
         meta["answers"] = [list(ex["answers"]) for ex in examples]
     return TokenizedTextData(input_ids, attention_mask, labels, meta, padding_side, int(n_truncated))
-
-
-# ---------------------------------------------------------------------------------------------------------- losses
-
-
-def classification_logits(logits: Tensor, attention_mask: Tensor, label_word_ids: Sequence[int]) -> Tensor:
-    """(B, T, V) logits -> (B, n_labels): the label words' logits at each row's last real token.
-
-    The last real token is the largest position where ``attention_mask`` is 1, which is ``sum(mask) - 1`` under
-    right padding and ``T - 1`` under left padding.
-    """
-    if logits.dim() != 3 or attention_mask.shape != logits.shape[:2]:
-        raise ValueError(f"logits {tuple(logits.shape)} and attention_mask {tuple(attention_mask.shape)} do not match")
-    positions = torch.arange(logits.shape[1], device=logits.device)
-    last = (attention_mask.to(positions.dtype) * positions).argmax(dim=1)  # (B,)
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    ids = torch.as_tensor(list(label_word_ids), dtype=torch.long, device=logits.device)
-    return logits[rows, last][:, ids]  # (B, n_labels)
-
-
-def classification_loss(
-    logits: Tensor, attention_mask: Tensor, labels: Tensor, label_word_ids: Sequence[int]
-) -> Tensor:
-    """Mean cross-entropy over the batch of the label-word logits (computed in float32)."""
-    scores = classification_logits(logits, attention_mask, label_word_ids).float()
-    return F.cross_entropy(scores, labels.to(scores.device))
-
-
-def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Causal LM loss: position t predicts ``labels[t + 1]``; mean over the labelled (not -100) tokens, in float32.
-
-    A batch without labelled tokens gives 0 (still attached to the graph).
-    """
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])  # (B*(T-1), V)
-    shift_labels = labels[:, 1:].reshape(-1).to(logits.device)  # (B*(T-1),)
-    keep = shift_labels != IGNORE_INDEX
-    if not bool(keep.any()):
-        return logits.sum() * 0.0
-    return F.cross_entropy(shift_logits[keep].float(), shift_labels[keep])  # float32 on the answer rows only

@@ -32,7 +32,9 @@ from hosfl_dist.data.text import (
     tokenize_split,
 )
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.zo import mix_seed
+from hosfl_dist.core.seeding import Stream, generator, stream_seed
+from hosfl_dist.models.sources import load_tokenizer, resolve
+from hosfl_dist.tasks.generation import encode_answers
 
 HUB_SPLITS = {"train": "train", "eval": "validation"}
 
@@ -113,17 +115,15 @@ def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 def build_text_data(cfg: Config) -> TextFederatedData:
     """Load, subsample, tokenise with ``cfg.model``'s tokenizer and partition the text data set."""
-    from hosfl_dist.models.lm import encode_answers, load_tokenizer
-
     d = cfg.data
     spec = get_task(task_name(cfg))
     train_ex, eval_ex = load_examples(cfg)
     if d.train_max_samples and d.train_max_samples < len(train_ex):
-        keep = torch.randperm(len(train_ex), generator=torch.Generator().manual_seed(mix_seed(cfg.job.seed, 1)))
+        keep = torch.randperm(len(train_ex), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
         train_ex = [train_ex[i] for i in keep[: d.train_max_samples].sort().values.tolist()]
     if d.eval_max_samples:
         eval_ex = eval_ex[: d.eval_max_samples]
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file))
     train = tokenize_split(spec, train_ex, tokenizer, d.max_length, d.padding_side, train=True)
     evaluation = tokenize_split(spec, eval_ex, tokenizer, d.max_length, d.padding_side, train=False)
     info: dict[str, Any] = {
@@ -145,5 +145,5 @@ def build_text_data(cfg: Config) -> TextFederatedData:
         if d.partition != "iid":
             raise ConfigError(f"data.partition={d.partition} needs class labels; {spec.name} supports only iid")
         eval_labels = encode_answers(evaluation.meta["answers"])  # (N, A, L) gold answers as bytes
-        shards = iid_partition(len(train), cfg.clients.total, mix_seed(cfg.job.seed, 0x9A27))
+        shards = iid_partition(len(train), cfg.clients.total, stream_seed(cfg.job.seed, Stream.PARTITION))
     return TextFederatedData(train, evaluation, eval_labels, shards, cfg.clients.batch_size, cfg.job.seed, info)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hosfl_dist.comm import PAPER_CATEGORIES
+from hosfl_dist.transport.wire import PAPER_CATEGORIES
 from hosfl_dist.experiments.runs import RunData
 
 CATEGORY_LABELS = {

@@ -10,9 +10,10 @@ The client is idle during W(c) unless it runs its P perturbed forward passes z̃
 answers how many such passes fit in W(c) for c client layers, and what a round costs as a function of P with and
 without that overlap. Equations are cited by their LaTeX labels in the paper source.
 
-Everything is closed-form (FLOPs / throughput, bits / bandwidth + RTT/2), so the module imports only numpy; yaml
-and matplotlib are imported where the CLI needs them. ``link_delay_s`` is the one-way link delay that an emulated
-transport can inject.
+Everything is closed-form (FLOPs / throughput, bits / bandwidth + RTT/2), so the module imports only numpy and the
+config tree; yaml and matplotlib are imported where the CLI needs them. The link is the config's
+:class:`~hosfl_dist.config.LinkConfig` (the ``comm`` section of a run, ``link`` in this tool's YAML), the same that
+the emulated link (``comm.inject_delay``) injects.
 
     python -m hosfl_dist.measure.latency --out /tmp/latency_out
 """
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from hosfl_dist.config import LinkConfig, build_section
 from hosfl_dist.errors import ConfigError, HosflError
 
 # Backward = 2x forward: one matmul for the input gradient, one for the weight gradient. This is the full
@@ -45,37 +47,11 @@ SCALAR_BYTES = 4
 _FLOOR_RTOL = 1e-9
 
 
-def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:
-    """One-way delay of a message: serialisation ``nbytes * 8 / (mbps * 1e6)`` plus half the round-trip time."""
-    if mbps <= 0:
-        raise ConfigError(f"link bandwidth must be > 0 Mbps, got {mbps}")
-    if nbytes < 0 or rtt_ms < 0:
-        raise ConfigError(f"nbytes and rtt_ms must be >= 0, got nbytes={nbytes}, rtt_ms={rtt_ms}")
-    return nbytes * 8 / (mbps * 1e6) + rtt_ms / 2e3
-
-
 def _require_positive(section: str, **values: float) -> None:
     """Raise a ConfigError naming the first non-positive field of ``section``."""
     for name, value in values.items():
         if not value > 0:
             raise ConfigError(f"{section}.{name} must be > 0, got {value}")
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """Client-server link, defaults from the 5G setting of App. C.1 (Narayanan et al. 2020)."""
-
-    uplink_mbps: float = 30.0
-    """Client → server bandwidth, Mbit/s (1 Mbit = 1e6 bit)."""
-    downlink_mbps: float = 200.0
-    """Server → client bandwidth, Mbit/s."""
-    rtt_ms: float = 30.0
-    """Round-trip time; each one-way message pays half of it."""
-
-    def __post_init__(self) -> None:
-        _require_positive("link", uplink_mbps=self.uplink_mbps, downlink_mbps=self.downlink_mbps)
-        if self.rtt_ms < 0:
-            raise ConfigError(f"link.rtt_ms must be >= 0, got {self.rtt_ms}")
 
 
 @dataclass(frozen=True)
@@ -243,7 +219,7 @@ class Workload:
 class LatencyModel:
     """Round timing of one HO-SFL client; every time is in seconds, every ``c`` counts client blocks."""
 
-    link: LinkModel = field(default_factory=LinkModel)
+    link: LinkConfig = field(default_factory=LinkConfig)
     hardware: Hardware = field(default_factory=Hardware)
     shape: DecoderShape = field(default_factory=DecoderShape.llama32_1b)
     workload: Workload = field(default_factory=Workload)
@@ -264,11 +240,11 @@ class LatencyModel:
 
     def uplink_time(self) -> float:
         """Time to send z (+labels) client → server, including RTT/2."""
-        return link_delay_s(self.uplink_bytes(), self.link.uplink_mbps, self.link.rtt_ms)
+        return self.link.uplink_s(self.uplink_bytes())
 
     def downlink_time(self) -> float:
         """λ server → client (same shape and dtype as z), including RTT/2."""
-        return link_delay_s(self.activation_bytes(), self.link.downlink_mbps, self.link.rtt_ms)
+        return self.link.downlink_s(self.activation_bytes())
 
     def client_forward_time(self, c: int) -> float:
         """One forward of the first c blocks (the embedding lookup is a gather, ~0 FLOPs).
@@ -311,8 +287,7 @@ class LatencyModel:
         elements = self.workload.tokens * self.shape.hidden
         projections = num_perturbations * PROJECTION_FLOPS_PER_ELEMENT * elements / self.hardware.client_flops_per_s
         scalars = num_perturbations * SCALAR_BYTES
-        exchange = link_delay_s(scalars, self.link.uplink_mbps, self.link.rtt_ms)
-        exchange += link_delay_s(scalars, self.link.downlink_mbps, self.link.rtt_ms)
+        exchange = self.link.uplink_s(scalars) + self.link.downlink_s(scalars)
         return projections + exchange
 
     def round_time(self, num_perturbations: int, c: int, overlap: bool, include_finish: bool = True) -> float:
@@ -450,7 +425,7 @@ def simulate_round_time(
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 
-_SECTIONS: dict[str, type] = {"link": LinkModel, "hardware": Hardware, "model": DecoderShape, "workload": Workload}
+_SECTIONS: dict[str, type] = {"link": LinkConfig, "hardware": Hardware, "model": DecoderShape, "workload": Workload}
 _SIM_DEFAULTS: dict[str, Any] = {"noise": 0.10, "trials": 1000, "seed": 0, "max_client_layers": 8, "round_layers": 4}
 
 
@@ -471,13 +446,12 @@ def load_config(path: str | Path) -> tuple[LatencyModel, dict[str, Any]]:
     parts: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():
         values = raw.get(section) or {}
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = set(values) - known
-        if bad:
-            raise ConfigError(f"{path}: unknown key(s) {sorted(bad)} in section '{section}'; known: {sorted(known)}")
-        if cls is DecoderShape:
+        if cls is DecoderShape and isinstance(values, dict):
             values = {**dataclasses.asdict(DecoderShape.llama32_1b()), **values}
-        parts[section] = cls(**values)
+        try:
+            parts[section] = build_section(cls, values, section)  # the config tree's strict loader
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     sim = raw.get("sim") or {}
     bad = set(sim) - set(_SIM_DEFAULTS)
     if bad:

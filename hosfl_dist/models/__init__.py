@@ -3,48 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosfl_dist.config import Config
+from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.zo import mix_seed
+from hosfl_dist.tasks import Task
+from hosfl_dist.tasks.classification import ClassificationTask
 
 Activation = dict[str, Tensor]
 """What the client sends the server: ``"z"`` is f_c's output (λ is ∂ℓ/∂z); other keys are side inputs the server
 needs (e.g. attention masks), counted as uplink activation traffic too."""
-
-
-class Task(Protocol):
-    """Loss and evaluation on the server's outputs."""
-
-    def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
-        """Mean loss over the batch (ℓ of one client's batch)."""
-
-    def eval_stats(self, outputs: Tensor, labels: Tensor) -> dict[str, float]:
-        """Summable statistics of one evaluation batch."""
-
-    def finalize(self, stats: dict[str, float]) -> dict[str, float]:
-        """Metrics (at least ``eval_accuracy`` and ``eval_loss``) from summed statistics."""
-
-
-class ClassificationTask:
-    def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
-        return F.cross_entropy(outputs, labels)
-
-    def eval_stats(self, outputs: Tensor, labels: Tensor) -> dict[str, float]:
-        return {
-            "loss_sum": F.cross_entropy(outputs, labels, reduction="sum").item(),
-            "correct": (outputs.argmax(-1) == labels).sum().item(),
-            "count": float(labels.numel()),
-        }
-
-    def finalize(self, stats: dict[str, float]) -> dict[str, float]:
-        n = max(stats.get("count", 0.0), 1.0)
-        return {"eval_accuracy": stats.get("correct", 0.0) / n, "eval_loss": stats.get("loss_sum", 0.0) / n}
 
 
 @dataclass
@@ -56,6 +28,13 @@ class SplitModel:
     def client_forward(self, inputs: Any) -> Activation:
         return as_activation(self.client(**inputs) if isinstance(inputs, dict) else self.client(inputs))
 
+    def keep(self, parts: tuple[str, ...]) -> SplitModel:
+        """Drop the parts a role does not hold ("client", "server"), so their memory is freed."""
+        for part in ("client", "server"):
+            if part not in parts:
+                setattr(self, part, None)
+        return self
+
 
 def as_activation(out: Tensor | Activation) -> Activation:
     return out if isinstance(out, dict) else {"z": out}
@@ -66,16 +45,24 @@ def server_forward(server: nn.Module, act: Activation) -> Tensor:
     return server(act["z"]) if len(act) == 1 else server(act)
 
 
-def build_split_model(cfg: Config, data_info: dict[str, Any]) -> SplitModel:
-    """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process)."""
+def build_split_model(cfg: Config, data_info: dict[str, Any], zeroth_order_client: bool | None = None) -> SplitModel:
+    """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process).
+
+    ``zeroth_order_client`` (default: what the registry says of ``algorithm.name``) keeps an LM client part free of
+    dropout.
+    """
     if cfg.model.name == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
         from hosfl_dist.models import lm
 
-        return lm.build(cfg, data_info)
+        if zeroth_order_client is None:
+            from hosfl_dist.algorithms import get_algorithm
+
+            zeroth_order_client = get_algorithm(cfg.algorithm.name).zeroth_order_client
+        return lm.build(cfg, data_info, zeroth_order_client)
     from hosfl_dist.models import vision
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(mix_seed(cfg.job.seed, 0x0DE1))
+        torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
         if cfg.model.name == "resnet18":
             client, server = vision.resnet18_split(
                 data_info["num_classes"],

@@ -1,8 +1,9 @@
 """Build or load the Hugging Face decoder LMs that `hf_split` cuts in two.
 
 `tiny_causal_lm` makes small random models from config objects (tests and smoke runs, no downloads);
-`load_causal_lm` loads a real checkpoint from the hub, a local directory or a GGUF file, and turns every
-way that can fail into one `ConfigError` line naming the source.
+`load_causal_lm` loads a real checkpoint from the hub, a local directory or a GGUF file, and `load_tokenizer` its
+tokenizer alone; both turn every way that can fail into one `ConfigError` line naming the source. Which of them a
+``model.source`` means is decided in one place, :mod:`hosfl_dist.models.sources`.
 """
 
 from __future__ import annotations
@@ -108,21 +109,8 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
-def load_causal_lm(
-    source: str,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    local_files_only: bool = False,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load a causal LM and its tokenizer (None when the checkpoint ships none), in eval() mode.
-
-    `source` is a hub id, a local HF directory, a directory holding `gguf_file`, a path to a `.gguf` file,
-    or "tiny:<arch>" for `tiny_causal_lm(arch)` (no tokenizer). GGUF weights are dequantised to `dtype`.
-    Raises ConfigError naming `source` when the model cannot be loaded or its type is not supported.
-    """
-    if source.startswith("tiny:"):
-        return tiny_causal_lm(source.removeprefix("tiny:")).to(dtype), None
-
+def _checked(source: str, gguf_file: str | None, local_files_only: bool) -> tuple[str, str, dict[str, Any]]:
+    """(source, where, from_pretrained kwargs) after the local checks that avoid a slow, misleading hub lookup."""
     if gguf_file is None and source.endswith(".gguf"):
         source, gguf_file = os.path.split(source)
         source = source or "."
@@ -132,11 +120,25 @@ def load_causal_lm(
             raise ConfigError(f"cannot load model {source!r}: no such directory")
         if gguf_file is not None and not os.path.isfile(os.path.join(source, gguf_file)):
             raise ConfigError(f"cannot load model {source!r}: no GGUF file {gguf_file!r} in it")
-
     where = source if gguf_file is None else os.path.join(source, gguf_file)
     kwargs: dict[str, Any] = {"local_files_only": local_files_only}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    return source, where, kwargs
+
+
+def load_causal_lm(
+    source: str,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    local_files_only: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM in eval() mode from a hub id, a local HF directory, a directory holding `gguf_file`, or a
+    path to a `.gguf` file. GGUF weights are dequantised to `dtype`.
+
+    Raises ConfigError naming `source` when the model cannot be loaded or its type is not supported.
+    """
+    source, where, kwargs = _checked(source, gguf_file, local_files_only)
     # from_pretrained fails in many types (OSError, HFValidationError, connection errors, ImportError for a
     # missing gguf package, ...); all of them mean "this source cannot be used", reported in one line.
     try:
@@ -152,8 +154,15 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
     except Exception as err:
         raise ConfigError(f"cannot load model {where!r}: {_one_line(err)}") from err
+    return model.eval()
 
-    return model.eval(), _load_tokenizer(source, where, kwargs)
+
+def load_tokenizer(
+    source: str, gguf_file: str | None = None, local_files_only: bool = False
+) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a checkpoint ships (read without loading the weights), or None when it ships none."""
+    source, where, kwargs = _checked(source, gguf_file, local_files_only)
+    return _load_tokenizer(source, where, kwargs)
 
 
 # Any of these marks a local directory that ships a tokenizer (a GGUF file always embeds one).

@@ -30,18 +30,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.models.hf_load import SUPPORTED_MODEL_TYPES, load_causal_lm, tiny_causal_lm
-
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "HFClient",
-    "HFServer",
-    "apply_lora",
-    "load_causal_lm",
-    "num_decoder_layers",
-    "split_causal_lm",
-    "tiny_causal_lm",
-]
+from hosfl_dist.models.hf_load import SUPPORTED_MODEL_TYPES
 
 
 @dataclass

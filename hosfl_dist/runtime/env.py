@@ -26,9 +26,7 @@ import torch.distributed.rpc as rpc
 
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
-
-SERVER_NAME = "server"
-"""RPC name of rank 0, the server front."""
+from hosfl_dist.transport.rpc import SERVER_NAME
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Pure zeroth-order math: seeds, in-place-free perturbation, scalar projection and gradient reconstruction.
+"""Pure zeroth-order math: per-tensor noise, write-free perturbation, scalar projection and gradient reconstruction.
 
 Noise is never materialised as one d_c-sized vector. Each trainable tensor i gets its own slice of u_p, drawn from a
 generator seeded with ``tensor_seed(s_p, i)``: every replica regenerates exactly the same numbers in any order, one
@@ -14,27 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """Hash integers into one 63-bit seed (stable across processes and Python versions, unlike ``hash``)."""
-    h = 0x243F6A8885A308D3
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h & ((1 << 63) - 1)
-
-
-def round_seeds(run_seed: int, round_idx: int, num_perturbations: int) -> list[int]:
-    """s_p^t for p = 1..P: derived from the run seed so that nobody ships u_p (only the P seeds travel)."""
-    return [mix_seed(run_seed, 0x5EED, round_idx, p) for p in range(num_perturbations)]
+from hosfl_dist.core.params import Slots
+from hosfl_dist.core.seeding import mix_seed
 
 
 def tensor_seed(seed: int, index: int) -> int:
@@ -59,23 +40,9 @@ def perturbed_tensor(param: Tensor, seed: int, index: int, mu: float, rng_device
     return noise_like(param, seed, index, rng_device).mul_(mu).add_(param)
 
 
-def trainable_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(owner module, parameter name) for every trainable parameter, in ``named_parameters`` order.
-
-    The position in this list is the tensor index used for noise seeds, so it must be identical on every replica
-    (same architecture, same order).
-    """
-    slots = []
-    for _, mod in module.named_modules():
-        for name, p in mod.named_parameters(recurse=False):
-            if p.requires_grad:
-                slots.append((mod, name))
-    return slots
-
-
 @contextlib.contextmanager
 def perturbed(
-    slots: Sequence[tuple[nn.Module, str]],
+    slots: Slots,
     seed: int,
     mu: float,
     rng_device: str | torch.device = "cpu",

@@ -1,14 +1,15 @@
 """Server group: θs sharded over ranks 0..S-1 with FSDP2 (``fully_shard``), rank 0 the RPC front.
 
 Every server rank holds the same server object around its shard of θs (parameters, gradients and optimizer state
-are split S ways: the memory that does not fit one device). Rank 0 broadcasts each call it is about to execute to
-the other server ranks (:class:`CallBroadcast`), which replay the same calls in the same order
-(:func:`follow`), so the all-gathers and reduce-scatters of FSDP line up across the group.
+are split S ways: the memory that does not fit one device). Rank 0's endpoint announces each execution of a server
+method to the other server ranks (:class:`CallBroadcast`, the endpoint's ``mirror``), which replay the same
+executions in the same order (:func:`follow`), so the all-gathers and reduce-scatters of FSDP line up across the
+group. A gathered call is announced once, with the whole round.
 
 Every rank computes the round's forward/backward on the whole K-client batch, i.e. the algorithm's single server
-step is unchanged (no fork of ``_forward_backward``). The FSDP gradient reduction then averages S identical
-gradients: for S a power of two, g/S summed S times is exactly g, so a 2-rank server group gives bit-identical
-results to a 1-rank server (tested); for other S it differs from g by float rounding (≤ a few ulp per step).
+step is unchanged. The FSDP gradient reduction then averages S identical gradients: for S a power of two, g/S
+summed S times is exactly g, so a 2-rank server group gives bit-identical results to a 1-rank server (tested); for
+other S it differs from g by float rounding (≤ a few ulp per step).
 Splitting the batch over the group would divide the compute by S too, but needs per-rank loss weights inside the
 algorithm's round when K is not a multiple of S.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hosfl_dist.optim import tensors_digest
+from hosfl_dist.core.digest import tensors_digest
 
 
 def shard_server_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
@@ -76,4 +77,4 @@ def follow(server: Any, group: dist.ProcessGroup) -> None:
             full_digest(server.model)
         else:
             _, method, kwargs = msg
-            getattr(server, method)(**kwargs)  # submit's future is rank 0's to answer; here only the shard moves
+            getattr(server, method)(**kwargs)  # the answers are rank 0's to send; here only the shard moves

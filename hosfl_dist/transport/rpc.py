@@ -1,14 +1,14 @@
 """The distributed transport: client worker -> server over ``torch.distributed.rpc``, worker <-> worker over a
 process group.
 
-:class:`RPCTransport` is the RPC twin of :class:`hosfl_dist.transport.InProcessTransport`: it counts the same
-:class:`~hosfl_dist.comm.WireSpec` of the server method on the same tensors (the call's arguments when they are
-sent, the result's fields when they arrive), so both engines report identical traffic for the same run. Tensors
-are staged to CPU before they cross (TensorPipe needs device maps for CUDA tensors; the server moves them to its
-device itself), and views are compacted so that the bytes on the wire are the bytes counted.
+:class:`RPCTransport` is the RPC twin of :class:`~hosfl_dist.transport.inprocess.InProcessTransport`: on rank 0 the
+call reaches the same :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`, so both runtimes obey the same ordering
+rules, and the worker's :class:`~hosfl_dist.transport.metered.MeteredTransport` counts the same bytes. Tensors are
+staged to CPU before they cross (TensorPipe needs device maps for CUDA tensors; the server moves them to its device
+itself), and views are compacted so that the bytes on the wire are the bytes counted.
 
-:class:`ProcessGroupCollective` sums among client workers. Both keep :class:`TransportStats` (time blocked in the
-transport), which the benchmark turns into the transport's share of a round.
+:class:`ProcessGroupCollective` sums among client workers. Both keep :class:`TransportStats` (calls, waits and the
+time blocked in the transport), which the benchmark reads against the transport's floor.
 """
 
 from __future__ import annotations
@@ -17,23 +17,32 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from hosfl_dist.comm import CATEGORIES, CommMeter, WireSpec, count_call, count_result
-from hosfl_dist.distributed.env import SERVER_NAME
+from hosfl_dist.transport import chained, forward
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.inprocess import count_exchange
+from hosfl_dist.transport.wire import CATEGORIES, CommMeter, Exchange
+
+SERVER_NAME = "server"
+"""RPC name of rank 0, the server front."""
 
 
 @dataclasses.dataclass
 class TransportStats:
-    """Time a client worker spent blocked in the transport, and what it moved."""
+    """What a client worker sent and how long it was blocked in the transport."""
 
     rpc_calls: int = 0
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Calls sent, per server method."""
+    blocked: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Waits on an answer that had not arrived yet, per method: the round trips on the worker's critical path."""
     rpc_wait_s: float = 0.0
     """Blocked in a synchronous call or in ``wait()`` on an async one (includes the server's compute)."""
     allreduce_calls: int = 0
@@ -43,37 +52,37 @@ class TransportStats:
     """Blocked in all_reduce (includes waiting for the slowest worker)."""
 
     def copy(self) -> TransportStats:
-        return dataclasses.replace(self)
+        return dataclasses.replace(self, calls=dict(self.calls), blocked=dict(self.blocked))
 
     def add_delta(self, after: TransportStats, before: TransportStats) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(after, f.name) - getattr(before, f.name))
+            mine, a, b = getattr(self, f.name), getattr(after, f.name), getattr(before, f.name)
+            if isinstance(mine, dict):
+                for k in a:
+                    mine[k] = mine.get(k, 0) + a[k] - b.get(k, 0)
+            else:
+                setattr(self, f.name, mine + a - b)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
 
 class _TimedFuture(Future):
-    """A future whose ``wait()`` is added to the worker's blocked time."""
+    """A future whose ``wait()`` is added to the worker's blocked time (and counted when it really blocks)."""
 
-    def __init__(self, stats: TransportStats, lock: threading.Lock) -> None:
+    def __init__(self, method: str, stats: TransportStats, lock: threading.Lock) -> None:
         super().__init__()
-        self._stats, self._lock = stats, lock
+        self._method, self._stats, self._lock = method, stats, lock
 
     def wait(self) -> Any:
-        start = time.perf_counter()
+        start, ready = time.perf_counter(), self.done()
         try:
             return super().wait()
         finally:
             with self._lock:
                 self._stats.rpc_wait_s += time.perf_counter() - start
-
-
-def server_wire_spec(server_cls: type, method: str) -> WireSpec:
-    spec = getattr(getattr(server_cls, method, None), "__wire__", None)
-    if spec is None:
-        raise AttributeError(f"{server_cls.__name__}.{method} is not a server method declared with @wire")
-    return spec
+                if not ready:
+                    self._stats.blocked[self._method] = self._stats.blocked.get(self._method, 0) + 1
 
 
 def to_wire(obj: Any) -> Any:
@@ -93,14 +102,10 @@ def to_wire(obj: Any) -> Any:
 
 
 class RPCTransport:
-    """Calls into the server front on rank 0 through the RRef it published, counted like the in-process transport."""
+    """Calls into the server front on rank 0 through the RRef it published."""
 
-    def __init__(
-        self, front: rpc.RRef, server_cls: type, meter: CommMeter, timeout_s: float, stats: TransportStats
-    ) -> None:
+    def __init__(self, front: rpc.RRef, timeout_s: float, stats: TransportStats) -> None:
         self.front = front
-        self.server_cls = server_cls
-        self.meter = meter
         self.timeout_s = timeout_s
         self.stats = stats
         self._lock = threading.Lock()
@@ -109,23 +114,13 @@ class RPCTransport:
         return self.call_async(method, **kwargs).wait()
 
     def call_async(self, method: str, **kwargs: Any) -> Future:
-        spec = server_wire_spec(self.server_cls, method)
-        count_call(self.meter, spec, kwargs)
         sent = rpc.rpc_async(SERVER_NAME, serve, args=(self.front, method, to_wire(kwargs)), timeout=self.timeout_s)
-        out = _TimedFuture(self.stats, self._lock)
+        out = _TimedFuture(method, self.stats, self._lock)
         with self._lock:
             self.stats.rpc_calls += 1
+            self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
 
-        def arrived(f: Future) -> None:
-            try:
-                value = f.value()
-                count_result(self.meter, spec, value)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                out.set_exception(exc)
-                return
-            out.set_result(value)
-
-        sent.add_done_callback(arrived)
+        sent.add_done_callback(lambda f: forward(f, out))
         return out
 
     def report(self, kind: str, **payload: Any) -> None:
@@ -136,18 +131,40 @@ class RPCTransport:
 class ProcessGroupCollective:
     """Sums among the client workers over their own process group (gloo on CPU, NCCL on GPU)."""
 
-    def __init__(self, group: dist.ProcessGroup, is_leader: bool, device: torch.device, stats: TransportStats) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        is_leader: bool,
+        device: torch.device,
+        meter: CommMeter,
+        stats: TransportStats,
+    ) -> None:
         self.group = group
         self._leader = is_leader
         # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
         self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.meter = meter
         self.stats = stats
 
     @property
     def is_leader(self) -> bool:
         return self._leader
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+    def aggregate(
+        self,
+        exchange: Exchange,
+        rows: torch.Tensor,
+        mine: Mapping[int, int],
+        fn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        # Each row has one contributor and zeros elsewhere, so the sum is exact and does not depend on how the
+        # clients are spread over workers.
+        return count_exchange(self.meter, exchange, rows, mine, fn(self._sum(rows)))
+
+    def coordinate(self, t: torch.Tensor) -> torch.Tensor:
+        return self._sum(t)
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
         buf = t.detach().to(self.device, copy=True)
         start = time.perf_counter()
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
@@ -156,6 +173,7 @@ class ProcessGroupCollective:
         self.stats.allreduce_bytes += buf.numel() * buf.element_size()
         return buf.to(t.device)
 
+    # -- runtime bookkeeping (not used by algorithms) -----------------------------------------------------------
     def sum_counts(self, counts: Mapping[str, int]) -> dict[str, int]:
         """Per-category byte counters summed over workers (int64: exact), for metrics rows and the summary."""
         vec = torch.tensor([int(counts.get(c, 0)) for c in CATEGORIES], dtype=torch.int64, device=self.device)
@@ -176,11 +194,22 @@ class ProcessGroupCollective:
 # ------------------------------------------------------------------------------------------------------------------
 # RPC entry points, executed on rank 0. They find the server front through the RRef the client holds.
 
+
+class Front(Protocol):
+    """What rank 0 publishes: the endpoint that serves the algorithm's calls, and the runtime's bookkeeping."""
+
+    endpoint: ServerEndpoint
+
+    def report(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
 _PUBLISHED: Future = Future()
 """Completes with the RRef of this process's server front once rank 0 has built it."""
 
 
-def publish(front: object) -> rpc.RRef:
+def publish(front: Front) -> rpc.RRef:
     """Make ``front`` reachable: workers block in :func:`fetch_front` until this runs (rank 0 only)."""
     ref = rpc.RRef(front)
     _PUBLISHED.set_result(ref)
@@ -199,8 +228,8 @@ def fetch_front(timeout_s: float) -> rpc.RRef:
 
 @rpc.functions.async_execution
 def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
-    """A @wire server method, answered with a future (``submit`` completes only when its round has run)."""
-    return front.local_value().serve(method, kwargs)
+    """A @wire server method, answered with a future (a gathered ``submit`` completes when its round has run)."""
+    return chained(front.local_value().endpoint.serve(method, kwargs), to_wire)
 
 
 def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> None:

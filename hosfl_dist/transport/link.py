@@ -1,20 +1,22 @@
-"""An emulated client-server link: a transport wrapper that delays every message by its link time.
+"""An emulated client-server link: wrappers that delay every message by its link time, in either runtime.
 
-Each message pays the one-way delay of the App. C.1 link model (:func:`hosfl_dist.measure.latency.link_delay_s`):
+Each message pays the one-way delay of the App. C.1 link model (:func:`hosfl_dist.config.link_delay_s`):
 ``bytes · 8 / bandwidth + RTT/2``, on the uplink for the call's tensors (client → server) and on the downlink for
 the result's tensors (server → client). Messages on one direction of one client's link are serialised in order: a
 message starts when the previous one has left the sender (FIFO), so a burst pays its bytes back to back, as on a
-real link. Per client means per ``client=`` argument of the call; calls without one (plan, finish_round, eval)
+real link. Per client means per ``client=`` argument of the call; calls without one (finish_round, evaluation)
 use the worker's own link.
 
 Delays are asynchronous, which is the point: ``call_async`` returns at once and the caller keeps computing while
-its message is "in flight". A network thread fires each message at its arrival time; a server thread runs the
-server's methods in arrival order (the server is another machine, so its forward/backward runs beside the
-client's work, not in its thread); the result travels back and completes the caller's future. Nothing but the
+its message is "in flight". A network thread fires each message at its arrival time; a delivery thread hands it to
+the wrapped transport in arrival order (in-process: the server's method runs there, beside the client's work, as
+on another machine; under torchrun: the RPC is sent then and the server computes in its own process); the result
+travels back and completes the caller's future. The client <-> client aggregation (:class:`DelayedCollective`)
+pays one round trip on each contributing client's link: its contribution up, the aggregate back. Nothing but the
 timing changes: the server sees the same calls in the same order per client, so results are identical with and
 without the link (tested).
 
-    transport = DelayedTransport(InProcessTransport(server, meter), Link.from_config(cfg.comm))
+    link = DelayedTransport(transport, cfg.comm); collective = DelayedCollective(collective, link)
 """
 
 from __future__ import annotations
@@ -24,38 +26,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.futures import Future
 
-from hosfl_dist.comm import CommMeter, payload_bytes
-from hosfl_dist.config import CommConfig
-from hosfl_dist.measure.latency import link_delay_s
-from hosfl_dist.transport import Transport
+from hosfl_dist.config import LinkConfig, link_delay_s
+from hosfl_dist.transport import Collective, Transport
+from hosfl_dist.transport.wire import Exchange, payload_bytes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Link:
-    """Bandwidths and RTT of a client's link (defaults: the 5G setting of App. C.1)."""
-
-    uplink_mbps: float = 30.0
-    downlink_mbps: float = 200.0
-    rtt_ms: float = 30.0
-
-    @classmethod
-    def from_config(cls, comm: CommConfig) -> Link:
-        return cls(comm.uplink_mbps, comm.downlink_mbps, comm.rtt_ms)
-
-    def uplink_s(self, nbytes: int) -> float:
-        """One-way delay of an idle uplink for a message of ``nbytes``."""
-        return link_delay_s(nbytes, self.uplink_mbps, self.rtt_ms)
-
-    def downlink_s(self, nbytes: int) -> float:
-        return link_delay_s(nbytes, self.downlink_mbps, self.rtt_ms)
 
 
 @dataclass
@@ -142,10 +123,13 @@ class DelayedTransport:
     """Wraps a transport (in-process or RPC) so that every call pays its link time, asynchronously."""
 
     def __init__(
-        self, inner: Transport, link: Link, clock: Callable[[], float] = time.perf_counter, trace: bool = False
+        self,
+        inner: Transport,
+        link: LinkConfig,
+        clock: Callable[[], float] = time.perf_counter,
+        trace: bool = False,
     ) -> None:
         self.inner = inner
-        self.meter: CommMeter = inner.meter
         self.link = link
         self.clock = clock
         self.stats = LinkStats(trace=[] if trace else None)
@@ -162,6 +146,19 @@ class DelayedTransport:
 
     def call(self, method: str, **kwargs: Any) -> Any:
         return self.call_async(method, **kwargs).wait()
+
+    def round_trip_end(self, client: Any, up_bytes: int, down_bytes: int, now: float) -> float:
+        """When an exchange of ``up_bytes`` sent at ``now`` by ``client`` and answered with ``down_bytes`` as soon as
+        it arrived is back (both directions queue behind the client's earlier messages)."""
+        with self._lock:
+            arrive = self._queue(self._up, client, self.link.uplink_mbps).arrival(now, up_bytes)
+            back = self._queue(self._down, client, self.link.downlink_mbps).arrival(arrive, down_bytes)
+            self.stats.messages += 2
+            self.stats.uplink_bytes += up_bytes
+            self.stats.downlink_bytes += down_bytes
+            self.stats.uplink_s += arrive - now
+            self.stats.downlink_s += back - arrive
+        return back
 
     def call_async(self, method: str, **kwargs: Any) -> Future:
         """Send the call now; the server runs it when it arrives; the future completes when the answer is back."""
@@ -214,7 +211,48 @@ class DelayedTransport:
         self._network.at(arrive, lambda: self._server.at(self.clock(), deliver))
         return out
 
+    def summary(self) -> dict[str, Any]:
+        """The emulated link's settings and what it carried (for summary.json's ``link``)."""
+        with self._lock:
+            st = self.stats
+            return {
+                **{k: getattr(self.link, k) for k in ("uplink_mbps", "downlink_mbps", "rtt_ms")},
+                "messages": st.messages,
+                "uplink_bytes": st.uplink_bytes,
+                "downlink_bytes": st.downlink_bytes,
+                "delay_uplink_s": round(st.uplink_s, 6),
+                "delay_downlink_s": round(st.downlink_s, 6),
+                "late_s": round(st.late_s, 6),
+            }
+
     def close(self) -> None:
         """Stop the link's threads (they also stop by themselves when idle)."""
         self._network.close()
         self._server.close()
+
+
+class DelayedCollective:
+    """A collective whose aggregation pays one round trip on each contributing client's link (the P scalars up to
+    the aggregation, v̄ back): the worker continues once the last of its clients has the aggregate."""
+
+    def __init__(self, inner: Collective, link: DelayedTransport) -> None:
+        self.inner = inner
+        self.link = link
+
+    @property
+    def is_leader(self) -> bool:
+        return self.inner.is_leader
+
+    def aggregate(self, exchange: Exchange, rows: Any, mine: Mapping[int, int], fn: Callable[[Any], Any]) -> Any:
+        sent = self.link.clock()
+        result = self.inner.aggregate(exchange, rows, mine, fn)
+        ends = [
+            self.link.round_trip_end(m, payload_bytes(rows[i]), payload_bytes(result), sent) for m, i in mine.items()
+        ]
+        wait = max(ends, default=0.0) - self.link.clock()
+        if wait > 0:
+            time.sleep(wait)
+        return result
+
+    def coordinate(self, t: Any) -> Any:
+        return self.inner.coordinate(t)

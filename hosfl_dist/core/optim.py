@@ -8,7 +8,6 @@ bit-identical, whether they applied it live or replayed it later (Algorithm 3), 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -85,13 +84,3 @@ class TensorwiseOptimizer:
         other.steps = self.steps
         other.state = [{k: t.clone() for k, t in st.items()} for st in self.state]
         return other
-
-
-def tensors_digest(tensors: Iterable[Tensor]) -> str:
-    """SHA-256 over the raw bytes of tensors (bit-level identity of replicas)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous().cpu().reshape(-1)
-        h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()

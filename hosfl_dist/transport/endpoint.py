@@ -1,0 +1,123 @@
+"""The server side of every transport: one place that turns client calls into executions of the server's methods.
+
+The algorithm's server object holds state and math only. What a process boundary, a thread or a delayed link makes
+necessary is done here, the same way for the in-process runtime, the torchrun runtime and the emulated link:
+
+- **only declared calls**: a method without :func:`~hosfl_dist.transport.wire.wire` is not reachable;
+- **round order**: a call declared ``after_previous_round`` about round t is held until round t−1 is closed by a
+  call declared ``closes_round`` (HO-SFL's ``sync`` waits for ``finish_round``; a baseline's ``download`` waits for
+  the round's last ``upload``);
+- **round gathering**: calls declared ``gather`` are collected per round until ``server.expected_in_round(t)``
+  clients called; the method then runs once with all of them in client-id order, whatever the arrival order, and
+  each caller gets its own part of the result (or the error, if the round failed);
+- **one execution at a time**, in one order: calls are executed under one lock, and with a server group every
+  execution is first announced to the other server ranks (``mirror``), which replay the same sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch.futures import Future
+
+from hosfl_dist.transport import done, failed, forward
+from hosfl_dist.transport.wire import WireSpec, wire_spec
+
+T = TypeVar("T")
+Mirror = Callable[[str, dict[str, Any]], None]
+
+
+class ServerEndpoint:
+    def __init__(self, server: Any, mirror: Mirror | None = None) -> None:
+        self.server = server
+        self.mirror = mirror
+        self._lock = threading.RLock()
+        self.closed = 0
+        """Rounds below this are closed."""
+        self._held: list[tuple[int, str, dict[str, Any], Future]] = []
+        self._gathering: dict[tuple[str, int], dict[int, tuple[dict[str, Any], Future]]] = {}
+        self.calls: dict[str, int] = {}
+        self.compute_s: dict[str, float] = {}
+
+    def spec(self, method: str) -> WireSpec:
+        return wire_spec(type(self.server), method)
+
+    def serve(self, method: str, kwargs: dict[str, Any]) -> Future:
+        """Run (or hold, or gather) one client call; the future completes with its answer."""
+        try:
+            spec = self.spec(method)
+        except AttributeError as exc:
+            return failed(exc)
+        with self._lock:
+            t = kwargs.get("t")
+            if spec.after_previous_round and t is not None and t > self.closed:
+                fut: Future = Future()
+                self._held.append((t, method, kwargs, fut))
+                return fut
+            return self._dispatch(method, spec, kwargs)
+
+    def locked(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` between executions (e.g. read the server's train loss for a metrics row)."""
+        with self._lock:
+            return fn()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"calls": dict(self.calls), "compute_s": {k: round(v, 6) for k, v in self.compute_s.items()}}
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _dispatch(self, method: str, spec: WireSpec, kwargs: dict[str, Any]) -> Future:
+        if spec.gather:
+            return self._gather(method, spec, kwargs)
+        try:
+            out = self._execute(method, kwargs)
+        except Exception as exc:  # noqa: BLE001 - goes back to the caller as the call's error
+            return failed(exc)
+        if spec.closes_round:
+            self._close(int(kwargs["t"]) + 1)
+        return done(out)
+
+    def _gather(self, method: str, spec: WireSpec, kwargs: dict[str, Any]) -> Future:
+        t, client = int(kwargs["t"]), int(kwargs["client"])
+        fields = {k: v for k, v in kwargs.items() if k not in ("t", "client")}
+        pending = self._gathering.setdefault((method, t), {})
+        if client in pending:
+            return failed(RuntimeError(f"client {client} called {method} twice in round {t}"))
+        fut: Future = Future()
+        pending[client] = (fields, fut)
+        if len(pending) < self.server.expected_in_round(t):
+            return fut
+        del self._gathering[(method, t)]
+        batch = {m: pending[m][0] for m in sorted(pending)}
+        try:
+            results = self._execute(method, {"t": t, "batch": batch})
+        except Exception as exc:  # noqa: BLE001 - every client of the failed round gets the error
+            for _, f in pending.values():
+                f.set_exception(exc)
+            return fut
+        if spec.closes_round:
+            self._close(t + 1)
+        for m, (_, f) in pending.items():
+            f.set_result(None if results is None else results[m])
+        return fut
+
+    def _execute(self, method: str, kwargs: dict[str, Any]) -> Any:
+        if self.mirror is not None:
+            self.mirror(method, kwargs)
+        start = time.perf_counter()
+        try:
+            return getattr(self.server, method)(**kwargs)
+        finally:
+            self.compute_s[method] = self.compute_s.get(method, 0.0) + time.perf_counter() - start
+            self.calls[method] = self.calls.get(method, 0) + 1
+
+    def _close(self, closed: int) -> None:
+        self.closed = max(self.closed, closed)
+        ready = sorted((h for h in self._held if h[0] <= self.closed), key=lambda h: h[0])
+        self._held = [h for h in self._held if h[0] > self.closed]
+        for _, method, kwargs, fut in ready:
+            answer = self._dispatch(method, self.spec(method), kwargs)
+            answer.add_done_callback(lambda f, fut=fut: forward(f, fut))

@@ -1,0 +1,52 @@
+"""The counting layer every worker's transport goes through: bytes by category, from the wire declarations.
+
+A call's arguments are counted when it is sent; its answer when the caller takes it (the first ``wait()``). Counting
+at the taking, not at the arrival, keeps every metrics row deterministic when answers arrive ahead of use (HO-SFL
+requests round t+1's sync while round t still runs): a row counts what the clients received by then, in every
+runtime and under any timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from hosfl_dist.transport import Transport
+from hosfl_dist.transport.wire import CommMeter, WireSpec, count_call, count_result, wire_spec
+
+
+class Reply:
+    """The answer to one call; ``wait()`` returns it (and counts it the first time)."""
+
+    def __init__(self, fut: Any, spec: WireSpec, meter: CommMeter) -> None:
+        self._fut, self._spec, self._meter = fut, spec, meter
+        self._counted = False
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self) -> Any:
+        value = self._fut.wait()
+        with self._lock:
+            if not self._counted:
+                count_result(self._meter, self._spec, value)
+                self._counted = True
+        return value
+
+
+class MeteredTransport:
+    """Counts the traffic of the calls it passes to ``inner`` (in-process, RPC, or an emulated link around them)."""
+
+    def __init__(self, inner: Transport, server_cls: type, meter: CommMeter) -> None:
+        self.inner = inner
+        self.server_cls = server_cls
+        self.meter = meter
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        return self.call_async(method, **kwargs).wait()
+
+    def call_async(self, method: str, **kwargs: Any) -> Reply:
+        spec = wire_spec(self.server_cls, method)
+        count_call(self.meter, spec, kwargs)
+        return Reply(self.inner.call_async(method, **kwargs), spec, self.meter)
