@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.engine import InProcessEngine  # noqa: E402
+from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
 
 K, M, B, P = 4, 40, 32, 5
 
@@ -50,7 +50,7 @@ def one_round(algorithm: str, width: int, out_dir: Path) -> dict:
             f"job.out_dir={out_dir}",
         ],
     )
-    engine = InProcessEngine(cfg)
+    engine = InProcessRunner(cfg).setup()
     summary = engine.run()
     d_c = sum(p.numel() for p in engine.worker.current_params())  # θc's trainable tensors
     b = summary["comm"]["bytes"]

@@ -25,11 +25,11 @@ import torch
 
 from hosfl_dist.config import dump_config, load_config
 from hosfl_dist.data import build_data
-from hosfl_dist.engine import eval_points
+from hosfl_dist.runtime.loop import eval_points
 from hosfl_dist.errors import HosflError
 from hosfl_dist.models import SplitModel, build_split_model, server_forward
-from hosfl_dist.optim import build_torch_optimizer
-from hosfl_dist.zo import mix_seed
+from hosfl_dist.core.optim import build_torch_optimizer
+from hosfl_dist.core.seeding import Stream, generator
 
 
 def evaluate(split: SplitModel, data: Any, batch_size: int) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     step_size = cfg.clients.per_round * cfg.clients.batch_size
     n_train = len(data.train_labels)
-    gen = torch.Generator().manual_seed(mix_seed(cfg.job.seed, 0xCE17))
+    gen = generator(cfg.job.seed, Stream.CENTRALIZED_ORDER)
     order, cursor = torch.randperm(n_train, generator=gen), 0
     budget, points = cfg.train.budget_samples, eval_points(cfg.train.budget_samples, cfg.train.eval_every_samples)
     start = time.perf_counter()

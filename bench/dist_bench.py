@@ -44,9 +44,9 @@ def overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
 def in_process_child(config: str, ovr: list[str]) -> None:
     """Runs in a subprocess (so its thread count is its own): the in-process engine with run_round timed."""
     from hosfl_dist.config import load_config
-    from hosfl_dist.engine import InProcessEngine
+    from hosfl_dist.runtime.inprocess import InProcessRunner
 
-    engine = InProcessEngine(load_config(config, ovr))
+    engine = InProcessRunner(load_config(config, ovr)).setup()
     worker, timing = engine.worker, {"round_s": 0.0, "rounds": 0}
     run_round = worker.run_round
 

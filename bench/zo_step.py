@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hosfl_dist.measure.memory import ProfileSpec, build_setup, standin_worker  # noqa: E402
-from hosfl_dist.zo import Projector, noise_like, round_seeds  # noqa: E402
+from hosfl_dist.core.seeding import round_seeds  # noqa: E402
+from hosfl_dist.core.zo import Projector, noise_like  # noqa: E402
+from hosfl_dist.measure.modes import ProfileSpec, build_setup, profiled_worker  # noqa: E402
 
 CLIENTS = {
     # name: (spec, target) -- the quickstart client (configs/quickstart.yaml) and a tiny LM client with LoRA
@@ -72,7 +73,7 @@ def tune_malloc() -> None:
 
 def measure_client(spec: ProfileSpec, reps: int, warmup: int = 3) -> dict:
     setup = build_setup(spec)
-    worker = standin_worker(spec, setup)
+    worker = profiled_worker(spec, setup, "hosfl")
     rep = worker.replicas[0]
     x = setup.inputs
     gen = torch.Generator().manual_seed(1)

@@ -343,12 +343,6 @@ class Config:
 
         spec = get_algorithm(self.algorithm.name)
         family = "hf" if self.model.name == "hf" else "vision"
-        _check(
-            family in spec.families,
-            "algorithm.name",
-            spec.name,
-            f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
-        )
         lora = self.lora
         _check(
             not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),
@@ -356,6 +350,12 @@ class Config:
             spec.name,
             "needs LoRA adapters on both sides (model.name=hf with lora.client_targets and lora.server_targets); "
             "use algorithm.name=sfl otherwise",
+        )
+        _check(
+            family in spec.families,
+            "algorithm.name",
+            spec.name,
+            f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
         )
 
 

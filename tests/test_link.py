@@ -1,4 +1,4 @@
-"""The emulated link (hosfl_dist.measure.link): delay math by hand, asynchronous delivery, unchanged results."""
+"""The emulated link (hosfl_dist.transport.link): delay math by hand, asynchronous delivery, unchanged results."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hosfl_dist.comm import DOWNLINK_GRADIENTS, UPLINK_ACTIVATIONS, CommMeter, wire
-from hosfl_dist.config import load_config
-from hosfl_dist.engine import InProcessEngine
-from hosfl_dist.measure.link import DelayedTransport, Link, LinkQueue
-from hosfl_dist.transport import InProcessTransport
+from hosfl_dist.config import LinkConfig, load_config
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.inprocess import InProcessTransport
+from hosfl_dist.transport.link import DelayedTransport, LinkQueue
+from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.wire import DOWNLINK_GRADIENTS, UPLINK_ACTIVATIONS, CommMeter, wire
 
 
 def test_link_queue_is_serialisation_plus_half_rtt_and_fifo():
@@ -22,7 +24,7 @@ def test_link_queue_is_serialisation_plus_half_rtt_and_fifo():
     assert q.arrival(0.0, 1_000_000) == pytest.approx(2.010)  # sent together: waits for the first to leave
     assert q.arrival(0.5, 0) == pytest.approx(2.010)  # an empty message still queues behind them, pays RTT/2
     assert q.arrival(5.0, 500_000) == pytest.approx(5.510)  # link idle again
-    paper = Link()  # App. C.1: 30 Mbps up, 200 Mbps down, 30 ms RTT
+    paper = LinkConfig()  # App. C.1: 30 Mbps up, 200 Mbps down, 30 ms RTT
     assert paper.uplink_s(3_750_000) == pytest.approx(1.015)  # 30 Mbit at 30 Mbps
     assert paper.downlink_s(25_000_000) == pytest.approx(1.015)  # 200 Mbit at 200 Mbps
 
@@ -48,10 +50,10 @@ def test_window_by_hand_and_the_client_computes_while_in_flight():
     clock = time.perf_counter
     server = EchoServer(clock)
     meter = CommMeter()
-    link = DelayedTransport(InProcessTransport(server, meter), Link(8.0, 8.0, 0.0), clock)
+    link = DelayedTransport(InProcessTransport(ServerEndpoint(server)), LinkConfig(8.0, 8.0, 0.0), clock)
     z = torch.ones(25_000)  # 100 kB
     t0 = clock()
-    fut = link.call_async("submit", client=0, act=z)
+    fut = MeteredTransport(link, EchoServer, meter).call_async("submit", client=0, act=z)
     assert clock() - t0 < 0.05 and not fut.done()  # returned at once
     time.sleep(0.15)  # the client's perturbed forwards
     lam = fut.wait()["lam"]
@@ -68,7 +70,7 @@ def test_window_by_hand_and_the_client_computes_while_in_flight():
 def test_each_client_has_its_own_link_and_errors_reach_the_caller():
     clock = time.perf_counter
     server = EchoServer(clock)
-    link = DelayedTransport(InProcessTransport(server, CommMeter()), Link(8.0, 8.0, 0.0), clock)
+    link = DelayedTransport(InProcessTransport(ServerEndpoint(server)), LinkConfig(8.0, 8.0, 0.0), clock)
     z = torch.ones(12_500)  # 50 kB: 0.05 s on an idle link
     t0 = clock()
     futs = [link.call_async("submit", client=m, act=z) for m in (0, 1, 0)]
@@ -87,18 +89,18 @@ def test_each_client_has_its_own_link_and_errors_reach_the_caller():
 
 def run(overrides):
     cfg = load_config(None, overrides)
-    engine = InProcessEngine(cfg)
+    engine = InProcessRunner(cfg).setup()
     summary = engine.run()
     rows = [json.loads(line) for line in Path(cfg.job.out_dir, "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         r.pop("wall_time_s")
-    return summary, rows, engine.worker.transport
+    return summary, rows, engine.link
 
 
 def test_engine_results_are_unchanged_by_the_link_with_overlap_on_and_off(tiny_overrides, tmp_path):
     fast = ["comm.inject_delay=true", "comm.rtt_ms=1", "comm.uplink_mbps=2000", "comm.downlink_mbps=2000"]
     ref, ref_rows, plain = run(tiny_overrides)
-    assert not isinstance(plain, DelayedTransport)
+    assert plain is None
     for i, extra in enumerate((fast, [*fast, "zo.overlap=true"])):
         s, rows, link = run([*tiny_overrides, *extra, f"job.out_dir={tmp_path / str(i)}"])
         assert isinstance(link, DelayedTransport) and link.stats.messages > 0 and link.stats.uplink_s > 0
@@ -106,3 +108,4 @@ def test_engine_results_are_unchanged_by_the_link_with_overlap_on_and_off(tiny_o
         assert rows == ref_rows
         assert s["client_digests"] == ref["client_digests"] and s["server_digest"] == ref["server_digest"]
         assert s["comm"] == ref["comm"]
+        assert s["link"]["messages"] == link.stats.messages and s["link"]["rtt_ms"] == 1.0

@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from hosfl_dist.comm import UPLINK_ACTIVATIONS, payload_bytes
 from hosfl_dist.config import load_config
-from hosfl_dist.data.text import classification_logits, format_example, get_task, label_word_ids
-from hosfl_dist.engine import InProcessEngine
+from hosfl_dist.data.text import format_example, get_task, label_word_ids
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.models import lm
-from hosfl_dist.models.hf_split import split_causal_lm, tiny_causal_lm
+from hosfl_dist.models import lm, sources
+from hosfl_dist.models.hf_load import tiny_causal_lm
+from hosfl_dist.models.hf_split import split_causal_lm
 from hosfl_dist.run import main
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.tasks.classification import classification_logits
+from hosfl_dist.tasks.generation import GenerationTask, decode_answers, encode_answers
+from hosfl_dist.transport.wire import UPLINK_ACTIVATIONS, payload_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 LLM_CONFIGS = sorted((ROOT / "configs" / "llm").glob("*.yaml"))
@@ -85,7 +88,7 @@ def metrics(cfg):
 @pytest.mark.parametrize(("arch", "side"), [("llama", "right"), ("opt", "left")])
 def test_hosfl_tiny_lm_classification_end_to_end(tmp_path, text_files, arch, side):
     cfg = load_config(None, lm_overrides(tmp_path, text_files, arch=arch, side=side))
-    engine = InProcessEngine(cfg)
+    engine = InProcessRunner(cfg).setup()
     split, worker = engine.split, engine.worker
 
     # Only LoRA tensors train, on both sides; d_c (the tensors the ZO client perturbs) is the client's LoRA size.
@@ -107,9 +110,10 @@ def test_hosfl_tiny_lm_classification_end_to_end(tmp_path, text_files, arch, sid
     sent = []
     original = engine.server.submit
 
-    def submit(t, client, act, labels):
-        sent.append((sorted(act), payload_bytes(act) + payload_bytes(labels)))
-        return original(t=t, client=client, act=act, labels=labels)
+    def submit(t, batch):  # the round's gathered activations
+        for m in batch:
+            sent.append((sorted(batch[m]["act"]), payload_bytes(batch[m]["act"]) + payload_bytes(batch[m]["labels"])))
+        return original(t=t, batch=batch)
 
     engine.server.submit = submit
     summary = engine.run()
@@ -128,8 +132,8 @@ def test_hosfl_tiny_lm_squad_end_to_end(tmp_path, text_files):
     # Random weights never emit a stop token, so each evaluation runs all 32 generation steps: keep it to 2 examples.
     extra = ["data.eval_max_samples=2", "train.eval_every_samples=16"]
     cfg = load_config(None, lm_overrides(tmp_path, text_files, task="squad", arch="qwen3") + extra)
-    engine = InProcessEngine(cfg)
-    assert isinstance(engine.split.task, lm.GenerationTask)
+    engine = InProcessRunner(cfg).setup()
+    assert isinstance(engine.split.task, GenerationTask)
     x, y = engine.data.next_batch(0)
     assert y.shape == x["input_ids"].shape and (y != -100).any()  # token labels on the answer
     engine.run()
@@ -142,12 +146,12 @@ def test_hosfl_tiny_lm_squad_end_to_end(tmp_path, text_files):
 
 def test_batches_are_dicts_trimmed_of_padding(tmp_path, text_files):
     cfg = load_config(None, lm_overrides(tmp_path, text_files, side="left"))
-    data = InProcessEngine(cfg).data
+    data = InProcessRunner(cfg).setup().data
     x, y = data.next_batch(1)
     assert set(x) == {"input_ids", "attention_mask"} and y.shape == (4,)
     assert x["attention_mask"].any(dim=0).all()  # no all-padding column
     assert x["attention_mask"][:, -1].all()  # left padding: every row ends with a real token
-    assert data.info["label_word_ids"] == label_word_ids(get_task("sst2"), lm.tiny_tokenizer())
+    assert data.info["label_word_ids"] == label_word_ids(get_task("sst2"), sources.tiny_tokenizer())
 
 
 # ------------------------------------------------------------------------------------------------ heads, generation
@@ -171,8 +175,8 @@ def test_label_word_server_equals_full_logits(arch, side):
 
 
 def test_generation_loop_and_squad_scoring():
-    tok = lm.tiny_tokenizer()
-    task = lm.GenerationTask(tok, "left", max_positions=None, max_new_tokens=20)
+    tok = sources.tiny_tokenizer()
+    task = GenerationTask(tok, "left", max_positions=None, max_new_tokens=20)
     answer = tok(" Denver Broncos\nQuestion", add_special_tokens=False)["input_ids"]
     calls = []
 
@@ -186,8 +190,8 @@ def test_generation_loop_and_squad_scoring():
     stop = answer.index(newline) + 1  # stops at the newline
     assert len(calls) == stop and tokens.shape == (2, stop)
     assert calls[1] == (2, 4)  # the sequences grew by one token per step
-    gold = lm.encode_answers([["Denver Broncos", "Broncos"], ["the Broncos of Denver"]])
-    assert lm.decode_answers(gold) == [["Denver Broncos", "Broncos"], ["the Broncos of Denver"]]
+    gold = encode_answers([["Denver Broncos", "Broncos"], ["the Broncos of Denver"]])
+    assert decode_answers(gold) == [["Denver Broncos", "Broncos"], ["the Broncos of Denver"]]
     stats = task.generation_stats(tokens, gold)
     assert stats["em_sum"] == 1.0 and stats["count"] == 2.0
     assert stats["f1_sum"] == pytest.approx(1.0 + 2 * 1.0 * (2 / 3) / (1.0 + 2 / 3))  # second: P=1, R=2/3
@@ -197,7 +201,7 @@ def test_generation_loop_and_squad_scoring():
 
 
 def test_tiny_tokenizer_separates_every_tasks_label_words():
-    tok = lm.tiny_tokenizer()
+    tok = sources.tiny_tokenizer()
     for name in ("sst2", "rte", "wsc"):
         ids = label_word_ids(get_task(name), tok)
         assert len(set(ids)) == len(ids)
@@ -208,11 +212,18 @@ def test_tiny_tokenizer_separates_every_tasks_label_words():
 # ------------------------------------------------------------------------------------------------ sources, configs
 
 
-def test_pkg_source_resolves_an_installed_package_folder():
-    assert Path(lm.resolve_source("pkg:json"), "__init__.py").is_file()
-    assert lm.resolve_source("tiny:llama") == "tiny:llama"
+def test_one_resolver_for_every_source(tmp_path):
+    assert Path(sources.resolve("pkg:json").path, "__init__.py").is_file()
+    tiny = sources.resolve("tiny:llama")
+    assert tiny.tiny and tiny.path == "llama"
     with pytest.raises(ConfigError, match="not installed"):
-        lm.resolve_source("pkg:no_such_package_hosfl")
+        sources.resolve("pkg:no_such_package_hosfl")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert sources.resolve(str(tmp_path)).gguf_file == "a.gguf"  # the only GGUF file of a directory
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ConfigError, match="several .gguf files"):
+        sources.resolve(str(tmp_path))
+    assert sources.resolve(str(tmp_path), "b.gguf").gguf_file == "b.gguf"
 
 
 @pytest.mark.parametrize(
@@ -232,7 +243,7 @@ def test_config_cross_checks(overrides, needle):
 def test_cut_out_of_range_is_a_config_error(tmp_path, text_files):
     cfg = load_config(None, lm_overrides(tmp_path, text_files) + ["split.cut=4"])
     with pytest.raises(ConfigError, match="split.cut: 4"):
-        InProcessEngine(cfg)
+        InProcessRunner(cfg).setup()
 
 
 @pytest.mark.parametrize("path", LLM_CONFIGS, ids=lambda p: p.name)

@@ -10,16 +10,13 @@ import torch
 from torch import nn
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.measure.memory import (
-    AllocationTracker,
-    ProfileSpec,
-    Setup,
-    main,
-    make_step,
-    measure,
-    profile_mode,
-)
-from hosfl_dist.zo import PROJECT_CHUNK, perturbed, trainable_slots
+from hosfl_dist.measure.memory import main, profile_mode
+from hosfl_dist.measure.modes import ProfileSpec, Setup, make_step
+from hosfl_dist.measure.tracker import AllocationTracker, measure
+from hosfl_dist.models import SplitModel
+from hosfl_dist.tasks.classification import ClassificationTask
+from hosfl_dist.core.params import trainable_slots
+from hosfl_dist.core.zo import PROJECT_CHUNK, perturbed
 
 F32 = 4
 
@@ -78,7 +75,8 @@ def test_perturbed_forward_adds_exactly_one_modules_copy():
 
 def linear_setup(din: int, dout: int, batch: int) -> Setup:
     torch.manual_seed(0)
-    return Setup(nn.Linear(din, dout, bias=False), torch.randn(batch, din), torch.zeros(batch, dtype=torch.long))
+    client = nn.Linear(din, dout, bias=False)
+    return Setup(SplitModel(client, None, ClassificationTask()), torch.randn(batch, din), torch.zeros(batch).long())
 
 
 SPEC = ProfileSpec(model="small_cnn", cut=1, num_perturbations=3, overlap=True)
@@ -96,13 +94,17 @@ def test_inference_peak_is_weights_input_and_output():
     assert r["activation_bytes"] == batch * dout * F32
 
 
-def test_zo_sfl_peak_is_one_perturbed_copy_plus_one_activation():
-    """Activation-dominated (z > W): a perturbed W' and the z it produces; the update's buffers (2W) are smaller."""
+def test_zo_sfl_peak_is_two_activations_and_one_perturbed_copy():
+    """ZOSFLWorker's own step: z₊ is kept while z₋ is computed (both go up together), so beside the inference floor
+    it holds one more activation and the perturbed W' of the running module; the round's fresh optimizer (m, v)
+    and the update's buffers (4W at most) are smaller here (activation-dominated: z > W)."""
     din, dout, batch = 16, 16, 64  # W = 1 KiB, z = 4 KiB
     r = working("zo_sfl", din, dout, batch)
+    inference = working("inference", din, dout, batch)
     w, z = din * dout * F32, batch * dout * F32
-    assert r["resident_bytes"] == 3 * w + batch * din * F32  # θ, AdamW m and v, x
-    assert r["working_bytes"] == w + z
+    assert r["resident_bytes"] == w + batch * din * F32  # θ and x: the optimizer is created by the round
+    assert r["working_bytes"] == w + 2 * z
+    assert r["peak_bytes"] == inference["peak_bytes"] + z + w  # inference + one more activation (+ W')
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -128,10 +130,10 @@ def test_sfl_adds_gradients_and_backward_buffers_and_exceeds_hosfl():
     sfl = working("sfl", din, dout, batch)
     hosfl = working("hosfl", din, dout, batch)
     w, z = din * dout * F32, batch * dout * F32
-    assert hosfl["resident_bytes"] == 3 * w + batch * din * F32
-    assert sfl["resident_bytes"] == hosfl["resident_bytes"] + 4  # torch AdamW keeps its step count as a tensor
-    assert sfl["working_bytes"] >= w + 2 * z  # ∂ℓ/∂W, z and λ at least
-    assert sfl["working_bytes"] > hosfl["working_bytes"]
+    assert hosfl["resident_bytes"] == 3 * w + batch * din * F32  # the replica keeps its optimizer state
+    assert sfl["resident_bytes"] == w + batch * din * F32  # SFLWorker builds a fresh optimizer every round
+    assert sfl["working_bytes"] >= 3 * w + 2 * z  # ∂ℓ/∂W, the round's AdamW m and v, z and λ at least
+    assert sfl["peak_bytes"] > hosfl["peak_bytes"]
     assert sfl["trainable_params"] == hosfl["trainable_params"] == din * dout
 
 
@@ -169,4 +171,6 @@ def test_bad_input_is_one_line(capsys):
     assert main(["--model", "resnet18", "--cut", "1", "--modes", "training", "--no-isolate"]) == 2
     assert "unknown mode 'training'" in capsys.readouterr().err
     assert main(["--model", "pkg:no_such_package_here", "--no-isolate"]) == 2
-    assert "no installed package" in capsys.readouterr().err
+    assert "--model 'pkg:no_such_package_here': Python package 'no_such_package_here' is not installed" in (
+        capsys.readouterr().err
+    )

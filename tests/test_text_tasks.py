@@ -1,4 +1,5 @@
-"""Language tasks: prompts, local/hub loading, tokenisation, label-word losses and SQuAD scoring (offline, CPU)."""
+"""Language tasks: prompts, local/hub loading, tokenisation (data/text.py), label-word and LM losses and SQuAD
+scoring (tasks/), offline, on CPU."""
 
 from __future__ import annotations
 
@@ -14,24 +15,24 @@ import pytest
 import torch
 
 from hosfl_dist.data.text import (
-    IGNORE_INDEX,
     SENTIMENT_COLUMNS,
     TASKS,
     TokenizedTextData,
-    classification_logits,
-    classification_loss,
-    extract_answer,
     format_example,
     get_task,
     label_word_ids,
-    lm_loss,
     load_text_split,
     local_sentiment_paths,
+    tokenize_split,
+)
+from hosfl_dist.tasks.classification import ClassificationTask, classification_logits
+from hosfl_dist.tasks.generation import IGNORE_INDEX, lm_loss
+from hosfl_dist.tasks.squad_metric import (
+    extract_answer,
     squad_evaluate,
     squad_exact_match,
     squad_f1,
     squad_normalize,
-    tokenize_split,
 )
 from hosfl_dist.errors import ConfigError, DataError
 
@@ -295,7 +296,8 @@ def test_classification_logits_pick_the_last_real_token():
     expected = -(
         torch.log_softmax(torch.tensor([13.0, 11.0]), 0)[0] + torch.log_softmax(torch.tensor([33.0, 31.0]), 0)[1]
     )
-    assert classification_loss(logits, right, labels, ids).item() == pytest.approx(expected.item() / 2)
+    loss = ClassificationTask().loss(classification_logits(logits, right, ids), labels)  # what the server trains on
+    assert loss.item() == pytest.approx(expected.item() / 2)
 
 
 def test_lm_loss_by_hand():

@@ -7,17 +7,10 @@ from torch import nn
 from torch.func import functional_call
 
 from hosfl_dist.config import OptimConfig
-from hosfl_dist.optim import TensorwiseOptimizer
-from hosfl_dist.zo import (
-    mix_seed,
-    noise_like,
-    perturbed,
-    project,
-    reconstruct,
-    round_seeds,
-    scalar_coefficients,
-    trainable_slots,
-)
+from hosfl_dist.core.optim import TensorwiseOptimizer
+from hosfl_dist.core.params import trainable_slots
+from hosfl_dist.core.seeding import mix_seed, round_seeds
+from hosfl_dist.core.zo import noise_like, perturbed, project, reconstruct, scalar_coefficients
 
 
 def small_model(dtype=torch.float64, seed=0) -> nn.Module:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import ALGORITHMS
+from hosfl_dist.algorithms import algorithm_names
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.experiments.cli import parser, run_experiment
 from hosfl_dist.experiments.runs import RunSpec, parse_list
@@ -45,7 +45,7 @@ PAPER_METHOD_DEFAULTS: dict[str, list[str]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(PROG, __doc__)
-    p.add_argument("--methods", required=True, help=f"comma-separated algorithm names ({', '.join(ALGORITHMS)})")
+    p.add_argument("--methods", required=True, help="comma-separated algorithm names (hosfl, sfl, fsl_sage, ...)")
     p.add_argument(
         "--method-set",
         action="append",
@@ -75,9 +75,10 @@ def method_overrides(args: argparse.Namespace, methods: list[str]) -> dict[str, 
 
 def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict[str, Any]]:
     methods = parse_list(args.methods, "--methods")
-    unknown = [m for m in methods if m not in ALGORITHMS]
+    known = algorithm_names()
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ConfigError(f"--methods: unknown {unknown}; choose from {list(ALGORITHMS)}")
+        raise ConfigError(f"--methods: unknown {unknown}; choose from {known}")
     seeds = parse_list(args.seeds, "--seeds", int)
     out = Path(args.out)
     overrides = method_overrides(args, methods)

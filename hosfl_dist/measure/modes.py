@@ -137,7 +137,7 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
     from hosfl_dist.models.hf_split import apply_lora, num_decoder_layers, split_causal_lm
     from hosfl_dist.models.sources import load_model, resolve
 
-    model = load_model(resolve(spec.model, spec.gguf_file), spec.dtype, local_files_only=True)
+    model = load_model(resolve(spec.model, spec.gguf_file, key="--model"), spec.dtype, local_files_only=True)
     n_layers = num_decoder_layers(model)
     if not 1 <= spec.cut < n_layers:
         raise ConfigError(f"--cut {spec.cut} is out of range for {spec.model}: need 1 <= cut < {n_layers}")

@@ -54,10 +54,11 @@ class ModelSource:
     tiny: bool = False
 
 
-def resolve(source: str, gguf_file: str = "") -> ModelSource:
-    """The :class:`ModelSource` of ``source`` (+ ``gguf_file``); ConfigError when it cannot name a model."""
+def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> ModelSource:
+    """The :class:`ModelSource` of ``source`` (+ ``gguf_file``); ConfigError naming ``key`` when it cannot name a
+    model."""
     if not source:
-        raise ConfigError("model.source is empty: name a hub model, a local directory, pkg:<package> or tiny:<arch>")
+        raise ConfigError(f"{key} is empty: name a hub model, a local directory, pkg:<package> or tiny:<arch>")
     if source.startswith(TINY_PREFIX):
         return ModelSource(source, source.removeprefix(TINY_PREFIX), tiny=True)
     path = source
@@ -69,13 +70,13 @@ def resolve(source: str, gguf_file: str = "") -> ModelSource:
             spec = None
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
         if not locations:
-            raise ConfigError(f"model.source {source!r}: Python package {name!r} is not installed (pip install it)")
+            raise ConfigError(f"{key} {source!r}: Python package {name!r} is not installed (pip install it)")
         path = locations[0]
     gguf = gguf_file or None
     if gguf is None and os.path.isdir(path):
         found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(found) > 1:
-            raise ConfigError(f"model.source {source!r}: several .gguf files in {path} ({found}); set model.gguf_file")
+            raise ConfigError(f"{key} {source!r}: several .gguf files in {path} ({found}); name one of them")
         gguf = found[0] if found else None
     return ModelSource(source, path, gguf)
 

@@ -1,0 +1,200 @@
+"""The structure the rest of the code relies on: one registry entry per method, pure aggregation, declared ordering
+and traffic enforced by the transport layer alone, and imports that follow the layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosfl_dist import algorithms
+from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, register
+from hosfl_dist.algorithms.base import ServerBase
+from hosfl_dist.algorithms.exchange import aggregate
+from hosfl_dist.algorithms.hosfl import SCALARS, HOSFLServer, HOSFLWorker, mean_over_clients
+from hosfl_dist.config import load_config
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.transport import done
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.inprocess import LocalCollective
+from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.wire import (
+    DOWNLINK_MODEL,
+    DOWNLINK_SCALARS_SEEDS,
+    UPLINK_ACTIVATIONS,
+    UPLINK_SCALARS,
+    CommMeter,
+    wire,
+)
+from tiny import TINY_OVERRIDES, run_in_process
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hosfl_dist"
+
+
+# -- registry ------------------------------------------------------------------------------------------------------
+def test_a_method_is_one_registry_entry_and_the_config_and_runtimes_find_it(monkeypatch, tmp_path):
+    """Registering a spec is all a new method needs: the config accepts its name and the runtime builds it."""
+    hosfl = get_algorithm("hosfl")
+    alias = AlgorithmSpec("hosfl_alias", hosfl.server, hosfl.worker, True, hosfl.traffic)
+    monkeypatch.setitem(algorithms._REGISTRY, "hosfl_alias", alias)
+    with pytest.raises(ConfigError, match="invalid value for algorithm.name: 'nope'"):
+        load_config(None, [*TINY_OVERRIDES, "algorithm.name=nope"])
+    _, _, ref, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'a'}"])
+    _, _, got, _ = run_in_process([*TINY_OVERRIDES, "algorithm.name=hosfl_alias", f"job.out_dir={tmp_path / 'b'}"])
+    assert got["algorithm"] == "hosfl_alias" and got["client_digests"] == ref["client_digests"]
+
+
+def test_the_registry_lists_the_papers_methods_with_their_capabilities():
+    assert algorithm_names() == ["fsl_sage", "hosfl", "mu_splitfed", "sfl", "splitlora", "zo_sfl"]
+    zo = {n for n in algorithm_names() if get_algorithm(n).zeroth_order_client}
+    assert zo == {"hosfl", "zo_sfl", "mu_splitfed"}
+    assert get_algorithm("hosfl").server_parts == ("server",)  # the HO-SFL server never holds θc
+    assert "client" in get_algorithm("sfl").server_parts  # model-exchanging servers keep θc^t
+    assert get_algorithm("fsl_sage").worker_parts == ("client", "server") and get_algorithm("fsl_sage").families == (
+        "vision",
+    )
+    with pytest.raises(ConfigError, match=r"fsl_sage.*implemented for vision models, not model.name=hf"):
+        load_config(None, ["algorithm.name=fsl_sage", "model.name=hf", "model.source=tiny:llama", "data.name=sst2"])
+
+
+def test_a_spec_whose_server_sends_traffic_outside_its_categories_is_refused():
+    class Leaky(ServerBase):
+        @wire(result={"params": DOWNLINK_MODEL})
+        def download(self, t: int, client: int) -> dict:
+            return {}
+
+    with pytest.raises(ValueError, match=r"Leaky.download sends \['downlink_model'\] outside its traffic"):
+        register(AlgorithmSpec("leaky", Leaky, HOSFLWorker, True, frozenset({UPLINK_ACTIVATIONS})))
+
+
+# -- pure aggregation ----------------------------------------------------------------------------------------------
+def test_aggregation_functions_are_pure_and_one_line_checkable():
+    assert torch.equal(mean_over_clients(torch.tensor([[1.0, 2.0], [3.0, 6.0]])), torch.tensor([2.0, 4.0]))
+    assert torch.equal(
+        aggregate([torch.zeros(2)], [[torch.ones(2)], [3 * torch.ones(2)]], [1, 3])[0], torch.full((2,), 2.5)
+    )
+    assert torch.equal(aggregate([torch.zeros(1)], [[torch.ones(1)]], [1], global_lr=0.3)[0], torch.tensor([0.3]))
+
+
+def test_the_collective_counts_the_declared_exchange_per_contributing_client():
+    meter = CommMeter()
+    rows = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [5.0, 6.0, 7.0]])  # clients 4 and 9 are this worker's
+    vbar = LocalCollective(meter).aggregate(SCALARS, rows, {4: 0, 9: 2}, mean_over_clients)
+    assert torch.equal(vbar, torch.tensor([2.0, 8 / 3, 10 / 3]))
+    assert meter.bytes[UPLINK_SCALARS] == 2 * 3 * 4  # P float32 scalars per contributing client
+    assert meter.bytes[DOWNLINK_SCALARS_SEEDS] == 2 * 3 * 4  # v̄ back to each of them
+
+
+# -- ordering and gathering, the endpoint's alone ------------------------------------------------------------------
+class Toy:
+    """A server declaring each ordering rule once."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def expected_in_round(self, t: int) -> int:
+        return 2
+
+    @wire(args={"x": UPLINK_ACTIVATIONS}, result={"y": DOWNLINK_MODEL}, gather=True, closes_round=True)
+    def up(self, t: int, batch: dict) -> dict:
+        self.log.append(("up", t, list(batch)))
+        if t == 9:
+            raise RuntimeError("bad round")
+        return {m: {"y": batch[m]["x"] * 2} for m in batch}
+
+    @wire(result={"y": DOWNLINK_MODEL}, after_previous_round=True)
+    def down(self, t: int, client: int) -> dict:
+        self.log.append(("down", t, client))
+        return {"y": torch.ones(1)}
+
+
+def test_gathered_calls_run_once_in_client_order_and_close_the_round():
+    toy = Toy()
+    ep = ServerEndpoint(toy)
+    held = ep.serve("down", {"t": 1, "client": 5})
+    assert not held.done()  # round 0 is not closed
+    first = ep.serve("up", {"t": 0, "client": 7, "x": torch.ones(1)})
+    assert not first.done() and toy.log == []  # gathered: waits for the round's second client
+    second = ep.serve("up", {"t": 0, "client": 3, "x": 3 * torch.ones(1)})
+    assert toy.log[:2] == [("up", 0, [3, 7]), ("down", 1, 5)]  # one execution, client order; then the held call
+    assert first.wait()["y"].item() == 2 and second.wait()["y"].item() == 6 and held.done()
+    assert ep.stats()["calls"] == {"up": 1, "down": 1}
+    failing = [ep.serve("up", {"t": 9, "client": m, "x": torch.ones(1)}) for m in (0, 1)]
+    for f in failing:  # every client of a failed round gets its error
+        with pytest.raises(RuntimeError, match="bad round"):
+            f.wait()
+    with pytest.raises(AttributeError, match="not a server method declared with @wire"):
+        ep.serve("expected_in_round", {"t": 0}).wait()
+
+
+def test_answers_are_counted_when_taken_so_metrics_rows_do_not_depend_on_timing():
+    meter = CommMeter()
+
+    class Inner:
+        def call_async(self, method, **kwargs):
+            return done({"y": torch.zeros(10)})
+
+    reply = MeteredTransport(Inner(), Toy, meter).call_async("down", t=0, client=1)
+    assert meter.bytes[DOWNLINK_MODEL] == 0  # arrived, not yet taken
+    reply.wait()
+    reply.wait()
+    assert meter.bytes[DOWNLINK_MODEL] == 40  # counted once, when the client took it
+
+
+# -- layers --------------------------------------------------------------------------------------------------------
+def _imports(folder: str) -> dict[str, set[str]]:
+    out = {}
+    for path in (PACKAGE / folder).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        out[str(path.relative_to(PACKAGE))] = {n for n in names if n.startswith("hosfl_dist")}
+    return out
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        (
+            "core",
+            (
+                "hosfl_dist.algorithms",
+                "hosfl_dist.data",
+                "hosfl_dist.models",
+                "hosfl_dist.runtime",
+                "hosfl_dist.transport",
+            ),
+        ),
+        ("tasks", ("hosfl_dist.data", "hosfl_dist.models", "hosfl_dist.algorithms", "hosfl_dist.runtime")),
+        ("models", ("hosfl_dist.data", "hosfl_dist.runtime", "hosfl_dist.transport")),
+        ("transport", ("hosfl_dist.algorithms", "hosfl_dist.models", "hosfl_dist.data", "hosfl_dist.runtime")),
+        ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure")),
+        ("data", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.models.lm", "hosfl_dist.models.hf_split")),
+    ],
+)
+def test_imports_follow_the_layers(folder, forbidden):
+    bad = {f: sorted(n for n in names if n.startswith(forbidden)) for f, names in _imports(folder).items()}
+    assert not {f: n for f, n in bad.items() if n}
+
+
+def test_the_transport_layer_names_no_algorithms_call():
+    """Ordering is declared with @wire next to the calls; no transport module special-cases a method by name."""
+    names = {name for n in algorithm_names() for name in _declared(get_algorithm(n).server)}
+    for path in (PACKAGE / "transport").rglob("*.py"):
+        text = path.read_text()
+        assert not [n for n in names if f'"{n}"' in text], path
+
+
+def _declared(cls: type) -> set[str]:
+    return {n for n in dir(cls) if hasattr(getattr(cls, n), "__wire__")}
+
+
+def test_hosfl_declares_its_ordering_next_to_its_calls():
+    specs = {n: getattr(HOSFLServer, n).__wire__ for n in _declared(HOSFLServer)}
+    assert specs["sync"].after_previous_round and specs["eval_sync"].after_previous_round
+    assert specs["submit"].gather and specs["finish_round"].closes_round
