@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,7 +28,7 @@ from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.env import launch_env, role_map
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.transport.endpoint import ServerEndpoint
-from tiny import TINY_OVERRIDES
+from tiny import TINY_OVERRIDES, read_run, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
@@ -98,42 +94,6 @@ def test_dry_run_prints_the_role_map_without_starting_anything():
 
 # ------------------------------------------------------------------------------------------------------------------
 # Multi-process tier
-
-
-def torchrun(nproc: int, target: list[str], timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, float]:
-    """``torchrun`` with c10d rendezvous on a free port; the process tree is killed if it outlives ``timeout``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=localhost:0",
-        f"--rdzv-id={uuid.uuid4().hex[:8]}",
-        *target,
-    ]
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out, time.perf_counter() - start
-
-
-def read_run(out_dir: Path) -> tuple[list[dict], dict]:
-    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        r.pop("wall_time_s")
-    return rows, json.loads((out_dir / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,6 @@ def finish_in_process(config, specs):
         InProcessRunner(resolve(str(config), spec)).setup().run()
 
 
-@pytest.mark.slow
 def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)

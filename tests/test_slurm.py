@@ -78,7 +78,11 @@ def _skip_reason() -> str:
 
 
 SKIP_REASON = _skip_reason()
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "n/a")]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,  # ~20 s: brings up munged, slurmctld and slurmd, then runs a torchrun job
+    pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "n/a"),
+]
 
 
 def _free_port_pair() -> int:

@@ -271,6 +271,7 @@ def test_select_trims_padding_columns(tiny_tokenizer):
         assert sub.input_ids[0].tolist() == data.input_ids[0][data.attention_mask[0].bool()].tolist()
 
 
+@pytest.mark.slow  # the real SmolLM2 tokenizer, read from its GGUF
 def test_smollm2_label_words_and_answer_tokens(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert label_word_ids(get_task("sst2"), tok) == [13321, 1109]  # " terrible", " great"

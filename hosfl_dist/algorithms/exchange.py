@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.futures import Future
 
 from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.config import Config, ZOConfig
@@ -38,6 +37,7 @@ from hosfl_dist.core.params import Slots, clone_params, slot_tensors, trainable_
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.core.zo import perturbed, reconstruct
 from hosfl_dist.models import Activation, SplitModel
+from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, EVAL, UPLINK_MODEL, wire
 
 T = TypeVar("T")
@@ -215,7 +215,7 @@ class ExchangeWorker(WorkerBase):
     def run_round(self, t: int) -> int:
         sampled, mine = self.plan(t)
         steps = dict(zip(sampled, self.round_steps(sampled, mine)))
-        uploads: list[Future] = []
+        uploads: list[Pending] = []
         for m in mine:
             got = self.transport.call("download", t=t, client=m)
             params = clone_params(got["params"], self.first_order, self.device)

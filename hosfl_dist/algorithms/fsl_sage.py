@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.futures import Future
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
@@ -36,6 +35,7 @@ from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.models.vision import ResNetServer, SmallCNNServer
+from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 ALIGN_MAX_SAMPLES = 1000
@@ -169,7 +169,7 @@ class FSLSageWorker(ExchangeWorker):
             self.aux_params[client] = clone_params(got["aux"], False, self.device)
         interval = self.cfg.algorithm.server_update_interval
         opt = build_torch_optimizer(self.cfg.clients.optim, params)
-        sent: list[Future] = []
+        sent: list[Pending] = []
         with bound(self.aux_slots, self.aux_params.get(client, self.aux_init)):
             for j in range(steps):
                 x, y = self.data.next_batch(client)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.futures import Future
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
@@ -35,6 +34,7 @@ from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.models import Activation, SplitModel, server_forward
+from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -229,9 +229,9 @@ class HOSFLWorker(WorkerBase):
             shared = self._new_replica()
             self.replicas = dict.fromkeys(ids, shared)
         self.bind(self.replicas[ids[0]].params if ids else self.fresh_params(requires_grad=False))
-        self._syncs: dict[int, dict[int, Future]] = {}
+        self._syncs: dict[int, dict[int, Pending]] = {}
         """Sync answers requested ahead, by round."""
-        self._closing: Future | None = None
+        self._closing: Pending | None = None
         """The leader's last finish_round, awaited before the next one and before evaluation."""
 
     def _new_replica(self) -> Replica:
@@ -272,7 +272,7 @@ class HOSFLWorker(WorkerBase):
         return torch.stack(vals).float()
 
     # -- the round -----------------------------------------------------------------------------------------------
-    def request_syncs(self, t: int, clients: Sequence[int]) -> dict[int, Future]:
+    def request_syncs(self, t: int, clients: Sequence[int]) -> dict[int, Pending]:
         return {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in clients}
 
     def run_round(self, t: int) -> int:

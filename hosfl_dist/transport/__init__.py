@@ -16,15 +16,23 @@ from typing import Any, Protocol
 import torch
 from torch.futures import Future
 
-from hosfl_dist.transport.wire import CommMeter, Exchange
+from hosfl_dist.transport.wire import Exchange
+
+
+class Pending(Protocol):
+    """An answer on its way: ``wait()`` returns it (or raises the server's error)."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> Any: ...
 
 
 class Transport(Protocol):
-    meter: CommMeter
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """A blocking round trip: the call's answer."""
 
-    def call(self, method: str, **kwargs: Any) -> Any: ...
-
-    def call_async(self, method: str, **kwargs: Any) -> Future: ...
+    def call_async(self, method: str, **kwargs: Any) -> Pending:
+        """Send the call and return at once."""
 
 
 class Collective(Protocol):
