@@ -2,7 +2,7 @@
 
     python bench/agg_traffic.py [--widths 16 32 64 128] [--out bench/results/agg_traffic.json]
 
-Runs one round of each method through the in-process engine (small CNN cut after its first conv block on the
+Runs one round of each method through the in-process runtime (small CNN cut after its first conv block on the
 synthetic task; d_c = 10·width, so widths 16, 32, 64, 128 give d_c = 160, 320, 640, 1280) and reads the bytes the
 transport counted by category (paper Table 5). Aggregation traffic is what the clients exchange to agree on θc:
 HO-SFL uploads P float32 scalars per client (``uplink_scalars``: 4·P bytes, whatever d_c) and receives v̄ and the
@@ -50,9 +50,9 @@ def one_round(algorithm: str, width: int, out_dir: Path) -> dict:
             f"job.out_dir={out_dir}",
         ],
     )
-    engine = InProcessRunner(cfg).setup()
-    summary = engine.run()
-    d_c = sum(p.numel() for p in engine.worker.current_params())  # θc's trainable tensors
+    runner = InProcessRunner(cfg).setup()
+    summary = runner.run()
+    d_c = sum(p.numel() for p in runner.worker.current_params())  # θc's trainable tensors
     b = summary["comm"]["bytes"]
     per = summary["rounds"] * K
     return {

@@ -1,17 +1,22 @@
-"""Throughput and transport share of the torchrun runtime against the in-process engine, on one machine.
+"""The torchrun runtime against the in-process runtime, and its transport against the floor measured beside it.
 
     python bench/dist_bench.py [--config configs/quickstart.yaml] [--budget 6400] [--workers 2 3] [--overlap]
+    python bench/dist_bench.py --workers 2 --repeat 3 --before /tmp/old    # also the torchrun runs of an older tree
 
 For the config's model (default: the quickstart, small CNN on Fashion-MNIST) it runs
-- the in-process engine with 1 intra-op thread (what each torchrun process gets) and with all cores;
-- torchrun with 1 server and W client workers, for each W of --workers;
-each for ``--budget`` processed samples, evaluating only at the start and the end (evaluation is not timed).
+- the in-process runtime with 1 intra-op thread (what each torchrun process gets) and with all cores;
+- torchrun with 1 server and W client workers, for each W of --workers (and the same from ``--before``, a checkout
+  of an earlier version, e.g. ``git worktree add /tmp/old <commit>``);
+- the transport floor with the same process layout (``bench/rpc_floor.py``): one loopback RPC round trip carrying
+  the round's submit (z + labels up, λ down) and one all_reduce of the K×P scalar matrix;
+each run for ``--budget`` processed samples, evaluating only at the start and the end (evaluation is not timed).
 
-Measured, per run: training time = sum of ``run_round`` wall times (the leader's; workers run in lockstep),
-throughput = processed samples / training time, and for torchrun the share of a round each worker spends blocked
-in the transport: waiting on RPC (which includes the server's forward/backward) and in all_reduce (which includes
-waiting for the slowest worker), with the server's own compute share beside it. Prints a table, writes JSON.
-Numbers, not verdicts: on a machine with fewer cores than processes they measure contention as much as transport.
+Reported per torchrun run: throughput (processed samples / the sum of ``run_round`` wall times), and per client
+worker and round: the time blocked in the transport (waiting on RPC answers, which includes the server's compute,
+plus all_reduce, which includes waiting for the slowest worker), beside the floor; the RPC calls sent; and the waits
+that really blocked (answers not there yet when asked for: the round trips on the critical path), per method where
+the version records them. Numbers, not verdicts: on a machine with fewer cores than processes they measure contention
+as much as transport.
 """
 
 from __future__ import annotations
@@ -42,12 +47,16 @@ def overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
 
 
 def in_process_child(config: str, ovr: list[str]) -> None:
-    """Runs in a subprocess (so its thread count is its own): the in-process engine with run_round timed."""
+    """Runs in a subprocess (so its thread count is its own): the in-process runtime with run_round timed."""
     from hosfl_dist.config import load_config
     from hosfl_dist.runtime.inprocess import InProcessRunner
+    from hosfl_dist.transport.wire import payload_bytes
 
-    engine = InProcessRunner(load_config(config, ovr)).setup()
-    worker, timing = engine.worker, {"round_s": 0.0, "rounds": 0}
+    runner = InProcessRunner(load_config(config, ovr)).setup()
+    worker, timing = runner.worker, {"round_s": 0.0, "rounds": 0}
+    x, y = next(worker.data.eval_batches(runner.cfg.clients.batch_size))  # a batch's shape; client streams untouched
+    act = worker.client_forward(x)
+    sizes = {"submit_up_bytes": payload_bytes([act, y]), "submit_down_bytes": payload_bytes(act["z"])}
     run_round = worker.run_round
 
     def timed(t: int) -> int:
@@ -58,8 +67,8 @@ def in_process_child(config: str, ovr: list[str]) -> None:
         return n
 
     worker.run_round = timed  # train_loop calls the instance attribute
-    summary = engine.run()
-    print(json.dumps({**timing, "processed": summary["processed_samples"], "final": summary["final"]}))
+    summary = runner.run()
+    print(json.dumps({**timing, **sizes, "processed": summary["processed_samples"], "final": summary["final"]}))
 
 
 def run_in_process(args: argparse.Namespace, threads: int, tmp: Path) -> dict:
@@ -77,39 +86,55 @@ def run_in_process(args: argparse.Namespace, threads: int, tmp: Path) -> dict:
         "train_s": got["round_s"],
         "samples_per_s": got["processed"] / got["round_s"],
         "final": got["final"],
+        "sizes": {k: got[k] for k in ("submit_up_bytes", "submit_down_bytes")},
     }
 
 
-def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path) -> dict:
-    cmd = [
+def torchrun_cmd(nproc: int, target: list[str]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes=1",
-        f"--nproc-per-node={workers + 1}",
+        f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=localhost:0",
         f"--rdzv-id=bench-{uuid.uuid4().hex[:8]}",
-        "-m",
-        "hosfl_dist.run",
-        "--config",
-        args.config,
-        *overrides(args, tmp),
+        *target,
     ]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+
+
+def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path, tree: Path = ROOT, label: str = "") -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    config = str(ROOT / args.config)
+    cmd = torchrun_cmd(workers + 1, ["-m", "hosfl_dist.run", "--config", config, *overrides(args, tmp)])
+    res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise RuntimeError(f"torchrun with {workers} workers failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     summary = json.loads((tmp / "summary.json").read_text())
     stats = summary["transport"]["workers"]
     train_s = max(s["round_s"] for s in stats.values())
+    rounds = summary["rounds"]
+    per_worker = len(stats) * rounds
+
+    def per_round(key: str) -> float:
+        return sum(s.get(key, 0) for s in stats.values()) / per_worker
+
+    def by_method(key: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in stats.values():
+            for m, n in s.get(key, {}).items():
+                out[m] = out.get(m, 0) + n / per_worker
+        return out
+
     rpc = sum(s["rpc_wait_s"] / s["round_s"] for s in stats.values()) / len(stats)
     allreduce = sum(s["allreduce_s"] / s["round_s"] for s in stats.values()) / len(stats)
     server = summary["transport"]["server"]["compute_s"]
-    round_compute = sum(v for k, v in server.items() if k != "eval_batch")
+    round_compute = sum(v for k, v in server.items() if not k.startswith("eval"))
     return {
-        "engine": f"torchrun, 1 server + {workers} workers",
+        "engine": f"torchrun, 1 server + {workers} workers{label}",
         "processes": workers + 1,
-        "rounds": summary["rounds"],
+        "rounds": rounds,
         "processed": summary["processed_samples"],
         "train_s": train_s,
         "samples_per_s": summary["processed_samples"] / train_s,
@@ -117,21 +142,48 @@ def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path) -> dict:
         "rpc_wait_share": rpc,
         "allreduce_share": allreduce,
         "server_compute_share": round_compute / train_s,
-        "allreduce_bytes_per_round": next(iter(stats.values()))["allreduce_bytes"] / summary["rounds"],
+        "transport_ms_per_round": 1e3 * (per_round("rpc_wait_s") + per_round("allreduce_s")),
+        "rpc_calls_per_round": per_round("rpc_calls"),
+        "rpc_calls_per_round_by_method": by_method("calls"),
+        "blocked_waits_per_round": sum(by_method("blocked").values())
+        if "blocked" in next(iter(stats.values()))
+        else None,
+        "blocked_waits_per_round_by_method": by_method("blocked"),
+        "sampled_clients_per_worker_round": args.K / workers,
+        "allreduce_bytes_per_round": next(iter(stats.values()))["allreduce_bytes"] / rounds,
         "final": summary["final"],
         "client_digests_equal": len(set(summary["client_digests"].values())) == 1,
     }
 
 
+def run_floor(args: argparse.Namespace, workers: int, sizes: dict, tmp: Path) -> dict:
+    out = tmp / f"floor{workers}.json"
+    target = [
+        str(ROOT / "bench" / "rpc_floor.py"),
+        f"--up-bytes={sizes['submit_up_bytes']}",
+        f"--down-bytes={sizes['submit_down_bytes']}",
+        f"--K={args.K}",
+        f"--P={args.P}",
+        f"--out={out}",
+    ]
+    res = subprocess.run(torchrun_cmd(workers + 1, target), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"floor with {workers} workers failed:\n{res.stderr[-3000:]}")
+    floor = json.loads(out.read_text())
+    floor["floor_ms_per_round"] = 1e3 * (floor["rpc_round_trip_s"] + floor["all_reduce_s"])
+    return floor
+
+
 def table(rows: list[dict], base: float) -> str:
-    head = f"{'engine':36s} {'samples/s':>10s} {'vs 1-thr':>8s} {'train s':>8s} {'transport':>9s} {'(rpc':>6s} "
-    head += f"{'allred)':>7s} {'server':>7s}"
+    head = f"{'engine':44s} {'samples/s':>9s} {'vs 1-thr':>8s} {'transport':>9s} {'ms/round':>8s} {'floor ms':>8s}"
+    head += f" {'RPCs/round':>10s} {'blocked/round':>13s}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = f"{r['engine']:36s} {r['samples_per_s']:10.1f} {r['samples_per_s'] / base:8.2f} {r['train_s']:8.2f}"
+        line = f"{r['engine']:44s} {r['samples_per_s']:9.1f} {r['samples_per_s'] / base:8.2f}"
         if "transport_share" in r:
-            line += f" {r['transport_share']:9.1%} {r['rpc_wait_share']:6.1%} {r['allreduce_share']:7.1%}"
-            line += f" {r['server_compute_share']:7.1%}"
+            blocked = r["blocked_waits_per_round"]
+            line += f" {r['transport_share']:9.1%} {r['transport_ms_per_round']:8.1f} {r['floor_ms_per_round']:8.2f}"
+            line += f" {r['rpc_calls_per_round']:10.2f} {'n/a' if blocked is None else f'{blocked:.2f}':>13s}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -144,6 +196,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[2, 3], help="client-worker counts to run")
     p.add_argument("--overlap", action="store_true", help="zo.overlap=true (latency hiding) in every run")
     p.add_argument("--repeat", type=int, default=1, help="runs per setting; the one of median throughput is kept")
+    p.add_argument("--before", type=Path, help="a checkout of an earlier version whose torchrun runs are added")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default="runs/bench/dist_bench.json")
     p.add_argument("--_in-process-child", action="store_true", help=argparse.SUPPRESS)
@@ -152,21 +205,39 @@ def main() -> None:
     if args._in_process_child:
         in_process_child(args.config, args.overrides)
         return
-    settings = [(run_in_process, n) for n in sorted({1, os.cpu_count() or 1})] + [
-        (run_torchrun, w) for w in args.workers
-    ]
-    rows = []
+    from hosfl_dist.config import load_config
+
+    cfg = load_config(ROOT / args.config, args.overrides)
+    args.K, args.P = cfg.clients.per_round, cfg.zo.num_perturbations
+    settings = [("in-process", n, ROOT) for n in sorted({1, os.cpu_count() or 1})]
+    settings += [("torchrun", w, ROOT) for w in args.workers]
+    if args.before is not None:
+        settings += [("torchrun", w, args.before.resolve()) for w in args.workers]
+    rows, floors = [], {}
     with tempfile.TemporaryDirectory(prefix="dist_bench_") as tmp:
-        for fn, n in settings:
-            runs = sorted(
-                (fn(args, n, Path(tmp) / f"{fn.__name__}{n}_{i}") for i in range(args.repeat)),
-                key=lambda r: r["samples_per_s"],
-            )
-            rows.append({**runs[len(runs) // 2], "samples_per_s_all": [round(r["samples_per_s"], 1) for r in runs]})
-            print(f"measured: {rows[-1]['engine']} {rows[-1]['samples_per_s_all']}", file=sys.stderr, flush=True)
+        for kind, n, tree in settings:
+            runs = []
+            for i in range(args.repeat):
+                out = Path(tmp) / f"{kind}{n}_{tree.name}_{i}"
+                if kind == "in-process":
+                    runs.append(run_in_process(args, n, out))
+                else:
+                    label = "" if tree == ROOT else f" [{args.before}]"
+                    runs.append(run_torchrun(args, n, out, tree, label))
+            runs.sort(key=lambda r: r["samples_per_s"])
+            row = {**runs[len(runs) // 2], "samples_per_s_all": [round(r["samples_per_s"], 1) for r in runs]}
+            if kind == "torchrun":
+                if n not in floors:
+                    floors[n] = run_floor(args, n, rows[0]["sizes"], Path(tmp))
+                row["floor_ms_per_round"] = floors[n]["floor_ms_per_round"]
+                row["transport_over_floor"] = row["transport_ms_per_round"] / row["floor_ms_per_round"]
+            rows.append(row)
+            print(f"measured: {row['engine']} {row['samples_per_s_all']}", file=sys.stderr, flush=True)
     base = rows[0]["samples_per_s"]
     print(f"config {args.config}, {args.budget} samples per run, overlap={args.overlap}, {os.cpu_count()} CPU cores")
     print(table(rows, base))
+    print("transport: share of the round a worker is blocked in RPC waits + all_reduce; ms/round: the same per round")
+    print("floor: one loopback RPC round trip carrying a submit (z + labels up, λ down) + one all_reduce of K×P")
     same = all(r["final"] == rows[0]["final"] for r in rows if r["processes"] > 1)
     print(f"torchrun final metrics identical to the 1-thread in-process run: {same}")
     out = ROOT / args.out
@@ -176,8 +247,10 @@ def main() -> None:
         "budget": args.budget,
         "overlap": args.overlap,
         "repeat": args.repeat,
+        "before": str(args.before) if args.before else None,
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
+        "floors": floors,
     }
     out.write_text(json.dumps({**meta, "runs": rows}, indent=2) + "\n")
     print(f"-> {out}")

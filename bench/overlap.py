@@ -1,11 +1,18 @@
 """Measured latency hiding (paper §3.4, App. C.1): real HO-SFL round time vs P, overlap on and off, under the link.
 
     python bench/overlap.py [--setups quickstart resnet18] [--links scaled paper] [--ps 1 2 5 10 20 40]
+                            [--runtimes in_process torchrun]
 
-Each setting runs the in-process engine with ``comm.inject_delay=true``: every client<->server message pays
-``bytes·8 / bandwidth + RTT/2`` (hosfl_dist.measure.link), asynchronously, with the server computing on its own
-thread. One sampled client per round (K = 1: the paper's per-client timeline), timed around ``worker.run_round``
-(no evaluation), median over ``--rounds`` rounds after one warm-up round. Two links:
+Each setting runs with ``comm.inject_delay=true``: every client<->server message pays ``bytes·8 / bandwidth +
+RTT/2`` (hosfl_dist.transport.link), asynchronously, and the scalar exchange one round trip. One sampled client per
+round (K = 1: the paper's per-client timeline), timed around ``worker.run_round`` (no evaluation). Two runtimes:
+
+- ``in_process``: the server is a thread of the client's process (it competes with the client's perturbed forwards
+  for the cores and the GIL); median over ``--rounds`` rounds after one warm-up round;
+- ``torchrun``: 1 server + 1 client worker, the emulated link around the real RPC transport, so the server computes
+  in its own process; the mean round time over ``--rounds`` rounds (the worker's ``round_s`` of summary.json).
+
+Two links:
 
 - ``paper``: the App. C.1 5G link as is (30 Mbps up, 200 Mbps down, 30 ms RTT) on our real message sizes. Our
   activations are small (quickstart z = 401 kB), so the window W is ~0.2 s and the fixed RTT of the scalar exchange
@@ -15,21 +22,22 @@ thread. One sampled client per round (K = 1: the paper's per-client timeline), t
   W / t_fwd, RTT / t_fwd and uplink / downlink time are the paper's (at c = 2: W ≈ 10.4 t_fwd, max P = 10). The
   bandwidths are set so that our z (and λ) take s × the paper's uplink (downlink) serialisation time.
 
-P = 0 is the same round without the zeroth-order part (plan, sync, z up, λ down; no perturbed forwards, no scalar
-exchange, no update), the paper's round_time(P=0). The ratio is round(P) / round(0); with overlap the perturbed
-forwards run while z is in flight (HOSFLWorker with zo.overlap=true), so it stays near 1 until P·t_fwd exceeds the
-idle window W, which is measured too (submit → λ back, at P = 0).
+P = 0 is the same round without the zeroth-order part (sync, z up, λ down, the round closed; no perturbed forwards,
+no scalar exchange, no update), the paper's round_time(P=0). The ratio is round(P) / round(0); with overlap the
+perturbed forwards run while z is in flight (HOSFLWorker with zo.overlap=true), so it stays near 1 until P·t_fwd
+exceeds the idle window W, which is measured too in-process (submit → λ back, at P = 0).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -38,11 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hosfl_dist.comm import payload_bytes  # noqa: E402
-from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.engine import InProcessEngine  # noqa: E402
+from hosfl_dist.config import LinkConfig, load_config  # noqa: E402
 from hosfl_dist.measure.latency import LatencyModel  # noqa: E402
-from hosfl_dist.measure.link import Link  # noqa: E402
+from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
+from hosfl_dist.transport.wire import payload_bytes  # noqa: E402
 
 SETUPS = {
     # name: (config file, overrides, P of the target ratio, target, links, P values)
@@ -56,10 +63,10 @@ SETUPS = {
         (0, 2, 5, 10, 20),
     ),
 }
-PAPER_LINK = Link()  # App. C.1: 30 Mbps up, 200 Mbps down, 30 ms RTT
+PAPER_LINK = LinkConfig()  # App. C.1: 30 Mbps up, 200 Mbps down, 30 ms RTT
 
 
-def link_overrides(link: Link) -> list[str]:
+def link_overrides(link: LinkConfig) -> list[str]:
     return [
         "comm.inject_delay=true",
         f"comm.uplink_mbps={link.uplink_mbps!r}",
@@ -68,14 +75,14 @@ def link_overrides(link: Link) -> list[str]:
     ]
 
 
-def scaled_paper_link(t_fwd: float, up_bytes: int, down_bytes: int, c: int) -> tuple[Link, dict]:
+def scaled_paper_link(t_fwd: float, up_bytes: int, down_bytes: int, c: int) -> tuple[LinkConfig, dict]:
     """The App. C.1 system time-scaled by s = t_fwd / t_fwd_paper(c): same W/t_fwd, RTT/t_fwd, up/down split."""
     paper = LatencyModel()
     s = t_fwd / paper.client_forward_time(c)
     half_rtt = paper.link.rtt_ms / 2e3
     up_s = s * (paper.uplink_time() - half_rtt)  # serialisation time our z (+ labels) must take
     down_s = s * (paper.downlink_time() - half_rtt)
-    link = Link(up_bytes * 8 / up_s / 1e6, down_bytes * 8 / down_s / 1e6, paper.link.rtt_ms * s)
+    link = LinkConfig(up_bytes * 8 / up_s / 1e6, down_bytes * 8 / down_s / 1e6, paper.link.rtt_ms * s)
     info = {
         "paper_client_layers": c,
         "time_scale": s,
@@ -89,13 +96,14 @@ def scaled_paper_link(t_fwd: float, up_bytes: int, down_bytes: int, c: int) -> t
 
 
 def first_order_round(worker, t: int, window: list[float]) -> int:
-    """The HO-SFL round with P = 0: the same messages up to λ, and nothing zeroth-order after it."""
+    """The HO-SFL round with P = 0: sync (requested a round ahead, as ``run_round`` does), z up, λ down, and the
+    round closed; nothing zeroth-order. Replicas are not updated (no update at P = 0), so no history is replayed."""
     tr = worker.transport
-    sampled = tr.call("plan", t=t)["sampled"]
-    mine = [m for m in sampled.tolist() if m in worker.hosted]
+    sampled, mine = worker.plan(t)
+    syncs = worker._syncs.pop(t, None) or worker.request_syncs(t, mine)
     futs = []
     for m in mine:
-        tr.call("sync", t=t, client=m, since=t)  # nothing to replay: no round updates θc at P = 0
+        syncs[m].wait()
         worker.client_round[m] = t
         x, y = worker.data.next_batch(m)
         worker.bind(worker.replicas[m].params)
@@ -105,7 +113,16 @@ def first_order_round(worker, t: int, window: list[float]) -> int:
     for sent, fut in futs:
         fut.wait()
         window.append(time.perf_counter() - sent)
-    return len(sampled) * worker.cfg.clients.batch_size
+    worker._settle()
+    if worker.collective.is_leader:
+        worker._closing = tr.call_async("finish_round", t=t, scalars=torch.zeros(worker.P))
+    for m in mine:
+        worker.client_round[m] = t + 1
+    n = len(sampled) * worker.cfg.clients.batch_size
+    worker.processed += n
+    if worker.processed < worker.cfg.train.budget_samples:
+        worker._syncs[t + 1] = worker.request_syncs(t + 1, worker.plan(t + 1)[1])
+    return n
 
 
 def forward_time(worker, reps: int = 5) -> float:
@@ -121,16 +138,18 @@ def forward_time(worker, reps: int = 5) -> float:
 
 def calibrate(config: str, overrides: list[str], tmp: Path) -> tuple[float, int, int]:
     """Our client's no-grad forward time and the bytes of its submit message (z + labels) and of λ."""
-    engine = InProcessEngine(load_config(ROOT / config, [*overrides, "job.progress=false", f"job.out_dir={tmp}"]))
-    worker = engine.worker
+    runner = InProcessRunner(
+        load_config(ROOT / config, [*overrides, "job.progress=false", f"job.out_dir={tmp}"])
+    ).setup()
+    worker = runner.worker
     x, y = worker.data.next_batch(0)
     with torch.no_grad():
         act = worker.client_forward(x)
     return forward_time(worker, reps=20), payload_bytes([act, y]), payload_bytes(act["z"])
 
 
-def measure(config: str, overrides: list[str], link: Link, P: int, overlap: bool, rounds: int, tmp: Path) -> dict:
-    ovr = [
+def run_overrides(overrides: list[str], link: LinkConfig, P: int, overlap: bool, tmp: Path) -> list[str]:
+    return [
         *overrides,
         *link_overrides(link),
         f"zo.num_perturbations={max(P, 1)}",
@@ -139,8 +158,13 @@ def measure(config: str, overrides: list[str], link: Link, P: int, overlap: bool
         "job.progress=false",
         f"job.out_dir={tmp}",
     ]
-    engine = InProcessEngine(load_config(ROOT / config, ovr))
-    worker = engine.worker
+
+
+def measure(config: str, overrides: list[str], link: LinkConfig, P: int, overlap: bool, rounds: int, tmp: Path) -> dict:
+    """In-process: the server on a thread of this process, behind the emulated link."""
+    ovr = [*run_overrides(overrides, link, P, overlap, tmp), f"train.budget_samples={10**9}"]
+    runner = InProcessRunner(load_config(ROOT / config, ovr)).setup()
+    worker = runner.worker
     window: list[float] = []
     times = []
     for t in range(rounds + 1):
@@ -150,8 +174,9 @@ def measure(config: str, overrides: list[str], link: Link, P: int, overlap: bool
         else:
             worker.run_round(t)
         times.append(time.perf_counter() - t0)
-    stats = worker.transport.stats
+    stats = runner.link.stats
     out = {
+        "runtime": "in_process",
         "P": P,
         "overlap": overlap,
         "round_s": statistics.median(times[1:]),
@@ -162,14 +187,72 @@ def measure(config: str, overrides: list[str], link: Link, P: int, overlap: bool
     }
     if window:
         out["window_s"] = statistics.median(window[1:])
-    worker.transport.close()
+    runner.link.close()
     return out
+
+
+# P = 0 under torchrun: the worker runs first_order_round instead of HOSFLWorker.run_round.
+P0_SCRIPT = """
+import sys
+sys.path.insert(0, {bench!r})
+from hosfl_dist.algorithms import hosfl
+from overlap import first_order_round
+hosfl.HOSFLWorker.run_round = lambda self, t: first_order_round(self, t, [])
+from hosfl_dist.run import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def measure_torchrun(
+    config: str, overrides: list[str], link: LinkConfig, P: int, overlap: bool, rounds: int, tmp: Path
+) -> dict:
+    """torchrun: 1 server + 1 client worker, the emulated link around the RPC transport (server in its own process)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ovr = run_overrides(overrides, link, P, overlap, tmp / "run")
+    cfg = load_config(ROOT / config, ovr)
+    budget = rounds * cfg.clients.batch_size
+    ovr += [f"train.budget_samples={budget}", f"train.eval_every_samples={budget}", "data.eval_max_samples=100"]
+    if P == 0:
+        script = tmp / "p0.py"
+        script.write_text(P0_SCRIPT.format(bench=str(ROOT / "bench")))
+        target = [str(script)]
+    else:
+        target = ["-m", "hosfl_dist.run"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        f"--rdzv-id=overlap-{uuid.uuid4().hex[:8]}",
+        *target,
+        "--config",
+        str(ROOT / config),
+        *ovr,
+    ]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"torchrun P={P} overlap={overlap} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    stats = next(iter(summary["transport"]["workers"].values()))
+    return {
+        "runtime": "torchrun",
+        "P": P,
+        "overlap": overlap,
+        "round_s": stats["round_s"] / stats["rounds"],
+        "rounds": stats["rounds"],
+        "blocked_waits_per_round": sum(stats["blocked"].values()) / stats["rounds"],
+        "link": summary.get("link"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--links", nargs="*", choices=["scaled", "paper"], help="default: each setup's own")
+    p.add_argument("--runtimes", nargs="*", default=list(RUNTIMES), choices=list(RUNTIMES))
     p.add_argument("--ps", type=int, nargs="*", help="P values (default: each setup's own; 0 is always run)")
     p.add_argument("--paper-c", type=int, default=2, help="client blocks of the App. C.1 setting copied")
     p.add_argument("--rounds", type=int, default=8)
@@ -189,40 +272,52 @@ def main(argv: list[str] | None = None) -> int:
                     link, info = scaled_paper_link(t_fwd, up_bytes, down_bytes, args.paper_c)
                 else:
                     link, info = PAPER_LINK, {}
-                rows = []
-                for P in sorted({0, *(args.ps or ps)}):
-                    for overlap in (True, False) if P else (False,):
-                        r = measure(config, overrides, link, P, overlap, args.rounds, Path(tmp) / f"{name}{P}{overlap}")
-                        rows.append(r)
-                        print(
-                            f"{name:10s} {kind:6s} P={P:<3d} overlap={'on ' if overlap else 'off'} "
-                            f"round {r['round_s'] * 1e3:7.1f} ms (t_fwd {r['t_fwd_s'] * 1e3:.1f} ms"
-                            + (f", window {r['window_s'] * 1e3:.1f} ms)" if "window_s" in r else ")"),
-                            flush=True,
-                        )
-                base = next(r for r in rows if r["P"] == 0)
-                for r in rows:
-                    r["ratio_to_p0"] = r["round_s"] / base["round_s"]
-                at = {r["overlap"]: r["ratio_to_p0"] for r in rows if r["P"] == p_target}
-                report["runs"][f"{name}/{kind}"] = {
-                    "config": config,
-                    "overrides": overrides,
-                    "link": {**dataclasses.asdict(link), **info},
-                    "calibration": {"t_fwd_s": t_fwd, "uplink_bytes": up_bytes, "downlink_bytes": down_bytes},
-                    "window_s": base["window_s"],
-                    "t_fwd_s": base["t_fwd_s"],
-                    "max_p_hidden_estimate": int(base["window_s"] // base["t_fwd_s"]),
-                    "target_p": p_target,
-                    "target": target if kind == "scaled" else None,
-                    "ratio_at_target_p": {"overlap": at.get(True), "no_overlap": at.get(False)},
-                    "rows": rows,
-                }
+                for runtime in args.runtimes:
+                    rows = []
+                    for P in sorted({0, *(args.ps or ps)}):
+                        for overlap in (True, False) if P else (False,):
+                            where = Path(tmp) / f"{name}{kind}{runtime}{P}{overlap}"
+                            r = RUNTIMES[runtime](config, overrides, link, P, overlap, args.rounds, where)
+                            rows.append(r)
+                            print(
+                                f"{name:10s} {kind:6s} {runtime:10s} P={P:<3d} overlap={'on ' if overlap else 'off'} "
+                                f"round {r['round_s'] * 1e3:7.1f} ms"
+                                + (f" (window {r['window_s'] * 1e3:.1f} ms)" if "window_s" in r else ""),
+                                flush=True,
+                            )
+                    base = next(r for r in rows if r["P"] == 0)
+                    for r in rows:
+                        r["ratio_to_p0"] = r["round_s"] / base["round_s"]
+                    at = {r["overlap"]: r["ratio_to_p0"] for r in rows if r["P"] == p_target}
+                    window = base.get("window_s")
+                    report["runs"][f"{name}/{kind}/{runtime}"] = {
+                        "config": config,
+                        "overrides": overrides,
+                        "runtime": runtime,
+                        "link": {
+                            "uplink_mbps": link.uplink_mbps,
+                            "downlink_mbps": link.downlink_mbps,
+                            "rtt_ms": link.rtt_ms,
+                            **info,
+                        },
+                        "calibration": {"t_fwd_s": t_fwd, "uplink_bytes": up_bytes, "downlink_bytes": down_bytes},
+                        "window_s": window,
+                        "t_fwd_s": t_fwd,
+                        "max_p_hidden_estimate": int(window // t_fwd) if window else None,
+                        "target_p": p_target,
+                        "target": target if kind == "scaled" else None,
+                        "ratio_at_target_p": {"overlap": at.get(True), "no_overlap": at.get(False)},
+                        "rows": rows,
+                    }
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out.with_suffix(".png"))
     print(f"-> {out} and {out.with_suffix('.png')}")
     return 0
+
+
+RUNTIMES = {"in_process": measure, "torchrun": measure_torchrun}
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -237,8 +332,11 @@ def _plot(report: dict, path: Path) -> None:
         for overlap, style, label in ((True, "o-", "overlap on (HO-SFL)"), (False, "s-", "overlap off")):
             rows = [r for r in s["rows"] if r["overlap"] == overlap or r["P"] == 0]
             ax.plot([r["P"] for r in rows], [r["round_s"] * 1e3 for r in rows], style, label=label, markersize=4)
-        ax.axvline(s["window_s"] / s["t_fwd_s"], color="grey", ls=":", label="W / t_fwd (measured)")
-        title = f"{name} link: W = {s['window_s'] * 1e3:.0f} ms, t_fwd = {s['t_fwd_s'] * 1e3:.1f} ms"
+        if s["window_s"]:
+            ax.axvline(s["window_s"] / s["t_fwd_s"], color="grey", ls=":", label="W / t_fwd (measured)")
+            title = f"{name}: W = {s['window_s'] * 1e3:.0f} ms, t_fwd = {s['t_fwd_s'] * 1e3:.1f} ms"
+        else:
+            title = f"{name}: t_fwd = {s['t_fwd_s'] * 1e3:.1f} ms"
         ax.set(xlabel="perturbations P", ylabel="measured round time (ms)", title=title)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

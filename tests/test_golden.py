@@ -11,17 +11,9 @@ import pytest
 import torch
 
 from hosfl_dist.algorithms import algorithm_names
-from tiny import TINY_OVERRIDES, run_in_process
+from tiny import TINY_OVERRIDES, lm_overrides, run_in_process, write_text_files
 
 GOLDEN = Path(__file__).parent / "golden"
-REVIEWS = [
-    ("a gorgeous, witty, seductive movie.", 1),
-    ("the plot is a mess and the acting is worse.", 0),
-    ("one of the best films of the year.", 1),
-    ("dull, lifeless and far too long.", 0),
-    ("a warm and funny delight.", 1),
-    ("i wanted my money back.", 0),
-]
 
 
 def vision(name: str, tmp_path: Path) -> list[str]:
@@ -29,32 +21,7 @@ def vision(name: str, tmp_path: Path) -> list[str]:
 
 
 def tiny_llama(name: str, tmp_path: Path) -> list[str]:
-    data = tmp_path / "sst2.jsonl"
-    data.write_text("".join(json.dumps({"review": s, "y": y}) + "\n" for _ in range(4) for s, y in REVIEWS))
-    return [
-        "model.name=hf",
-        "model.source=tiny:llama",
-        "split.cut=2",
-        "data.name=sst2",
-        f"data.train_path={data}",
-        f"data.eval_path={data}",
-        "data.columns={sentence: review, label: y}",
-        "data.max_length=40",
-        "data.eval_max_samples=6",
-        "lora.r=2",
-        "clients.total=4",
-        "clients.per_round=2",
-        "clients.batch_size=4",
-        "zo.num_perturbations=2",
-        "clients.optim.lr=1e-2",
-        "server.optim.lr=1e-2",
-        "train.budget_samples=16",
-        "train.eval_every_samples=8",
-        "train.eval_batch_size=4",
-        "job.progress=false",
-        f"algorithm.name={name}",
-        f"job.out_dir={tmp_path / 'run'}",
-    ]
+    return [*lm_overrides(tmp_path / "run", write_text_files(tmp_path)), f"algorithm.name={name}"]
 
 
 CASES = {  # golden file -> (algorithm, overrides)

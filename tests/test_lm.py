@@ -21,61 +21,20 @@ from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.tasks.classification import classification_logits
 from hosfl_dist.tasks.generation import GenerationTask, decode_answers, encode_answers
 from hosfl_dist.transport.wire import UPLINK_ACTIVATIONS, payload_bytes
+from tiny import write_text_files
+from tiny import lm_overrides as tiny_lm_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LLM_CONFIGS = sorted((ROOT / "configs" / "llm").glob("*.yaml"))
 
-SENTENCES = [
-    ("a gorgeous, witty, seductive movie.", 1),
-    ("the plot is a mess and the acting is worse.", 0),
-    ("one of the best films of the year.", 1),
-    ("dull, lifeless and far too long.", 0),
-    ("a warm and funny delight.", 1),
-    ("i wanted my money back.", 0),
-]
-SQUAD = [
-    ("Super Bowl 50 was won by the Denver Broncos.", "Who won Super Bowl 50?", ["Denver Broncos", "Broncos"]),
-    ("Paris is the capital of France.", "What is the capital of France?", ["Paris"]),
-    ("Water boils at 100 degrees.", "At what temperature does water boil?", ["100 degrees", "100"]),
-]
-
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("text")
-    rows = [{"review": s, "y": y} for _ in range(4) for s, y in SENTENCES]
-    (d / "sst2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sq = [{"context": c, "question": q, "answers": a, "title": ""} for _ in range(4) for c, q, a in SQUAD]
-    (d / "squad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sq))
-    return d
+    return write_text_files(tmp_path_factory.mktemp("text"))
 
 
 def lm_overrides(tmp_path, files, task="sst2", arch="llama", side="right"):
-    data = [f"data.train_path={files / f'{task}.jsonl'}", f"data.eval_path={files / f'{task}.jsonl'}"]
-    if task == "sst2":
-        data.append("data.columns={sentence: review, label: y}")
-    return [
-        "model.name=hf",
-        f"model.source=tiny:{arch}",
-        "split.cut=2",
-        f"data.name={task}",
-        *data,
-        "data.max_length=40",
-        f"data.padding_side={side}",
-        "data.eval_max_samples=6",
-        "lora.r=2",
-        "clients.total=4",
-        "clients.per_round=2",
-        "clients.batch_size=4",
-        "zo.num_perturbations=2",
-        "clients.optim.lr=1e-2",
-        "server.optim.lr=1e-2",
-        "train.budget_samples=16",
-        "train.eval_every_samples=8",
-        "train.eval_batch_size=4",
-        "job.progress=false",
-        f"job.out_dir={tmp_path / 'run'}",
-    ]
+    return tiny_lm_overrides(tmp_path / "run", files, task, arch, side)
 
 
 def metrics(cfg):

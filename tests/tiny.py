@@ -86,3 +86,57 @@ def read_run(out_dir: Path) -> tuple[list[dict], dict]:
     for r in rows:
         r.pop("wall_time_s")
     return rows, json.loads((out_dir / "summary.json").read_text())
+
+
+# -- the tiny language-model run: a random tiny Llama/OPT on six hand-written reviews or three SQuAD questions --------
+SENTENCES = [
+    ("a gorgeous, witty, seductive movie.", 1),
+    ("the plot is a mess and the acting is worse.", 0),
+    ("one of the best films of the year.", 1),
+    ("dull, lifeless and far too long.", 0),
+    ("a warm and funny delight.", 1),
+    ("i wanted my money back.", 0),
+]
+SQUAD = [
+    ("Super Bowl 50 was won by the Denver Broncos.", "Who won Super Bowl 50?", ["Denver Broncos", "Broncos"]),
+    ("Paris is the capital of France.", "What is the capital of France?", ["Paris"]),
+    ("Water boils at 100 degrees.", "At what temperature does water boil?", ["100 degrees", "100"]),
+]
+
+
+def write_text_files(folder: Path) -> Path:
+    """sst2.jsonl (the reviews, columns review / y) and squad.jsonl in ``folder``, each example four times."""
+    rows = [{"review": s, "y": y} for _ in range(4) for s, y in SENTENCES]
+    (folder / "sst2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sq = [{"context": c, "question": q, "answers": a, "title": ""} for _ in range(4) for c, q, a in SQUAD]
+    (folder / "squad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sq))
+    return folder
+
+
+def lm_overrides(out_dir: Path, files: Path, task: str = "sst2", arch: str = "llama", side: str = "right") -> list[str]:
+    """Two rounds of K=2 of M=4 clients, LoRA r=2 on a tiny random LM cut after block 2."""
+    data = [f"data.train_path={files / f'{task}.jsonl'}", f"data.eval_path={files / f'{task}.jsonl'}"]
+    if task == "sst2":
+        data.append("data.columns={sentence: review, label: y}")
+    return [
+        "model.name=hf",
+        f"model.source=tiny:{arch}",
+        "split.cut=2",
+        f"data.name={task}",
+        *data,
+        "data.max_length=40",
+        f"data.padding_side={side}",
+        "data.eval_max_samples=6",
+        "lora.r=2",
+        "clients.total=4",
+        "clients.per_round=2",
+        "clients.batch_size=4",
+        "zo.num_perturbations=2",
+        "clients.optim.lr=1e-2",
+        "server.optim.lr=1e-2",
+        "train.budget_samples=16",
+        "train.eval_every_samples=8",
+        "train.eval_batch_size=4",
+        "job.progress=false",
+        f"job.out_dir={out_dir}",
+    ]

@@ -10,7 +10,7 @@ Round t, for each sampled client m (paper App. B.3: SFLv1, local epochs E = 1):
 
 Local optimizers (client and server copy) are fresh every round, as in the SplitFed reference code: clients keep
 no state between participations. SplitLoRA is the same protocol on a model whose only trainable tensors are LoRA
-adapters on both sides, so only the adapters are exchanged (`fed_common` moves trainable tensors only).
+adapters on both sides, so only the adapters are exchanged (`exchange` moves trainable tensors only).
 """
 
 from __future__ import annotations
