@@ -232,6 +232,7 @@ class _TimedWorker:
         self.in_rounds = TransportStats()
         self.rounds = 0
         self.round_s = 0.0
+        self.first_round_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker, name)
@@ -239,14 +240,21 @@ class _TimedWorker:
     def run_round(self, t: int) -> int:
         before, start = self.stats.copy(), time.perf_counter()
         n = self.worker.run_round(t)
-        self.round_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.round_s += took
+        self.first_round_s = self.first_round_s or took  # connections and caches warm up in the first round
         self.rounds += 1
         self.in_rounds.add_delta(self.stats, before)
         return n
 
     def summary(self) -> dict[str, Any]:
         """Per-worker timing of the training rounds (evaluation and reports excluded)."""
-        return {"rounds": self.rounds, "round_s": round(self.round_s, 6), **self.in_rounds.as_dict()}
+        return {
+            "rounds": self.rounds,
+            "round_s": round(self.round_s, 6),
+            "first_round_s": round(self.first_round_s, 6),
+            **self.in_rounds.as_dict(),
+        }
 
 
 # ------------------------------------------------------------------------------------------------------------------
