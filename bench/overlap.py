@@ -10,7 +10,8 @@ round (K = 1: the paper's per-client timeline), timed around ``worker.run_round`
 - ``in_process``: the server is a thread of the client's process (it competes with the client's perturbed forwards
   for the cores and the GIL); median over ``--rounds`` rounds after one warm-up round;
 - ``torchrun``: 1 server + 1 client worker, the emulated link around the real RPC transport, so the server computes
-  in its own process; the mean round time over ``--rounds`` rounds after the first (summary.json's ``transport``).
+  in its own process; the mean round time over ``--torchrun-rounds`` rounds after the first (summary.json's
+  ``transport``): one job per point, so more rounds than in-process to average the noise of a shared machine.
 
 Two links:
 
@@ -257,14 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtimes", nargs="*", default=list(RUNTIMES), choices=list(RUNTIMES))
     p.add_argument("--ps", type=int, nargs="*", help="P values (default: each setup's own; 0 is always run)")
     p.add_argument("--paper-c", type=int, default=2, help="client blocks of the App. C.1 setting copied")
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=8, help="timed rounds in one process (median)")
+    p.add_argument("--torchrun-rounds", type=int, default=30, help="timed rounds under torchrun (mean, one job)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each thread of work (client, server)")
     p.add_argument("--out", default="bench/results/overlap.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import tempfile
 
-    report: dict = {"threads": args.threads, "cpu_count": os.cpu_count(), "rounds": args.rounds, "runs": {}}
+    report: dict = {
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "rounds": args.rounds,
+        "torchrun_rounds": args.torchrun_rounds,
+        "load_average": os.getloadavg(),
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
         for name in args.setups:
             config, overrides, p_target, target, links, ps = SETUPS[name]
@@ -279,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                     for P in sorted({0, *(args.ps or ps)}):
                         for overlap in (True, False) if P else (False,):
                             where = Path(tmp) / f"{name}{kind}{runtime}{P}{overlap}"
-                            r = RUNTIMES[runtime](config, overrides, link, P, overlap, args.rounds, where)
+                            rounds = args.rounds if runtime == "in_process" else args.torchrun_rounds
+                            r = RUNTIMES[runtime](config, overrides, link, P, overlap, rounds, where)
                             rows.append(r)
                             print(
                                 f"{name:10s} {kind:6s} {runtime:10s} P={P:<3d} overlap={'on ' if overlap else 'off'} "
