@@ -153,7 +153,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     what = f"{s['model']}, cut {s['cut']}, batch {s['batch']}"
     if s["model"] not in VISION_INPUTS:
         what += f", seq {s['seq']}" + ("" if s["lora"] else ", full fine-tuning")
-    ax.set(ylabel="client peak memory (MiB, tensor count)", title=f"Client peak memory: {what}, P={s['P']}")
+    ax.set(ylabel="client peak memory (MiB of live tensor storage)", title=f"Client peak memory: {what}, P={s['P']}")
     ax.set_ylim(top=max(bottom) * 1.2)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)

@@ -204,6 +204,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
     split, x = setup.split, setup.inputs
     split.client.train()  # dropout-free models here; train() only matters for frozen BN, which stays frozen
     modules = [split.client] + ([split.server] if mode == "full_local" else [])
+    held = nn.ModuleDict({"client": split.client, "server": split.server}) if mode == "full_local" else split.client
 
     def resident(*extra: Tensor) -> list[Tensor]:  # what the client holds between steps (after any binding)
         return [*(t for m in modules for t in module_tensors(m)), *extra, *flat(x)]
@@ -217,7 +218,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
             with torch.no_grad():
                 split.client_forward(x)  # z goes up; nothing comes back
 
-        return ModeStep(inference_step, resident(), split.client, [], [], act_bytes)
+        return ModeStep(inference_step, resident(), held, [], [], act_bytes)
 
     if mode == "hosfl":
         worker = profiled_worker(spec, setup, "hosfl")
@@ -229,7 +230,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
         def hosfl_step() -> None:
             worker.run_round(next(rounds))  # HOSFLWorker's own round, the stand-in in place of the server
 
-        return ModeStep(hosfl_step, resident(*state), split.client, list(rep.params), state, act_bytes)
+        return ModeStep(hosfl_step, resident(*state), held, list(rep.params), state, act_bytes)
 
     transport = None
     if mode == "full_local":  # the real SFL server, in this process
@@ -249,4 +250,5 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
     def client_step() -> None:
         worker.train_client(0, 0, params, 1, {})  # the method's own client step; the optimizer is the round's
 
-    return ModeStep(client_step, resident(), split.client, params, [], act_bytes)
+    trainable = [p for p in held.parameters() if p.requires_grad] if mode == "full_local" else params
+    return ModeStep(client_step, resident(), held, trainable, [], act_bytes)

@@ -129,6 +129,7 @@ class ModeStep:
     step: Callable[[], None]
     resident: list[Tensor]
     module: nn.Module
+    """What holds the weights (f_c, or both parts for full_local): its parameters are the ``params_bytes``."""
     trainable: list[Tensor]
     """The tensors the step updates."""
     optimizer_state: list[Tensor]
