@@ -8,6 +8,8 @@ the value, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +29,9 @@ TEXT_DATASETS = ("sst2", "rte", "wsc", "squad", "sentiment_multiemo")
 DATASETS = VISION_DATASETS + TEXT_DATASETS
 # Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
 VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+MAX_PERTURBATIONS = 10_000
+MIN_MU = 1e-9
 
 
 @dataclass
@@ -36,11 +41,23 @@ class JobConfig:
     seed: int = 0
     """Run seed: data partition, client sampling, perturbation seeds and initial weights all derive from it."""
     out_dir: str = "runs/default"
-    """Folder for config.yaml, metrics.jsonl and summary.json (created if missing)."""
+    """Folder for config.yaml, metrics.jsonl, summary.json and checkpoints/ (created if missing)."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    resume: Literal["never", "auto"] = "never"
+    """auto: continue the run in job.out_dir from its latest complete checkpoint (or start it afresh where there is
+    none); never: refuse a folder that holds another run unless job.overwrite is set."""
+    overwrite: bool = False
+    """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.out_dir.strip()), "out_dir", self.out_dir, "must name a folder")
+        _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        _check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
+        _check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
+               "the folder's run; choose one of the two")  # fmt: skip
 
 
 @dataclass
@@ -121,6 +138,14 @@ class ZOConfig:
     perturb_mode: Literal["hooks", "copy"] = "hooks"
     """hooks: perturb one module at a time during the forward (inference-level memory); copy: perturbed copy of θc."""
 
+    def __post_init__(self) -> None:
+        _check(1 <= self.num_perturbations <= MAX_PERTURBATIONS, "num_perturbations", self.num_perturbations,
+               f"must be in 1..{MAX_PERTURBATIONS} (perturbed forwards per client per round)")  # fmt: skip
+        _check(math.isfinite(self.mu) and MIN_MU <= self.mu <= 1, "mu", self.mu,
+               f"must be a finite perturbation scale in [{MIN_MU:g}, 1]; below it θ + μu rounds to θ in float32 and "
+               "every scalar is 0")  # fmt: skip
+        _check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
+
 
 @dataclass
 class OptimConfig:
@@ -140,7 +165,7 @@ class OptimConfig:
     """SGD momentum."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr", self.lr, "must be > 0")
+        _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(
             0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", (self.beta1, self.beta2), "must be in [0, 1)"
@@ -186,7 +211,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")
-        _check(self.rpc_timeout_s > 0, "rpc_timeout_s", self.rpc_timeout_s, "must be > 0")
+        _check(1 <= self.rpc_timeout_s <= 7 * 86400, "rpc_timeout_s", self.rpc_timeout_s,
+               "must be between 1 s and a week: every wait on a peer is bounded by it")  # fmt: skip
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:
@@ -275,11 +301,26 @@ class TrainConfig:
     """Evaluate on the held-out split every this many processed samples (and at the start and end)."""
     eval_batch_size: int = 256
     """Batch size of evaluation forwards."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite activation, λ, loss or scalar: stop the run with an error naming the round, client and quantity,
+    or skip that client's contribution to the round (counted as nonfinite_skipped in the metrics rows)."""
 
     def __post_init__(self) -> None:
         _check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
         _check(self.eval_every_samples >= 1, "eval_every_samples", self.eval_every_samples, "must be >= 1")
         _check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    interval_samples: int = 0
+    """Save a checkpoint every this many processed samples (0: no checkpoints; SIGTERM still saves one)."""
+    keep: int = 2
+    """Complete checkpoints kept in job.out_dir/checkpoints (older ones are removed)."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_samples >= 0, "interval_samples", self.interval_samples, "must be >= 0 (0 = off)")
+        _check(self.keep >= 1, "keep", self.keep, "must be >= 1")
 
 
 @dataclass
@@ -306,12 +347,12 @@ class Config:
     """LoRA adapters of hf models."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Injected link model (latency-hiding measurements)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints for exact resume."""
 
     def __post_init__(self) -> None:
         _check(self.model.name in MODELS, "model.name", self.model.name, f"choose one of {list(MODELS)}")
         _check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
-        _check(self.zo.mu > 0, "zo.mu", self.zo.mu, "must be > 0")
-        _check(self.zo.num_perturbations >= 1, "zo.num_perturbations", self.zo.num_perturbations, "must be >= 1")
         is_text = self.data.name in TEXT_DATASETS
         _check(
             (self.model.name == "hf") == is_text,
@@ -356,6 +397,12 @@ class Config:
             "algorithm.name",
             spec.name,
             f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
+        )
+        _check(
+            self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
+            "train.on_nonfinite",
+            self.train.on_nonfinite,
+            f"algorithm.name={spec.name} stops on a non-finite value; skip is implemented for hosfl",
         )
 
 

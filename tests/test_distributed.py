@@ -23,7 +23,7 @@ import torch
 
 from hosfl_dist.algorithms.hosfl import HOSFLServer
 from hosfl_dist.config import load_config
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.env import launch_env, role_map
 from hosfl_dist.runtime.inprocess import InProcessRunner
@@ -66,7 +66,9 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     leader's finish_round arrived: the endpoint must not answer early (``after_previous_round``)."""
     cfg = load_config(None, TINY)
     split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
-    endpoint = ServerEndpoint(HOSFLServer(cfg, split))
+    server = HOSFLServer(cfg, split)
+    server.rounds_done = 1  # round 0's activations went through the server
+    endpoint = ServerEndpoint(server)
     early = endpoint.serve("sync", {"t": 1, "client": 2, "since": 0})  # client 2 was not in S_0 = [1, 3, 4]
     assert not early.done()  # round 0 is not closed yet
     endpoint.serve("finish_round", {"t": 0, "scalars": torch.ones(3)}).wait()  # closes_round
@@ -75,7 +77,7 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     assert endpoint.serve("eval_batch", {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}).done()
     with pytest.raises(AttributeError, match="not a server method declared with @wire"):
         endpoint.serve("_catch_up", {"t": 0, "client": 0, "since": 0}).wait()  # declared calls only
-    with pytest.raises(RuntimeError, match="reports its replica at round 3, the server has it at 0"):
+    with pytest.raises(ProtocolError, match="reports its replica at round 3, the server has it at 0"):
         endpoint.serve("sync", {"t": 1, "client": 5, "since": 3}).wait()  # replicas and server must agree
 
 

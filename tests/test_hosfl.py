@@ -8,6 +8,7 @@ import torch
 
 from hosfl_dist.algorithms.hosfl import HOSFLServer, SeedScalarHistory
 from hosfl_dist.config import OptimConfig, load_config
+from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
@@ -114,12 +115,12 @@ def test_server_round_is_order_independent_and_steps_once():
     tr = InProcessTransport(ServerEndpoint(HOSFLServer(cfg, build_split_model(cfg, info))))
     futs = [tr.call_async("submit", t=1, client=m, act=acts[m], labels=labels[m]) for m in sampled]
     for f in futs:
-        with pytest.raises(RuntimeError, match="rounds must not mix"):
+        with pytest.raises(ProtocolError, match="rounds must not mix"):
             f.wait()
     # activations from clients that were not sampled are refused too
     tr = InProcessTransport(ServerEndpoint(HOSFLServer(cfg, build_split_model(cfg, info))))
     futs = [tr.call_async("submit", t=0, client=m, act=acts[sampled[0]], labels=labels[sampled[0]]) for m in (0, 1, 2)]
-    with pytest.raises(RuntimeError, match=r"activations from clients \[0, 1, 2\], sampled \[0, 1, 3\]"):
+    with pytest.raises(ProtocolError, match=r"activations from clients \[0, 1, 2\], sampled \[0, 1, 3\]"):
         futs[0].wait()
 
 

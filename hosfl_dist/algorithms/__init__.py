@@ -42,6 +42,8 @@ class AlgorithmSpec:
     """Model families the method supports."""
     needs_lora: bool = False
     """Trains LoRA adapters on both sides (model.name=hf with client and server targets)."""
+    skips_nonfinite: bool = False
+    """Can leave a client with a non-finite upload out of a round (``train.on_nonfinite=skip``); else it stops."""
 
     def __post_init__(self) -> None:
         from hosfl_dist.transport.wire import CONTROL, EVAL, wire_specs

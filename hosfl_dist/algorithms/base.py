@@ -22,6 +22,7 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import sample_clients
 from hosfl_dist.data import FederatedData
+from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.wire import EVAL, wire
@@ -37,20 +38,89 @@ def round_plan(cfg: Config, t: int) -> list[int]:
 
 
 class ServerBase:
-    """Parts every server shares: the round's size, evaluation, train-loss bookkeeping."""
+    """Parts every server shares: the round's size, the checks on what arrives, evaluation, train-loss bookkeeping.
+
+    The server fails closed: a call about a client that is not part of the round, or a malformed upload, is refused
+    (:class:`ProtocolError`); a non-finite activation, loss, gradient or scalar stops the run or, with
+    ``train.on_nonfinite=skip``, drops that client's contribution (counted in the metrics rows).
+    """
 
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         self.cfg = cfg
         self.model = split.server
         self.task = split.task
+        self.spec = split.spec
         self.device = next(self.model.parameters()).device
         self._loss_sum = 0.0
         self._loss_count = 0
+        self._skipped = 0
         self._eval_stats: dict[str, float] = {}
 
     def expected_in_round(self, t: int) -> int:
         """Clients whose gathered calls make up round t."""
         return self.cfg.clients.per_round
+
+    # -- what arrives --------------------------------------------------------------------------------------------
+    def check_sampled(self, t: int, client: int, what: str) -> None:
+        """Refuse a call about a client that the server did not sample for round t."""
+        if client not in round_plan(self.cfg, t):
+            raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "
+                                f"{round_plan(self.cfg, t)})")  # fmt: skip
+
+    def admit(self, t: int, client: int, act: Activation, labels: Tensor) -> bool:
+        """Whether an upload takes part in round t: a malformed one is refused; a non-finite one stops the run or,
+        with ``train.on_nonfinite=skip``, is left out (False)."""
+        if self.spec is not None:
+            problem = self.spec.problem(act, labels, self.cfg.clients.batch_size)
+            if problem is not None:
+                raise ProtocolError(f"round {t}: client {client} sent {problem}")
+        for k, v in act.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return self.nonfinite(t, client, f"activation {k}")
+        return True
+
+    def nonfinite(self, t: int, client: int | str, what: str) -> bool:
+        """A non-finite quantity: stop (NonFiniteError) or count a skip and return False."""
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(f"round {t}: non-finite {what} of client {client} (train.on_nonfinite=stop)")
+        self._skipped += 1
+        return False
+
+    def pop_skipped(self) -> int:
+        """Client contributions left out since the last call (non-finite, ``train.on_nonfinite=skip``)."""
+        out, self._skipped = self._skipped, 0
+        return out
+
+    # -- checkpoints and the end-of-run audit --------------------------------------------------------------------
+    optimizer: Any = None
+    """The server's persistent torch optimizer, if it keeps one (checkpointed beside θs)."""
+    rounds_done = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the server keeps besides θs and its optimizer, between rounds."""
+        return {"loss": (self._loss_sum, self._loss_count), "skipped": self._skipped, "rounds_done": self.rounds_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        (self._loss_sum, self._loss_count), self._skipped = state["loss"], state["skipped"]
+        self.rounds_done = state["rounds_done"]
+
+    def resume_payload(self, clients: Sequence[int], leader: bool) -> dict[str, Any]:
+        """What a worker hosting ``clients`` needs from the server to rebuild its state after a restart."""
+        return {}
+
+    def expected_client_digest(self, t: int) -> str | None:
+        """The digest every client replica must report at the end of round t (None: the server cannot tell)."""
+        return None
+
+    def audit(self, rounds: int, client_digests: dict[str, str]) -> str | None:
+        """What is wrong with an end-of-run report (None: it matches the server's own state)."""
+        if rounds != self.rounds_done:
+            return f"the report says {rounds} rounds, the server ran {self.rounds_done}"
+        want = self.expected_client_digest(rounds)
+        wrong = {w: d for w, d in client_digests.items() if want is not None and d != want}
+        if wrong:
+            return f"client digests {wrong} differ from the server's replay of the history ({want})"
+        return None
 
     def record_loss(self, losses: Sequence[float]) -> None:
         self._loss_sum += float(sum(losses))
@@ -171,6 +241,18 @@ class WorkerBase:
     def sync_all(self, t: int) -> None:
         """Bring what the worker holds to round t at the end of the run, so that digests are comparable."""
         raise NotImplementedError
+
+    def quiesce(self) -> None:
+        """Let every call of the finished round reach the server before a checkpoint is taken."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the worker keeps between rounds: its clients' data-stream positions and the samples processed."""
+        return {"data": self.data.state_dict(sorted(self.hosted)), "processed": self.processed}
+
+    def load_state_dict(self, state: dict[str, Any], from_server: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``from_server`` is the server's :meth:`ServerBase.resume_payload`."""
+        self.data.load_state_dict(state["data"])
+        self.processed = state["processed"]
 
     def client_digest(self) -> str:
         raise NotImplementedError

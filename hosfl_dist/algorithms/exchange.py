@@ -29,13 +29,14 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import ServerBase, WorkerBase
+from hosfl_dist.algorithms.base import ServerBase, WorkerBase, round_plan
 from hosfl_dist.config import Config, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.core.params import Slots, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.core.zo import perturbed, reconstruct
+from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, EVAL, UPLINK_MODEL, wire
@@ -123,11 +124,12 @@ class ExchangeServer(ServerBase):
 
     def check_round(self, t: int) -> None:
         if t != self.rounds_done:
-            raise RuntimeError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
+            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
 
     def copy_for(self, t: int, client: int) -> ServerCopy:
         """θs_m for round t, created from θs^t at the client's first request of the round."""
         self.check_round(t)
+        self.check_sampled(t, client, "a request")
         copy = self.copies.get(client)
         if copy is None:
             params = clone_params(self.server_model, self.first_order)
@@ -142,6 +144,7 @@ class ExchangeServer(ServerBase):
     def download(self, t: int, client: int) -> dict[str, Any]:
         """θc^t for a client of round t."""
         self.check_round(t)
+        self.check_sampled(t, client, "download")
         return self.download_payload(t, client)
 
     def download_payload(self, t: int, client: int) -> dict[str, Any]:
@@ -155,6 +158,11 @@ class ExchangeServer(ServerBase):
         """θc_m of the round's K clients after their local training, each with its aggregation weight n_m."""
         self.check_round(t)
         clients = sorted(batch)
+        if clients != round_plan(self.cfg, t):
+            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        for m in clients:
+            if not all(bool(torch.isfinite(p).all()) for p in batch[m]["params"]):
+                self.nonfinite(t, m, "client model")
         weights = [float(batch[m]["weight"]) for m in clients]
         new_c = aggregate(self.client_model, [batch[m]["params"] for m in clients], weights, self.global_lr)
         with torch.no_grad():
@@ -172,6 +180,18 @@ class ExchangeServer(ServerBase):
 
     def end_round(self, t: int) -> None:
         """Hook run after a round's aggregation, before the next round may start."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "client_model": [p.detach().clone() for p in self.client_model]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for p, v in zip(self.client_model, state["client_model"], strict=True):
+                p.copy_(v)
+
+    def expected_client_digest(self, t: int) -> str:
+        return tensors_digest(self.client_model)  # what every worker fetched at the end
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     @wire(result={"params": EVAL}, after_previous_round=True)

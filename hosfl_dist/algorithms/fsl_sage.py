@@ -98,6 +98,8 @@ class FSLSageServer(ExchangeServer):
     def submit(self, t: int, client: int, step: int, act: Activation, labels: Tensor) -> None:
         """Smashed data (z, y) of client m's step j; kept for the end of the round, nothing is returned."""
         self.check_round(t)
+        self.check_sampled(t, client, "smashed data")
+        self.admit(t, client, act, labels)
         self.smashed[(client, step)] = ({k: v.detach().to(self.device) for k, v in act.items()}, labels.to(self.device))
 
     def end_round(self, t: int) -> None:
@@ -111,6 +113,25 @@ class FSLSageServer(ExchangeServer):
             self._remember(m, act["z"], y)
         self.smashed.clear()
         self.record_loss(losses)
+
+    @property
+    def optimizer(self) -> Any:
+        return self.opt
+
+    def state_dict(self) -> dict[str, Any]:
+        aux = {m: {"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}
+               for m, (params, opt) in self.aux_models.items()}  # fmt: skip
+        return {**super().state_dict(), "aux": aux, "align": dict(self.align_sets)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.aux_models = {}
+        for m, st in state["aux"].items():
+            params = clone_params(st["params"], True)
+            opt = build_torch_optimizer(self.cfg.server.optim, params)
+            opt.load_state_dict(st["opt"])
+            self.aux_models[m] = (params, opt)
+        self.align_sets = dict(state["align"])
 
     def _remember(self, client: int, z: Tensor, y: Tensor) -> None:
         if client in self.align_sets:
@@ -163,6 +184,16 @@ class FSLSageWorker(ExchangeWorker):
         self.aux_slots = trainable_slots(self.aux)
         self.aux_init = [p.detach().requires_grad_(False) for p in slot_tensors(self.aux_slots)]
         self.aux_params: dict[int, list[nn.Parameter]] = {}  # the last a_m each hosted client received
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "aux": {m: [p.detach().clone() for p in ps] for m, ps in self.aux_params.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], from_server: dict[str, Any]) -> None:
+        super().load_state_dict(state, from_server)
+        self.aux_params = {m: clone_params(ps, False, self.device) for m, ps in state["aux"].items()}
 
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
         if "aux" in got:

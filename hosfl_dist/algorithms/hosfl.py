@@ -31,8 +31,10 @@ from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, roun
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer
+from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
+from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import (
@@ -51,8 +53,13 @@ SCALARS = Exchange("scalars", up=UPLINK_SCALARS, down=DOWNLINK_SCALARS_SEEDS)
 
 
 def mean_over_clients(rows: Tensor) -> Tensor:
-    """v̄_p = (1/K) Σ_m v_{m,p} (Eq. 14): (K, P) -> (P,), summed in float64, returned as the float32 that travels."""
-    return (rows.double().sum(0) / rows.shape[0]).float()
+    """v̄_p = (1/K) Σ_m v_{m,p} (Eq. 14): (K, P) -> (P,), summed in float64, returned as the float32 that travels.
+
+    A row of NaN is a client left out of the round (``train.on_nonfinite=skip``): the mean is over the others
+    (zeros when none is left).
+    """
+    kept = rows[torch.isfinite(rows).all(1)]
+    return (kept.double().sum(0) / max(len(kept), 1)).float()
 
 
 class SeedScalarHistory:
@@ -93,6 +100,37 @@ class SeedScalarHistory:
         self.offset += drop
 
 
+@dataclass
+class Replica:
+    """One client's copy of θc (its trainable tensors), its optimizer state and the round it is current at."""
+
+    params: list[nn.Parameter]
+    opt: TensorwiseOptimizer
+    round: int = 0
+
+    def copy(self) -> Replica:
+        params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
+        opt = TensorwiseOptimizer(self.opt.cfg, params)
+        opt.load_state_dict(self.opt.state_dict())
+        return Replica(params, opt, self.round)
+
+    def digest(self) -> str:
+        return tensors_digest([*self.params, *self.opt.state_tensors()])
+
+
+def apply_update(rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str) -> None:
+    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor (Eq. 15-16)."""
+    coeffs = scalar_coefficients(scalars, mu)
+    rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, rng_device))
+    rep.round += 1
+
+
+def replay(rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor, mu: float, rng_device: str) -> None:
+    """ClientSync (Algorithm 3): apply missed rounds in order through the same optimizer."""
+    for seeds, scalars in zip(hist_seeds.tolist(), hist_scalars):
+        apply_update(rep, seeds, scalars, mu, rng_device)
+
+
 # ------------------------------------------------------------------------------------------------------ server
 class HOSFLServer(ServerBase):
     def __init__(self, cfg: Config, split: SplitModel) -> None:
@@ -103,22 +141,39 @@ class HOSFLServer(ServerBase):
         # t'_m of Algorithm 1: the round each replica is current at (the evaluation replica included).
         self.client_round = dict.fromkeys([*range(cfg.clients.total), EVAL_CLIENT], 0)
         self.rounds_done = 0
+        # θc at the round the history starts from, kept current by replaying each row the server trims: workers
+        # rebuild replicas from it after a restart, and the server checks the final replicas against it.
+        params = [
+            nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
+        ]
+        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params))
+
+    @property
+    def optimizer(self) -> Any:
+        return self.opt
 
     def seeds_of(self, t: int) -> Tensor:
         return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
 
-    def _catch_up(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
-        """The history rows a replica at round ``since`` replays to reach round t; the replica is then at t."""
+    def _window(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
+        """The history rows a replica at round ``since`` replays to reach round t."""
         if client not in self.client_round:
-            raise RuntimeError(f"round {t}: unknown client {client}")
+            raise ProtocolError(f"round {t}: unknown client {client}")
         if since != self.client_round[client]:
-            raise RuntimeError(
+            raise ProtocolError(
                 f"round {t}: client {client} reports its replica at round {since}, the server has it at "
                 f"{self.client_round[client]}"
             )
-        window = self.history.window(since, t)
-        self.client_round[client] = t
-        return window
+        return self.history.window(since, t)
+
+    def _trim(self) -> None:
+        """Drop the rows no replica still needs, replaying them onto the base replica first."""
+        keep_from = min(self.client_round.values())
+        if keep_from > self.history.offset:
+            replay(
+                self.base, *self.history.window(self.history.offset, keep_from), self.cfg.zo.mu, self.cfg.zo.rng_device
+            )
+            self.history.trim(keep_from)
 
     @wire(
         args={"since": CONTROL},
@@ -131,7 +186,8 @@ class HOSFLServer(ServerBase):
     )
     def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
         """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
-        hist_seeds, hist_scalars = self._catch_up(t, client, since)
+        self.check_sampled(t, client, "sync")
+        hist_seeds, hist_scalars = self._window(t, client, since)  # t'_m moves when the round closes
         return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)
@@ -140,58 +196,141 @@ class HOSFLServer(ServerBase):
 
         Counted as evaluation traffic: it is monitoring, not part of training.
         """
-        hist_seeds, hist_scalars = self._catch_up(t, client, since)
-        self.history.trim(min(self.client_round.values()))
+        hist_seeds, hist_scalars = self._window(t, client, since)
+        self.client_round[client] = t
+        self._trim()
         return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS}, gather=True
     )
-    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Tensor]]:
-        """Round t's (z_m, y_m) of the K sampled clients in; {m: {"lam": λ_m}} out, after one step of θs."""
+    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Round t's (z_m, y_m) of the K sampled clients in; {m: {"lam": λ_m}} out, after one step of θs.
+
+        A client whose upload or loss is non-finite (``train.on_nonfinite=skip``) is left out of the step and gets
+        {"lam": 0, "skip": True}; a non-finite gradient leaves the whole round out of θs's step.
+        """
         if t != self.rounds_done:
-            raise RuntimeError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
+            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
         clients = sorted(batch)
         if clients != round_plan(self.cfg, t):
-            raise RuntimeError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
-        acts = [{k: v.to(self.device) for k, v in batch[m]["act"].items()} for m in clients]
-        labels = [batch[m]["labels"].to(self.device) for m in clients]
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
+        acts = [{k: v.to(self.device) for k, v in batch[m]["act"].items()} for m in kept]
+        labels = [batch[m]["labels"].to(self.device) for m in kept]
         zs = [a["z"].detach().requires_grad_(True) for a in acts]
         self.opt.zero_grad(set_to_none=True)
-        losses = []
-        if _batchable(acts):  # one forward/backward for the whole round (GPU efficiency), exact for frozen-BN models
+        losses = {}
+        if acts and _batchable(acts):  # one forward/backward for the whole round (GPU efficiency), exact for frozen BN
             merged = {k: torch.cat([z if k == "z" else a[k] for a, z in zip(acts, zs)]) for k in acts[0]}
             out = server_forward(self.model, merged)
             total = out.new_zeros(())
             start = 0
-            for z, y in zip(zs, labels):
+            for m, z, y in zip(kept, zs, labels):
                 n = z.shape[0]
                 loss_m = self.task.loss(out[start : start + n], y)
-                total = total + loss_m
-                losses.append(loss_m.item())
                 start += n
-            total.backward()
+                if self._finite_loss(t, m, loss_m):
+                    total = total + loss_m
+                    losses[m] = loss_m.item()
+            if losses:
+                total.backward()
         else:
-            for a, z, y in zip(acts, zs, labels):
+            for m, a, z, y in zip(kept, acts, zs, labels):
                 loss_m = self.task.loss(server_forward(self.model, {**a, "z": z}), y)
-                loss_m.backward()
-                losses.append(loss_m.item())
-        for p in self.model.parameters():  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
-            if p.grad is not None:
-                p.grad.div_(len(clients))
-        self.opt.step()
+                if self._finite_loss(t, m, loss_m):
+                    loss_m.backward()
+                    losses[m] = loss_m.item()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        lams = {m: z.grad for m, z in zip(kept, zs) if m in losses}
+        if not all(bool(torch.isfinite(g).all()) for g in [*grads, *lams.values()]):
+            self.nonfinite(t, "all", "server gradient (the round is left out of θs's step)")
+            self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
+            losses, lams = {}, {}
+        if losses:
+            for g in grads:  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
+                g.div_(len(losses))
+            self.opt.step()
+            self.record_loss(list(losses.values()))
         self.rounds_done += 1
-        self.record_loss(losses)
         # λ_m = ∂ℓ_m/∂z_m: the client's own loss, not divided by K
-        return {m: {"lam": z.grad.detach()} for m, z in zip(clients, zs)}
+        return {
+            m: {"lam": lams[m].detach()} if m in lams else {"lam": torch.zeros_like(batch[m]["act"]["z"]), "skip": True}
+            for m in clients
+        }
+
+    def _finite_loss(self, t: int, client: int, loss: Tensor) -> bool:
+        return bool(torch.isfinite(loss)) or self.nonfinite(t, client, "loss")
 
     @wire(args={"scalars": CONTROL}, closes_round=True)
     def finish_round(self, t: int, scalars: Tensor) -> None:
         """Record v̄^t for catch-up; the sampled clients are now current at t+1, and round t is closed."""
+        if t != self.history.end or t >= self.rounds_done:
+            raise ProtocolError(
+                f"finish_round for round {t}: the next round to close is {self.history.end} and the server has run "
+                f"{self.rounds_done} round(s)"
+            )
+        if not isinstance(scalars, Tensor) or tuple(scalars.shape) != (self.P,):
+            got = tuple(scalars.shape) if isinstance(scalars, Tensor) else type(scalars).__name__
+            raise ProtocolError(f"round {t}: v̄ of shape {got}, expected ({self.P},)")
+        if not bool(torch.isfinite(scalars).all()):
+            raise NonFiniteError(f"round {t}: the aggregated scalars v̄ are not finite")
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
         for m in round_plan(self.cfg, t):
             self.client_round[m] = t + 1
-        self.history.trim(min(self.client_round.values()))
+        self._trim()
+
+    # -- checkpoints and the audit -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        h = self.history
+        return {
+            **super().state_dict(),
+            "history": {"offset": h.offset, "seeds": list(h.seeds), "scalars": list(h.scalars)},
+            "client_round": dict(self.client_round),
+            "base": {
+                "params": [p.detach().clone() for p in self.base.params],
+                "opt": self.base.opt.state_dict(),
+                "round": self.base.round,
+            },  # fmt: skip
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        h = state["history"]
+        self.history.offset, self.history.seeds, self.history.scalars = (
+            h["offset"],
+            list(h["seeds"]),
+            list(h["scalars"]),
+        )
+        self.client_round = dict(state["client_round"])
+        _load_replica(self.base, state["base"])
+
+    def resume_payload(self, clients: Sequence[int], leader: bool) -> dict[str, Any]:
+        """The base replica, the history after it, and the round of each of ``clients`` (and the evaluation
+        replica for the leader): enough to rebuild every replica exactly."""
+        ids = [*clients, *([EVAL_CLIENT] if leader else [])]
+        seeds, scalars = self.history.window(self.history.offset, self.history.end)
+        base = {"params": [p.detach().clone() for p in self.base.params], "opt": self.base.opt.state_dict(),
+                "round": self.base.round}  # fmt: skip
+        return {
+            "base": base,
+            "hist_seeds": seeds,
+            "hist_scalars": scalars,
+            "client_round": {m: self.client_round[m] for m in ids},
+        }
+
+    def expected_client_digest(self, t: int) -> str:
+        rep = self.base.copy()
+        replay(rep, *self.history.window(rep.round, t), self.cfg.zo.mu, self.cfg.zo.rng_device)
+        return rep.digest()
+
+
+def _load_replica(rep: Replica, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for p, v in zip(rep.params, state["params"], strict=True):
+            p.copy_(v)
+    rep.opt.load_state_dict(state["opt"])
+    rep.round = state["round"]
 
 
 def _batchable(acts: Sequence[Activation]) -> bool:
@@ -200,15 +339,6 @@ def _batchable(acts: Sequence[Activation]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ worker
-@dataclass
-class Replica:
-    """One client's copy of θc (its trainable tensors), its optimizer state and the round it is current at."""
-
-    params: list[nn.Parameter]
-    opt: TensorwiseOptimizer
-    round: int = 0
-
-
 class HOSFLWorker(WorkerBase):
     """A client worker: hosts logical clients, their replicas and data; never back-propagates."""
 
@@ -240,15 +370,10 @@ class HOSFLWorker(WorkerBase):
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:
-        """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor."""
-        coeffs = scalar_coefficients(scalars, self.mu)
-        rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, self.rng_device))
-        rep.round += 1
+        apply_update(rep, seeds, scalars, self.mu, self.rng_device)
 
     def replay(self, rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor) -> None:
-        """ClientSync (Algorithm 3): apply the missed rounds in order through the same optimizer."""
-        for seeds, scalars in zip(hist_seeds.tolist(), hist_scalars):
-            self.apply_update(rep, seeds, scalars)
+        replay(rep, hist_seeds, hist_scalars, self.mu, self.rng_device)
 
     def perturbed_forward(self, x: Any, seed: int) -> Tensor:
         """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc and without an autograd graph."""
@@ -302,11 +427,18 @@ class HOSFLWorker(WorkerBase):
         slot = {m: i for i, m in enumerate(sampled)}
         while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
             m, rep, x, z, lam, z_tilde, seeds = jobs.pop(0)
-            proj = Projector(lam.wait()["lam"].to(z.device), z)
+            answer = lam.wait()
+            if answer.get("skip"):  # the server left this client out of the round: so does the aggregation
+                rows[slot[m]] = float("nan")
+                continue
+            proj = Projector(answer["lam"].to(z.device), z)
             del z  # only λ and the z̃ being projected stay alive
             self.bind(rep.params)
-            rows[slot[m]] = self.zo_scalars(x, seeds, proj, z_tilde)
+            v = self.zo_scalars(x, seeds, proj, z_tilde)
             del z_tilde, proj
+            if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
+            rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
         vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine}, mean_over_clients)
 
         self._settle()
@@ -325,6 +457,9 @@ class HOSFLWorker(WorkerBase):
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
         return n
+
+    def quiesce(self) -> None:
+        self._settle()
 
     def _settle(self) -> None:
         """Wait for the leader's last round report (already answered unless the server is slow; errors surface)."""
@@ -350,9 +485,36 @@ class HOSFLWorker(WorkerBase):
         for m in sorted(self.hosted):
             self._catch_up(t, m)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "client_round": dict(self.client_round)}
+
+    def load_state_dict(self, state: dict[str, Any], from_server: dict[str, Any]) -> None:
+        """Rebuild every replica from the server's base replica by replaying the history to its client's round."""
+        super().load_state_dict(state, from_server)
+        self.client_round = dict(state["client_round"])
+        if self.client_round != from_server["client_round"]:
+            raise ProtocolError(f"resume: this worker's rounds {self.client_round} and the server's "
+                                f"{from_server['client_round']} differ")  # fmt: skip
+        base = self.replicas[next(iter(self.replicas))].copy()
+        _load_replica(base, from_server["base"])
+        seeds, scalars = from_server["hist_seeds"], from_server["hist_scalars"]
+        rebuilt: dict[int, Replica] = {}
+        for m in self.replicas:
+            # a shared replica is always current: at the round the history ends
+            target = self.client_round[m] if self.per_client else base.round + len(seeds)
+            if self.per_client or not rebuilt:
+                rep = base.copy()
+                lo, hi = 0, target - base.round
+                replay(rep, seeds[lo:hi], scalars[lo:hi], self.mu, self.rng_device)
+            rebuilt[m] = rep
+        self.replicas = rebuilt
+        first = next(iter(self.replicas.values()), None)
+        if first is not None:
+            self.bind(first.params)
+
     def client_digest(self) -> str:
         """SHA-256 of θc and the optimizer state, identical on every up-to-date replica."""
-        digests = {tensors_digest([*r.params, *r.opt.state_tensors()]) for r in self.replicas.values()}
+        digests = {r.digest() for r in self.replicas.values()}
         if len(digests) != 1:
             raise RuntimeError(f"client replicas of this worker diverged: {sorted(digests)}")
         return digests.pop()
@@ -365,5 +527,6 @@ register(
         worker=HOSFLWorker,
         zeroth_order_client=True,
         traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_SCALARS, DOWNLINK_GRADIENTS, DOWNLINK_SCALARS_SEEDS}),
+        skips_nonfinite=True,
     )
 )

@@ -52,6 +52,8 @@ class MUSplitFedServer(ZOSFLServer):
         self, t: int, client: int, act: Activation, act_plus: Activation, act_minus: Activation, labels: Tensor
     ) -> dict[str, Tensor]:
         copy = self.copy_for(t, client)
+        for a in (act, act_plus, act_minus):
+            self.admit(t, client, a, labels)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
         zo, mu = self.cfg.zo, self.cfg.zo.mu
         with bound(self.slots, copy.params):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
@@ -35,10 +36,13 @@ class SFLServer(ExchangeServer):
     def submit(self, t: int, client: int, act: Activation, labels: Tensor) -> dict[str, Tensor]:
         """One step of client m: backprop on θs_m, step it, and return λ = ∂ℓ_m/∂z."""
         copy = self.copy_for(t, client)
+        self.admit(t, client, act, labels)  # the baselines stop on a non-finite upload (train.on_nonfinite=stop)
         with bound(self.slots, copy.params):
             act = {k: v.to(self.device) for k, v in act.items()}
             z = act["z"].detach().requires_grad_(True)
             loss = self.task.loss(server_forward(self.model, {**act, "z": z}), labels.to(self.device))
+            if not bool(torch.isfinite(loss)):
+                self.nonfinite(t, client, "loss")
             copy.opt.zero_grad(set_to_none=True)
             loss.backward()
             copy.opt.step()

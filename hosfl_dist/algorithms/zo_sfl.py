@@ -11,6 +11,7 @@ in-place ±μz (same memory: one module's perturbed copy at a time; θ is never 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,10 +32,13 @@ class ZOSFLServer(ExchangeServer):
         return TensorwiseOptimizer(self.cfg.server.optim, params)
 
     def loss_on(self, act: Activation, labels: Tensor) -> float:
-        """ℓ(f_s(z; θs currently bound), y) without a graph."""
+        """ℓ(f_s(z; θs currently bound), y) without a graph; a non-finite loss stops the run."""
         with torch.no_grad():
             out = server_forward(self.model, {k: v.to(self.device) for k, v in act.items()})
-            return self.task.loss(out, labels.to(self.device)).item()
+            loss = self.task.loss(out, labels.to(self.device)).item()
+        if not math.isfinite(loss):
+            self.nonfinite(self.rounds_done, "of the round", "loss")
+        return loss
 
     @wire(
         args={"act_plus": UPLINK_ACTIVATIONS, "act_minus": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
@@ -44,6 +48,8 @@ class ZOSFLServer(ExchangeServer):
         self, t: int, client: int, step: int, act_plus: Activation, act_minus: Activation, labels: Tensor
     ) -> dict[str, Tensor]:
         copy = self.copy_for(t, client)
+        self.admit(t, client, act_plus, labels)
+        self.admit(t, client, act_minus, labels)
         seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
         mu = self.cfg.zo.mu
         with bound(self.slots, copy.params):

@@ -76,6 +76,13 @@ class TensorwiseOptimizer:
             g = st["momentum"]
         p.add_(g, alpha=-c.lr)
 
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "state": [{k: t.clone() for k, t in st.items()} for st in self.state]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+        self.state = [{k: t.clone() for k, t in st.items()} for st in state["state"]]
+
     def state_tensors(self) -> list[Tensor]:
         return [t for st in self.state for _, t in sorted(st.items())]
 

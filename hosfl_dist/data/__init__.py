@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,13 @@ class ClientStream:
 
     def steps_per_epoch(self) -> int:
         return max(1, -(-len(self.indices) // self.batch_size))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"order": self.order.clone(), "cursor": self.cursor, "epoch": self.epoch, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order, self.cursor, self.epoch = state["order"].clone(), state["cursor"], state["epoch"]
+        self.gen.set_state(state["gen"])
 
 
 class FederatedData:
@@ -88,6 +95,15 @@ class FederatedData:
             )
             self._aug_gens[client] = generator(self.seed, Stream.AUGMENT, client)
         return self._streams[client]
+
+    def state_dict(self, clients: Iterable[int]) -> dict[int, Any]:
+        """Where each of ``clients`` stands in its batch stream (and its augmentation generator)."""
+        return {m: {"stream": self.stream(m).state_dict(), "augment": self._aug_gens[m].get_state()} for m in clients}
+
+    def load_state_dict(self, state: dict[int, Any]) -> None:
+        for m, st in state.items():
+            self.stream(m).load_state_dict(st["stream"])
+            self._aug_gens[m].set_state(st["augment"])
 
     def next_batch(self, client: int) -> tuple[Any, Tensor]:
         idx = self.stream(client).next_indices()

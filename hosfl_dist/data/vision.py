@@ -50,13 +50,35 @@ def shared_data_dir() -> Path:
 
 def _read_idx(path: Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as exc:  # a truncated or corrupt .gz ends here
+        raise DataError(f"{path}: cannot be read ({exc})") from None
+    if len(data) < 4:
+        raise DataError(f"{path}: {len(data)} bytes, not an IDX file (truncated?)")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
+    if zero != 0 or dtype_code != 0x08 or not 1 <= ndim <= 4:
         raise DataError(f"{path} is not an unsigned-byte IDX file")
-    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    head = 4 + 4 * ndim
+    if len(data) < head:
+        raise DataError(f"{path}: truncated IDX header ({len(data)} bytes)")
+    dims = struct.unpack(">" + "I" * ndim, data[4:head])
+    want = head + int(np.prod(dims))
+    if len(data) != want:
+        raise DataError(f"{path}: {len(data)} bytes where its header {dims} needs {want} (truncated file?)")
+    return np.frombuffer(data, dtype=np.uint8, offset=head).reshape(dims)
+
+
+def _check_pairs(where: str, x: np.ndarray, y: np.ndarray, num_classes: int, image_ndim: int) -> None:
+    """Images and labels that belong together: one label per image, each a class index."""
+    if x.ndim != image_ndim or y.ndim != 1:
+        raise DataError(f"{where}: images of {x.ndim} dimensions and labels of {y.ndim}, expected {image_ndim} and 1")
+    if len(x) != len(y):
+        raise DataError(f"{where}: {len(x)} images but {len(y)} labels")
+    bad = np.flatnonzero((y < 0) | (y >= num_classes))
+    if len(bad):
+        raise DataError(f"{where}: label {int(y[bad[0]])} of example {int(bad[0])} is outside 0..{num_classes - 1}")
 
 
 def _find(root: Path, stem: str) -> Path:
@@ -77,6 +99,8 @@ def load_fashion_mnist(root: str) -> ImageSplits:
     ty = _read_idx(_find(r, "train-labels-idx1-ubyte"))
     vx = _read_idx(_find(r, "t10k-images-idx3-ubyte"))
     vy = _read_idx(_find(r, "t10k-labels-idx1-ubyte"))
+    for what, x, y in (("train", tx, ty), ("t10k", vx, vy)):
+        _check_pairs(f"Fashion-MNIST {what} under {r}", x, y, 10, image_ndim=3)
     m, s = STATS["fashion_mnist"]
     return ImageSplits(
         torch.from_numpy(tx.copy()).unsqueeze(1),
@@ -95,9 +119,14 @@ def load_cifar10_npz(root: str) -> ImageSplits:
     path = base if base.suffix == ".npz" else base / "cifar10_test10k.npz"
     if not path.is_file():
         raise DataError(f"CIFAR-10 npz not found: {path} (set data.root to the cifar10_test10k folder)")
-    d = np.load(path)
-    x = torch.from_numpy(d["images"]).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
-    y = torch.from_numpy(d["labels"].astype(np.int64))
+    try:
+        d = np.load(path)
+        images, labels = d["images"], d["labels"]
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        raise DataError(f"{path}: cannot be read as the CIFAR-10 npz ({exc})") from None
+    _check_pairs(str(path), images, labels, 10, image_ndim=4)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+    y = torch.from_numpy(labels.astype(np.int64))
     perm = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
     tr, te = perm[:8000], perm[8000:]
     m, s = STATS["cifar10"]
@@ -107,8 +136,11 @@ def load_cifar10_npz(root: str) -> ImageSplits:
 def _unpickle(path: Path) -> dict:
     if not path.is_file():
         raise DataError(f"CIFAR file not found: {path}")
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="latin1")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f, encoding="latin1")
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+        raise DataError(f"{path}: cannot be read as a CIFAR batch ({exc})") from None
 
 
 def load_cifar_folder(root: str, num_classes: int) -> ImageSplits:
@@ -130,7 +162,12 @@ def load_cifar_folder(root: str, num_classes: int) -> ImageSplits:
         y = np.concatenate([np.asarray(p[key], dtype=np.int64) for p in parts])
         return torch.from_numpy(x), torch.from_numpy(y)
 
-    (tx, ty), (vx, vy) = stack(train), stack(test)
+    try:
+        (tx, ty), (vx, vy) = stack(train), stack(test)
+    except (KeyError, ValueError) as exc:
+        raise DataError(f"{r}: CIFAR batches of an unexpected layout ({exc})") from None
+    for what, x, y in (("train", tx, ty), ("test", vx, vy)):
+        _check_pairs(f"{r} {what}", x.numpy(), y.numpy(), num_classes, image_ndim=4)
     m, s = STATS["cifar10" if num_classes == 10 else "cifar100"]
     return ImageSplits(tx, ty, vx, vy, num_classes, m, s)
 

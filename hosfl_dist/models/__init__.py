@@ -19,11 +19,65 @@ Activation = dict[str, Tensor]
 needs (e.g. attention masks), counted as uplink activation traffic too."""
 
 
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What a well-formed upload looks like, so the server refuses anything else (fail closed).
+
+    ``shapes`` gives each field's shape per sample, None for a sequence length (1..``max_len``, the same for every
+    field of one upload); labels are class indices in 0..``num_classes``-1, or token labels (-100 or 0..``vocab``-1)
+    of the upload's length.
+    """
+
+    shapes: dict[str, tuple[int | None, ...]]
+    dtypes: dict[str, torch.dtype]
+    max_len: int | None = None
+    num_classes: int | None = None
+    vocab: int | None = None
+
+    def problem(self, act: Any, labels: Any, batch_size: int) -> str | None:
+        """What is wrong with an upload of at most ``batch_size`` samples (None: nothing)."""
+        if not isinstance(act, dict) or set(act) != set(self.shapes):
+            got = sorted(act) if isinstance(act, dict) else type(act).__name__
+            return f"an activation with fields {got}, expected {sorted(self.shapes)}"
+        n, length = None, None
+        for k, v in act.items():
+            want = self.shapes[k]
+            if not isinstance(v, Tensor) or v.dtype != self.dtypes[k] or v.dim() != len(want) + 1:
+                got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, Tensor) else type(v).__name__
+                dims = ", ".join("T" if w is None else str(w) for w in want)
+                return f"{k} as {got}, expected (B, {dims}) {self.dtypes[k]}"
+            n = v.shape[0] if n is None else n
+            for got, w in zip(v.shape[1:], want):
+                if w is None:
+                    length = got if length is None else length
+                    if got != length or not 1 <= got <= (self.max_len or got):
+                        return f"{k} of length {got} (at most {self.max_len}, the same for every field)"
+                elif got != w:
+                    return f"{k} of shape {tuple(v.shape)}, expected (B, {', '.join(map(str, want))})"
+            if v.shape[0] != n:
+                return f"fields of different batch sizes ({n} and {v.shape[0]})"
+        if not 1 <= n <= batch_size:
+            return f"a batch of {n} samples (clients.batch_size is {batch_size})"
+        if not isinstance(labels, Tensor) or labels.dtype != torch.long or labels.dim() == 0 or labels.shape[0] != n:
+            got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+            return f"labels {got}, expected {n} int64 labels"
+        if self.num_classes is not None:
+            if labels.dim() != 1 or not bool(((labels >= 0) & (labels < self.num_classes)).all()):
+                return f"labels outside 0..{self.num_classes - 1}"
+        else:
+            in_vocab = (labels == -100) | ((labels >= 0) & (labels < (self.vocab or 0)))
+            if labels.shape[1:] != (length,) or not bool(in_vocab.all()):
+                return "token labels of another length or outside the vocabulary"
+        return None
+
+
 @dataclass
 class SplitModel:
     client: nn.Module
     server: nn.Module
     task: Task
+    spec: ActivationSpec | None = None
+    """What the client uploads (built from both parts, so it survives dropping the client part)."""
 
     def client_forward(self, inputs: Any) -> Activation:
         return as_activation(self.client(**inputs) if isinstance(inputs, dict) else self.client(inputs))
@@ -80,4 +134,9 @@ def build_split_model(cfg: Config, data_info: dict[str, Any], zeroth_order_clien
         else:
             raise ConfigError(f"unknown model.name {cfg.model.name!r}")
     device = torch.device(cfg.job.device)
-    return SplitModel(client.to(device), server.to(device), ClassificationTask())
+    was = client.training
+    with torch.no_grad():
+        z = client.eval()(torch.zeros(1, *data_info["input_shape"]))  # eval: BatchNorm statistics stay as they are
+    client.train(was)
+    spec = ActivationSpec({"z": tuple(z.shape[1:])}, {"z": z.dtype}, num_classes=data_info["num_classes"])
+    return SplitModel(client.to(device), server.to(device), ClassificationTask(), spec)

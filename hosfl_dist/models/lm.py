@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from hosfl_dist.config import Config
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.models import SplitModel
+from hosfl_dist.models import ActivationSpec, SplitModel
 from hosfl_dist.models.hf_split import HFClient, HFServer, apply_lora, num_decoder_layers, split_causal_lm
-from hosfl_dist.models.sources import KNOWN_DEPTHS, is_hub_id, load_model, load_tokenizer, resolve
+from hosfl_dist.models.sources import DTYPES, KNOWN_DEPTHS, is_hub_id, load_model, load_tokenizer, resolve
 from hosfl_dist.tasks.classification import ClassificationTask, last_real_index
 from hosfl_dist.tasks.generation import GenerationTask
 
@@ -124,5 +124,13 @@ def build(cfg: Config, data_info: dict[str, Any], zeroth_order_client: bool) -> 
         server_part = server
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         task = GenerationTask(load_tokenizer(source), cfg.data.padding_side, max_pos)
+    text = model.config.get_text_config()
+    spec = ActivationSpec(
+        {"z": (None, text.hidden_size), "attention_mask": (None,)},
+        {"z": DTYPES[cfg.model.dtype], "attention_mask": torch.long},
+        max_len=cfg.data.max_length,
+        num_classes=len(data_info["label_word_ids"]) if data_info.get("kind") == "classification" else None,
+        vocab=model.get_input_embeddings().num_embeddings,
+    )
     device = torch.device(cfg.job.device)
-    return SplitModel(client_part.to(device), server_part.to(device), task)
+    return SplitModel(client_part.to(device), server_part.to(device), task, spec)

@@ -14,11 +14,16 @@ server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, grac
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,9 @@ import torch.distributed.rpc as rpc
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.transport.rpc import SERVER_NAME
+
+SHUTDOWN_TIMEOUT_S = 30.0
+"""Longest wait for the peers at the end of a job (a peer that is gone cannot hold the others forever)."""
 
 
 @dataclass(frozen=True)
@@ -168,14 +176,16 @@ class Distributed:
             return None
 
     def shutdown(self, graceful: bool) -> None:
-        """Stop RPC, then the process groups. Graceful waits for every peer (normal end); otherwise leave at once."""
+        """Stop RPC, then the process groups. Graceful waits for every peer (normal end), at most
+        SHUTDOWN_TIMEOUT_S (torch's own default waits forever); otherwise, or after that, leave at once."""
         if self.rpc_up:
             self.rpc_up = False
             try:
-                rpc.shutdown(graceful=graceful)
+                rpc.shutdown(graceful=graceful, timeout=SHUTDOWN_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - peers may already be gone; leaving is all that is left to do
                 if graceful:
-                    raise
+                    with contextlib.suppress(Exception):
+                        rpc.shutdown(graceful=False)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -211,3 +221,45 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.shutdown(graceful=False)
         raise
     return out
+
+
+class StopRequest:
+    """SIGTERM (what Slurm and torchrun send) and SIGINT turned into a request to stop at the next round boundary,
+    where the runtime checkpoints and records the run as interrupted. A second SIGINT stops at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.since = 0.0
+        """time.monotonic() of the first signal."""
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal, self.since = signal.Signals(signum).name, time.monotonic()
+
+
+def check_devices(cfg: Config) -> None:
+    """Refuse a CUDA device (for the models or the noise generator) on a machine without one, in one line."""
+    for key, value in (("job.device", cfg.job.device), ("zo.rng_device", cfg.zo.rng_device)):
+        if value.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"{key}={value} but this machine has no CUDA device (torch.cuda.is_available() is False)"
+                )
+            index = torch.device(value).index
+            if index is not None and index >= torch.cuda.device_count():
+                raise ConfigError(f"{key}={value} but this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -46,7 +46,8 @@ def full_digest(model: nn.Module) -> str:
 
 
 class CallBroadcast:
-    """Rank 0's side: announce each server call to the other server ranks before executing it."""
+    """Rank 0's side: announce each server call (and each checkpoint save or load) to the other server ranks before
+    executing it."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -58,6 +59,12 @@ class CallBroadcast:
         self._send(("digest",))
         return full_digest(model)
 
+    def save(self, loop: Any, meta: dict[str, Any]) -> None:
+        self._send(("save", loop, meta))
+
+    def load(self, path: str) -> None:
+        self._send(("load", path))
+
     def stop(self) -> None:
         self._send(("stop",))
 
@@ -65,7 +72,7 @@ class CallBroadcast:
         dist.broadcast_object_list([msg], group=self.group, group_src=0)
 
 
-def follow(server: Any, group: dist.ProcessGroup) -> None:
+def follow(server: Any, group: dist.ProcessGroup, checkpointer: Any) -> None:
     """Server ranks 1..S-1: replay rank 0's calls on this rank's shard until rank 0 says stop."""
     while True:
         box: list[Any] = [None]
@@ -75,6 +82,10 @@ def follow(server: Any, group: dist.ProcessGroup) -> None:
             return
         if msg[0] == "digest":
             full_digest(server.model)
+        elif msg[0] == "save":  # DCP writes this rank's shard of θs; rank 0 writes the rest
+            checkpointer.save(server, msg[1], {}, msg[2])
+        elif msg[0] == "load":
+            checkpointer.load(server, msg[1])
         else:
             _, method, kwargs = msg
             getattr(server, method)(**kwargs)  # the answers are rank 0's to send; here only the shard moves

@@ -6,6 +6,7 @@ the torchrun runtime runs (laptops, tests, sweeps).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hosfl_dist.algorithms import get_algorithm
@@ -13,8 +14,11 @@ from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.config import Config
 from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.models import SplitModel, build_split_model
+from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
+from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState
+from hosfl_dist.runtime.env import StopRequest, check_devices
 from hosfl_dist.runtime.loop import train_loop
-from hosfl_dist.runtime.outputs import RunWriter, metrics_row, progress_bar, run_summary
+from hosfl_dist.runtime.outputs import RunWriter, metrics_row, prepare_out_dir, progress_bar, run_summary
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
@@ -33,9 +37,12 @@ class InProcessRunner:
         self.writer: RunWriter | None = None
         self.link: DelayedTransport | None = None
         self.bar: Any = None
+        self.rounds: int | None = None
+        self.stop = StopRequest()
 
     def setup(self) -> InProcessRunner:
         cfg = self.cfg
+        check_devices(cfg)
         self.data: FederatedData = build_data(cfg)
         self.split: SplitModel = build_split_model(cfg, self.data.info, self.spec.zeroth_order_client)
         self.server: ServerBase = self.spec.server(cfg, self.split)
@@ -48,19 +55,59 @@ class InProcessRunner:
         transport = MeteredTransport(transport, self.spec.server, self.meter)
         hosted = range(cfg.clients.total)
         self.worker: WorkerBase = self.spec.worker(cfg, self.split, self.data, hosted, transport, collective)
+        self.checkpointer = Checkpointer(cfg.job.out_dir, cfg.checkpoint.keep)
         return self
+
+    def resume(self, path: Path) -> LoopState:
+        """Restore the server, the worker (replicas rebuilt from the history) and the counters from a checkpoint."""
+        loop, workers, meta = self.checkpointer.load(self.server, path)
+        if meta["engine"] != "in_process":
+            raise ConfigError(f"checkpoint {path} was written by the {meta['engine']} runtime; resume it there")
+        part = workers["0"]
+        payload = self.server.resume_payload(sorted(self.worker.hosted), leader=True)
+        self.worker.load_state_dict(part["worker"], payload)
+        self.meter.load_state_dict(part["meter"])
+        self.endpoint.closed = loop.round
+        return loop
+
+    def save(self, t: int, processed: int) -> Path:
+        self.worker.quiesce()
+        loop = LoopState(t, processed, self.writer.wall_s if self.writer is not None else 0.0)
+        part = {"worker": self.worker.state_dict(), "meter": self.meter.state_dict()}
+        meta = {"engine": "in_process", "algorithm": self.cfg.algorithm.name, "workers": 1}
+        return self.endpoint.locked(lambda: self.checkpointer.save(self.server, loop, {"0": part}, meta))
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.writer = writer = RunWriter(cfg)
+        ckpt = prepare_out_dir(cfg)
+        start = self.resume(ckpt) if ckpt is not None else None
+        self.writer = writer = RunWriter(
+            cfg, "in_process", start.round if start else None, start.wall_s if start else 0.0, str(ckpt or "")
+        )
         self.bar = progress_bar(cfg)
+        every, last = cfg.checkpoint.interval_samples, [start.processed if start else 0]
 
         def on_eval(t: int, processed: int) -> None:
             writer.log(self.endpoint.locked(lambda: metrics_row(self.server, t, processed, self.meter.snapshot())))
 
-        self.rounds, processed = train_loop(cfg, self.worker, on_eval, self.bar)
+        def after_round(t: int, processed: int) -> bool:
+            if (every and processed // every > last[0] // every) or self.stop.signal:
+                self.saved = self.save(t, processed)
+                last[0] = processed
+            return self.stop.signal is not None
+
+        self.saved: Path | None = None
+        with self.stop:
+            self.rounds, processed = train_loop(cfg, self.worker, on_eval, self.bar, start, after_round)
+        if self.stop.signal is not None:
+            writer.interrupt(f"{self.stop.signal} after round {self.rounds}", self.rounds, str(self.saved))
+            raise Interrupted(f"{self.stop.signal}: stopped after round {self.rounds}; checkpoint {self.saved} "
+                              "(resume with job.resume=auto)")  # fmt: skip
         self.worker.sync_all(self.rounds)
         digests = {"worker_0": self.worker.client_digest()}
+        problem = self.server.audit(self.rounds, digests)
+        if problem is not None:
+            raise ProtocolError(f"end-of-run check: {problem}")
         summary = run_summary(
             cfg,
             writer,
@@ -87,7 +134,7 @@ class InProcessRunner:
             return self.train()
         except BaseException as exc:
             if self.writer is not None and not self.writer.finished:
-                self.writer.fail(f"{type(exc).__name__}: {exc}", getattr(self, "rounds", None))
+                self.writer.fail(f"{type(exc).__name__}: {exc}", self.rounds)
             raise
         finally:
             self.cleanup()

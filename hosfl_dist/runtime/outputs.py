@@ -3,47 +3,191 @@
 In ``job.out_dir``:
 - ``config.yaml``: the resolved config;
 - ``metrics.jsonl``: one object per evaluation, flushed as it is written (an interrupted run keeps every line);
-- ``summary.json``: final metrics, traffic totals, wall time, θc/θs digests, and ``status`` (completed / failed).
+- ``summary.json``: written when the run starts (``status: running``) and rewritten by every ending: ``completed``
+  (final metrics, traffic totals, wall time, θc/θs digests), ``failed`` (with the error) or ``interrupted``;
+- ``checkpoints/`` (see :mod:`hosfl_dist.runtime.checkpoint`).
 
-The end of a run is written here once for every runtime: :meth:`RunWriter.complete` (summary + the "done:" line)
-and :meth:`RunWriter.fail` (a failed summary with the error).
+Both files are strict JSON: a non-finite number is written as null and its key listed under ``nonfinite``.
+A folder that holds another run is refused unless ``job.resume=auto`` (continue it) or ``job.overwrite=true``
+(:func:`prepare_out_dir`). The end of a run is written here once for every runtime.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hosfl_dist.algorithms.base import ServerBase
-from hosfl_dist.config import Config, dump_config
+from hosfl_dist.config import Config, config_to_dict, dump_config
+from hosfl_dist.errors import ConfigError, NonFiniteError
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+CHECKPOINTS = "checkpoints"
+VOLATILE_KEYS = {"job": ("resume", "overwrite", "progress", "device")}
+"""Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
+
+
+def finite_json(obj: Any, path: str = "") -> tuple[Any, list[str]]:
+    """``obj`` with every non-finite float replaced by None, and the dotted keys where that happened."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [path]
+    if isinstance(obj, dict):
+        out, bad = {}, []
+        for k, v in obj.items():
+            out[k], b = finite_json(v, f"{path}.{k}" if path else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, (list, tuple)):
+        pairs = [finite_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [p[0] for p in pairs], [b for p in pairs for b in p[1]]
+    return obj, []
+
+
+def strict_dumps(obj: dict[str, Any], **kwargs: Any) -> str:
+    """Strict JSON of a row or summary: non-finite values become null and are named under ``nonfinite``."""
+    clean, bad = finite_json(obj)
+    if bad:
+        clean["nonfinite"] = bad
+    return json.dumps(clean, allow_nan=False, **kwargs)
+
+
+def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    for section, keys in VOLATILE_KEYS.items():
+        for k in keys:
+            out.get(section, {}).pop(k, None)
+    return out
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
+    """Make job.out_dir ready for this run; the checkpoint to resume from, or None to start afresh.
+
+    A folder that holds a run is continued with ``job.resume=auto`` (or when torchrun restarted the job) if its
+    config is this run's, replaced with ``job.overwrite=true``, and refused otherwise.
+    """
+    from hosfl_dist.runtime.checkpoint import latest_checkpoint
+
+    d = Path(cfg.job.out_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"job.out_dir {d} is a file, not a folder") from None
+    except NotADirectoryError:
+        raise ConfigError(f"job.out_dir {d} lies under a file, not a folder") from None
+    except OSError as exc:
+        raise ConfigError(f"job.out_dir {d} cannot be created: {exc.strerror or exc}") from None
+    if not d.is_dir():
+        raise ConfigError(f"job.out_dir {d} is not a folder")
+    probe = d / ".write_test"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"job.out_dir {d} is not writable: {exc.strerror or exc}") from None
+    held = [f for f in RUN_FILES if (d / f).exists()] + ([CHECKPOINTS] if (d / CHECKPOINTS).exists() else [])
+    if not held:
+        return None
+    if cfg.job.overwrite:
+        clear_run(d)
+        return None
+    if cfg.job.resume == "auto" or restarted:
+        saved = d / "config.yaml"
+        if saved.is_file():
+            theirs = yaml.safe_load(saved.read_text()) or {}
+            diff = _differences(_comparable(theirs), _comparable(config_to_dict(cfg)))
+            if diff:
+                raise ConfigError(
+                    f"job.out_dir {d} holds a different run (its config differs in {', '.join(diff[:5])}); "
+                    "choose another folder or set job.overwrite=true"
+                )
+        ckpt = latest_checkpoint(d)
+        if ckpt is None:  # nothing to continue from: the partial run is replaced
+            clear_run(d)
+        return ckpt
+    raise ConfigError(
+        f"job.out_dir {d} holds a run (status: {_status(d)}); set job.resume=auto to continue it or "
+        "job.overwrite=true to replace it"
+    )
+
+
+def _status(d: Path) -> str:
+    try:
+        return str(json.loads((d / "summary.json").read_text()).get("status", "unknown"))
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def clear_run(d: Path) -> None:
+    """Remove a run's files and checkpoints from its folder (other files are left alone)."""
+    for f in RUN_FILES:
+        (d / f).unlink(missing_ok=True)
+    shutil.rmtree(d / CHECKPOINTS, ignore_errors=True)
 
 
 class RunWriter:
-    """Writes config.yaml at once, metrics rows as they come, and summary.json at the end."""
+    """Writes config.yaml and a ``running`` summary at once, metrics rows as they come, and the final summary.
 
-    def __init__(self, cfg: Config) -> None:
+    Resuming (``rows_until``: the round of the checkpoint), the metrics rows up to that round are kept and later
+    ones (written after the checkpoint by the interrupted run) are dropped; wall time continues from ``wall_s``.
+    """
+
+    def __init__(
+        self, cfg: Config, engine: str, rows_until: int | None = None, wall_s: float = 0.0, resumed: str = ""
+    ) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.job.out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.engine = engine
         (self.dir / "config.yaml").write_text(dump_config(cfg))
-        self._metrics = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
         self.history: list[dict[str, Any]] = []
-        self.start = time.perf_counter()
+        if rows_until is not None and (self.dir / "metrics.jsonl").is_file():
+            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                if row["round"] <= rows_until:
+                    self.history.append(row)
+        self._metrics = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
+        for row in self.history:
+            self._metrics.write(strict_dumps(row) + "\n")
+        self._metrics.flush()
+        self.start = time.perf_counter() - wall_s
         self.finished = False
+        self.base = {
+            "engine": engine,
+            "algorithm": cfg.algorithm.name,
+            **({"resumed_from": resumed} if resumed else {}),
+        }
+        self._dump({"status": "running", **self.base, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
 
     def log(self, row: dict[str, Any]) -> None:
-        row = {**row, "wall_time_s": round(time.perf_counter() - self.start, 3)}
+        row = {**row, "wall_time_s": round(self.wall_s, 3)}
         self.history.append(row)
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(strict_dumps(row) + "\n")
         self._metrics.flush()
 
+    def _dump(self, summary: dict[str, Any]) -> None:
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(strict_dumps(summary, indent=2) + "\n")
+        tmp.replace(self.dir / "summary.json")  # a reader never sees half a file
+
     def _write(self, summary: dict[str, Any]) -> dict[str, Any]:
-        summary = {**summary, "wall_time_s": round(time.perf_counter() - self.start, 3)}
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = {**self.base, **summary, "wall_time_s": round(self.wall_s, 3)}
+        self._dump(summary)
         if not self._metrics.closed:
             self._metrics.close()
         self.finished = True
@@ -64,15 +208,27 @@ class RunWriter:
         """Record a failed run (the metrics rows written so far stay)."""
         return self._write({"status": "failed", "error": error, **({} if rounds is None else {"rounds": rounds})})
 
+    def interrupt(self, why: str, rounds: int | None, checkpoint: str | None) -> dict[str, Any]:
+        """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto)."""
+        return self._write({"status": "interrupted", "error": why, "rounds": rounds, "checkpoint": checkpoint})
+
 
 def metrics_row(server: ServerBase, t: int, processed: int, comm: dict[str, int]) -> dict[str, Any]:
-    """One metrics.jsonl object: the server's evaluation statistics and train loss since the previous row."""
+    """One metrics.jsonl object: the server's evaluation statistics and train loss since the previous row.
+
+    A non-finite evaluation loss or accuracy stops the run (:class:`NonFiniteError`): it has diverged.
+    """
     loss = server.pop_train_loss()
+    metrics = server.pop_eval_metrics()
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise NonFiniteError(f"round {t}: evaluation gave non-finite {', '.join(bad)} (the run has diverged)")
     return {
         "round": t,
         "processed_samples": processed,
-        **server.pop_eval_metrics(),
+        **metrics,
         "train_loss": None if loss is None or math.isnan(loss) else loss,
+        "nonfinite_skipped": server.pop_skipped(),
         "comm": comm,
     }
 

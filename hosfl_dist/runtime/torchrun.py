@@ -26,17 +26,21 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import HosflError
-from hosfl_dist.models import SplitModel, build_split_model
-from hosfl_dist.runtime.env import Distributed, LaunchEnv, init_distributed, role_map
+from hosfl_dist.errors import ConfigError, HosflError, Interrupted, ProtocolError
+from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState, rng_state, set_rng_state
+from hosfl_dist.runtime.env import Distributed, LaunchEnv, StopRequest, check_devices, init_distributed, role_map
 from hosfl_dist.runtime.fsdp import CallBroadcast, follow, shard_server_model
 from hosfl_dist.runtime.loop import train_loop
-from hosfl_dist.runtime.outputs import RunWriter, metrics_row, progress_bar, run_summary
+from hosfl_dist.runtime.outputs import RunWriter, metrics_row, prepare_out_dir, progress_bar, run_summary
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
@@ -60,22 +64,25 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> int:
     """Run this process's role until the job ends; returns the process exit code (0 = the whole run completed)."""
     roles = role_map(cfg, env.world_size)  # refused here, before any process group exists
     spec = get_algorithm(cfg.algorithm.name)
+    check_devices(cfg)
     d = init_distributed(cfg, env, roles)
     cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device=str(d.device)))
     state: dict[str, Any] = {}
     ok = False
     try:
-        if env.rank == 0:
-            _server_main(cfg, spec, d, state)
-        elif env.rank in roles.server_ranks:
-            _shard_main(cfg, spec, d)
-        else:
-            _worker_main(cfg, spec, d)
+        with StopRequest() as stop:
+            state["stop"] = stop
+            if env.rank == 0:
+                _server_main(cfg, spec, d, state)
+            elif env.rank in roles.server_ranks:
+                _shard_main(cfg, spec, d)
+            else:
+                _worker_main(cfg, spec, d, stop)
         ok = True
         return 0
-    except BaseException as exc:  # noqa: BLE001 - every failure ends the job the same way, exit code 1
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the job the same way
         _report_failure(d, exc, state)
-        return 1
+        return exc.exit_code if isinstance(exc, HosflError) else 1
     finally:
         d.shutdown(graceful=ok)
 
@@ -86,20 +93,54 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> int:
 
 class ServerFront:
     """What rank 0 publishes over RPC: the endpoint that serves the algorithm's calls, and the run's bookkeeping
-    (metrics rows from the leader's reports, the end-of-run report, failures reported by any process)."""
+    (metrics rows from the leader's reports, checkpoints, the end-of-run report, failures reported by any process)."""
 
-    def __init__(self, endpoint: ServerEndpoint, writer: RunWriter) -> None:
+    def __init__(
+        self,
+        endpoint: ServerEndpoint,
+        writer: RunWriter,
+        checkpointer: Checkpointer,
+        mirror: CallBroadcast | None,
+        resume: tuple[LoopState, dict[str, Any]] | None,
+        world: dict[str, Any],
+    ) -> None:
         self.endpoint = endpoint
         self.writer = writer
+        self.checkpointer = checkpointer
+        self.mirror = mirror
+        self.resume = resume
+        self.world = world
+        self.parts: dict[str, Any] = {}
+        self.saved: str | None = None
         self.done = threading.Event()
         self.final: dict[str, Any] = {}
         self.failure = ""
+        self.interrupted = ""
 
-    def report(self, kind: str, payload: dict[str, Any]) -> None:
+    def report(self, kind: str, payload: dict[str, Any]) -> Any:
+        server = self.endpoint.server
         if kind == "eval":  # between executions: the row pops the server's train loss / eval statistics
-            server = self.endpoint.server
             row = self.endpoint.locked(lambda: metrics_row(server, payload["t"], payload["processed"], payload["comm"]))
             self.writer.log(row)
+        elif kind == "resume":  # a worker starting: its own part of the checkpoint and what the server adds to it
+            if self.resume is None:
+                return None
+            loop, parts = self.resume
+            hosted, leader = payload["hosted"], payload["leader"]
+            from_server = self.endpoint.locked(lambda: server.resume_payload(hosted, leader))
+            return {"loop": loop, "part": parts[str(payload["rank"])], "from_server": from_server}
+        elif kind == "checkpoint_part":
+            self.parts[str(payload["rank"])] = payload["part"]
+        elif kind == "checkpoint":  # the leader, once every worker's part is in
+            loop = LoopState(payload["t"], payload["processed"], self.writer.wall_s)
+            if len(self.parts) != len(self.world["worker_ranks"]):
+                raise RuntimeError(f"checkpoint of round {loop.round}: parts from {sorted(self.parts)} only")
+            parts, self.parts = self.parts, {}
+            self.saved = str(self.endpoint.locked(lambda: self._save(loop, parts)))
+            return self.saved
+        elif kind == "interrupted":
+            self.interrupted = payload["why"]
+            self.done.set()
         elif kind == "final":
             self.final = payload
             self.done.set()
@@ -107,6 +148,13 @@ class ServerFront:
             self.fail(payload["message"])
         else:
             raise ValueError(f"unknown report {kind!r}")
+        return None
+
+    def _save(self, loop: LoopState, parts: dict[str, Any]) -> Path:
+        meta = {"engine": "torchrun", "algorithm": self.writer.cfg.algorithm.name, **self.world}
+        if self.mirror is not None:
+            self.mirror.save(loop, meta)
+        return self.checkpointer.save(self.endpoint.server, loop, parts, meta)
 
     def fail(self, message: str) -> None:
         if not self.failure:
@@ -117,53 +165,76 @@ class ServerFront:
 def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[str, Any]) -> None:
     roles = d.roles
     _log(d, roles.describe())
-    split = _server_part(cfg, spec, d)
-    mirror = CallBroadcast(d.server_group) if d.server_group is not None else None
-    server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
-    writer = RunWriter(cfg)
-    front = state["front"] = ServerFront(ServerEndpoint(server, mirror), writer)
-    publish(front)
-    while not front.done.wait(0.2):  # a short wait keeps the main thread responsive to signals
-        pass
-    if front.failure:
-        raise PeerFailure(front.failure)
-    final = front.final
-    digest = mirror.digest(server.model) if mirror is not None else server.server_digest()
-    if mirror is not None:
-        mirror.stop()
-    summary = run_summary(
-        cfg, writer, "torchrun", final["rounds"], final["processed"], final["comm"], final["client_digests"], digest
-    )
-    summary["roles"] = {
+    world = {
         "world_size": roles.world_size,
         "server_ranks": list(roles.server_ranks),
         "worker_ranks": list(roles.worker_ranks),
-        "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()},
     }
-    summary["transport"] = {"workers": final["transport"], "server": front.endpoint.stats()}
+    ckpt = prepare_out_dir(cfg, restarted=d.env.restart > 0)
+    mirror = CallBroadcast(d.server_group) if d.server_group is not None else None
+    server = _server(cfg, spec, d)
+    checkpointer = Checkpointer(cfg.job.out_dir, cfg.checkpoint.keep, d.server_group)
+    resume = None
+    if ckpt is not None:
+        if mirror is not None:
+            mirror.load(str(ckpt))
+        loop, parts, meta = checkpointer.load(server, ckpt)
+        if {k: meta.get(k) for k in world} != world or meta.get("engine") != "torchrun":
+            raise ConfigError(f"checkpoint {ckpt} was written by another layout ({meta.get('engine')}, "
+                              f"{ {k: meta.get(k) for k in world} }); resume it with that world")  # fmt: skip
+        resume = (loop, parts)
+        _log(d, f"resuming from {ckpt} (round {loop.round}, {loop.processed} samples)")
+    writer = RunWriter(
+        cfg, "torchrun", resume[0].round if resume else None, resume[0].wall_s if resume else 0.0, str(ckpt or "")
+    )
+    endpoint = ServerEndpoint(server, mirror)
+    endpoint.closed = resume[0].round if resume else 0
+    front = state["front"] = ServerFront(endpoint, writer, checkpointer, mirror, resume, world)
+    publish(front)
+    stop = state["stop"]
+    while not front.done.wait(0.2):  # a short wait keeps the main thread responsive to signals
+        if stop.signal and time.monotonic() - stop.since > cfg.server.rpc_timeout_s:
+            raise Interrupted(f"{stop.signal}: the client workers did not stop within {cfg.server.rpc_timeout_s} s")
+    if front.interrupted:  # the workers checkpointed and stopped (their own exits may report failures after)
+        writer.interrupt(front.interrupted, None, front.saved)
+        if mirror is not None:
+            mirror.stop()
+        raise Interrupted(f"{front.interrupted}; checkpoint {front.saved} (resume with job.resume=auto)")
+    if front.failure:
+        raise PeerFailure(front.failure)
+    final = front.final
+    problem = endpoint.locked(lambda: server.audit(final["rounds"], final["client_digests"]))
+    digest = mirror.digest(server.model) if mirror is not None else server.server_digest()
+    if mirror is not None:
+        mirror.stop()
+    if problem is not None:
+        raise ProtocolError(f"end-of-run report refused: {problem}")
+    summary = run_summary(
+        cfg, writer, "torchrun", final["rounds"], final["processed"], final["comm"], final["client_digests"], digest
+    )
+    summary["roles"] = {**world, "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()}}
+    summary["transport"] = {"workers": final["transport"], "server": endpoint.stats()}
     if final.get("link"):
         summary["link"] = final["link"]
-    if len(set(final["client_digests"].values())) != 1:
-        # every replica replayed the same history: different digests are a bug, not noise
-        error = f"client replicas diverged across workers: {final['client_digests']}"
-        writer.fail(error, final["rounds"])
-        raise RuntimeError(error)
     writer.complete(summary)
 
 
 def _shard_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
-    follow(spec.server(cfg, _server_part(cfg, spec, d)), d.server_group)
+    checkpointer = Checkpointer(cfg.job.out_dir, cfg.checkpoint.keep, d.server_group)
+    follow(_server(cfg, spec, d), d.server_group, checkpointer)
 
 
-def _server_part(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> SplitModel:
-    """The model parts the method's server holds (sharded over the server group), built from ``job.seed``."""
-    split = build_split_model(cfg, build_data(cfg).info, spec.zeroth_order_client).keep(spec.server_parts)
+def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
+    """The method's server over the model parts it holds (θs sharded over the server group), from ``job.seed``."""
+    split = build_split_model(cfg, build_data(cfg).info, spec.zeroth_order_client)
     if d.server_group is not None:
         shard_server_model(split.server, d.server_group, d.device)
-    return split
+    server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
+    split.keep(spec.server_parts)  # the server copied what it needs of the others (HO-SFL: θc^0)
+    return server
 
 
-def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
+def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopRequest) -> None:
     roles, rank = d.roles, d.rank
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, spec.zeroth_order_client).keep(spec.worker_parts)
@@ -180,6 +251,14 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
     transport = MeteredTransport(transport, spec.server, meter)
     worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective)
     timed = _TimedWorker(worker, stats)
+    start = None
+    resumed = rpc.report("resume", rank=rank, hosted=list(roles.hosted[rank]), leader=leader)
+    if resumed is not None:  # replicas rebuilt from the server's base replica and history (Algorithm 3)
+        start = resumed["loop"]
+        worker.load_state_dict(resumed["part"]["worker"], resumed["from_server"])
+        meter.load_state_dict(resumed["part"]["meter"])
+        set_rng_state(resumed["part"]["rng"])
+    every, last = cfg.checkpoint.interval_samples, [start.processed if start else 0]
 
     def on_eval(t: int, processed: int) -> None:
         comm = group.sum_counts(meter.snapshot())
@@ -187,9 +266,26 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
             rpc.report("eval", t=t, processed=processed, comm=comm)
         group.barrier()  # no worker starts the next round before the row is written
 
+    def after_round(t: int, processed: int) -> bool:
+        stopping = bool(group.coordinate(torch.tensor([1 if stop.signal else 0])).item())  # every worker agrees
+        if (every and processed // every > last[0] // every) or stopping:
+            worker.quiesce()
+            part = {"worker": worker.state_dict(), "meter": meter.state_dict(), "rng": rng_state()}
+            rpc.report("checkpoint_part", rank=rank, part=part)
+            group.barrier()  # every part is in before the leader asks for the save
+            if leader:
+                rpc.report("checkpoint", t=t, processed=processed)
+            group.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+            last[0] = processed
+        return stopping
+
     bar = progress_bar(cfg) if leader else None
     try:
-        t, processed = train_loop(cfg, timed, on_eval, bar)
+        t, processed = train_loop(cfg, timed, on_eval, bar, start, after_round)
+        if processed < cfg.train.budget_samples:  # stopped by a signal, after the checkpoint
+            if leader:
+                rpc.report("interrupted", why=f"{stop.signal or 'SIGTERM'} after round {t}")
+            raise Interrupted(f"{stop.signal or 'a signal to another worker'}: stopped after round {t}")
         worker.sync_all(t)  # Algorithm 3 up to round t for every hosted replica, so the digests are comparable
     finally:
         if bar is not None:
@@ -265,6 +361,9 @@ def _report_failure(d: Distributed, exc: BaseException, state: dict[str, Any]) -
     label = d.roles.label(d.rank)
     first = _claim_failure(d)
     message = f"{label}: {_one_line(exc)}"
+    if isinstance(exc, Interrupted):  # an orderly stop after a checkpoint: no failure to report
+        print(f"[{label}] interrupted: {exc}", file=sys.stderr, flush=True)
+        return
     if first:
         if isinstance(exc, HosflError):
             print(f"[{label}] error: {exc}", file=sys.stderr, flush=True)

@@ -123,9 +123,10 @@ class RPCTransport:
         sent.add_done_callback(lambda f: forward(f, out))
         return out
 
-    def report(self, kind: str, **payload: Any) -> None:
-        """Runtime bookkeeping for the server (metrics rows, end of run, failures); never counted as traffic."""
-        rpc.rpc_sync(SERVER_NAME, report, args=(self.front, kind, payload), timeout=self.timeout_s)
+    def report(self, kind: str, **payload: Any) -> Any:
+        """Runtime bookkeeping with the server (metrics rows, checkpoints, resume, end of run, failures); never
+        counted as traffic."""
+        return rpc.rpc_sync(SERVER_NAME, report, args=(self.front, kind, payload), timeout=self.timeout_s)
 
 
 class ProcessGroupCollective:
@@ -200,7 +201,7 @@ class Front(Protocol):
 
     endpoint: ServerEndpoint
 
-    def report(self, kind: str, payload: dict[str, Any]) -> None: ...
+    def report(self, kind: str, payload: dict[str, Any]) -> Any: ...
 
     def fail(self, message: str) -> None: ...
 
@@ -232,8 +233,8 @@ def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
     return chained(front.local_value().endpoint.serve(method, kwargs), to_wire)
 
 
-def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> None:
-    front.local_value().report(kind, payload)
+def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> Any:
+    return to_wire(front.local_value().report(kind, payload))
 
 
 def _note_failure(message: str) -> None:

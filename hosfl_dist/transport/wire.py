@@ -74,6 +74,14 @@ class CommMeter:
         with self._lock:
             return dict(self.bytes)
 
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {"bytes": dict(self.bytes), "messages": dict(self.messages)}
+
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
+        with self._lock:
+            self.bytes, self.messages = dict(state["bytes"]), dict(state["messages"])
+
 
 @dataclasses.dataclass(frozen=True)
 class WireSpec:

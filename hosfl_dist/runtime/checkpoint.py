@@ -1,0 +1,153 @@
+"""Checkpoints for exact resume, written by the server side.
+
+``job.out_dir/checkpoints/round-<t>/`` holds, after round t (and its evaluation, if one was due):
+
+- ``model/`` — θs (the server part's trainable tensors and buffers) and the server's torch optimizer, written with
+  ``torch.distributed.checkpoint`` by every server rank, so an FSDP-sharded θs is saved shard by shard;
+- ``state.pt`` — everything else, from rank 0: the algorithm server's state (HO-SFL: the (seeds, v̄) history, every
+  client's round t'_m and the base replica θc^r the history starts from; the baselines: θc^t, FSL-SAGE's auxiliary
+  models), the loop's position (round, processed samples, wall time), and each client worker's part (its clients'
+  data-stream positions and generators, its RNG state, its traffic counters, what its algorithm keeps);
+- ``meta.json`` — round, processed samples, world layout.
+
+Client replicas are not saved: a worker rebuilds each one from the base replica by replaying the history rows up to
+the client's round (Algorithm 3), exactly. The server keeps the base replica current by replaying each history row
+it trims (so the history stays bounded). A checkpoint is written into ``round-<t>.partial/`` and renamed when
+complete: a kill during the save leaves the previous checkpoint the latest complete one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CHECKPOINTS = "checkpoints"
+PARTIAL = ".partial"
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the training loop stands between rounds."""
+
+    round: int = 0
+    """The next round to run."""
+    processed: int = 0
+    wall_s: float = 0.0
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global torch RNG (dropout draws from it), to restore on resume."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_path(out_dir: str | Path, t: int) -> Path:
+    return Path(out_dir) / CHECKPOINTS / f"round-{t:08d}"
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The complete checkpoint of the latest round in ``out_dir`` (None if there is none)."""
+    folder = Path(out_dir) / CHECKPOINTS
+    done = [p for p in folder.glob("round-*") if not p.name.endswith(PARTIAL) and (p / "meta.json").is_file()]
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def prune(out_dir: str | Path, keep: int) -> None:
+    """Keep the ``keep`` latest complete checkpoints; remove older ones and any partial ones left by a kill."""
+    folder = Path(out_dir) / CHECKPOINTS
+    done = sorted(p for p in folder.glob("round-*") if not p.name.endswith(PARTIAL))
+    for p in done[:-keep] + [p for p in folder.glob(f"round-*{PARTIAL}")]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _model_state(server: Any) -> tuple[dict[str, Any], Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    state = {"model": get_model_state_dict(server.model, options=opts)}
+    opt = server.optimizer
+    if opt is not None and opt.state:  # a torch optimizer that has stepped (a fresh one has no state to save)
+        state["optim"] = get_optimizer_state_dict(server.model, opt, options=opts)
+    return state, opts
+
+
+class Checkpointer:
+    """Saves and loads a run's checkpoints. On the server side only: rank 0, and under FSDP every server rank
+    (``group``), which must call :meth:`save` / :meth:`load` together (rank 0's endpoint announces them)."""
+
+    def __init__(self, out_dir: str | Path, keep: int, group: dist.ProcessGroup | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.keep = keep
+        self.group = group
+        self.rank0 = group is None or dist.get_rank(group) == 0
+
+    def _dcp(self) -> dict[str, Any]:
+        return {"process_group": self.group} if self.group is not None else {"no_dist": True}
+
+    def save(self, server: Any, loop: LoopState, workers: dict[str, Any], meta: dict[str, Any]) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        final = checkpoint_path(self.out_dir, loop.round)
+        partial = final.with_name(final.name + PARTIAL)
+        if self.rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        state, _ = _model_state(server)
+        dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
+        if self.rank0:
+            extra = {
+                "server": server.state_dict(),
+                "loop": dataclasses.asdict(loop),
+                "workers": workers,
+                "rng": rng_state(),  # the server process's (dropout on the server side)
+            }
+            torch.save(extra, partial / "state.pt")
+            info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
+            (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)  # atomic on one filesystem: the checkpoint exists whole or not at all
+            prune(self.out_dir, self.keep)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        return final
+
+    def load(self, server: Any, path: str | Path) -> tuple[LoopState, dict[str, Any], dict[str, Any]]:
+        """Restore the server from ``path``; returns the loop state, the workers' parts and the meta data."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        state, opts = _model_state(server)
+        if not meta["has_optim"]:
+            state.pop("optim", None)
+        elif "optim" not in state:  # a fresh optimizer: make its state tensors to load into
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
+        dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
+        set_model_state_dict(server.model, state["model"], options=opts)
+        if "optim" in state:
+            set_optimizer_state_dict(server.model, server.optimizer, state["optim"], options=opts)
+        extra = torch.load(path / "state.pt", weights_only=False)
+        server.load_state_dict(extra["server"])
+        set_rng_state(extra["rng"])
+        return LoopState(**extra["loop"]), extra["workers"], meta
