@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         from hosfl_dist.runtime.inprocess import run_in_process
 
         run_in_process(cfg)
-    except HosflError as exc:
+    except HosflError as exc:  # bad input (exit 2), or a run that diverged or was stopped (exit 1)
         if launch is None or launch.rank == 0:  # the same error on every rank: say it once
             print(f"error: {exc}", file=sys.stderr)
         else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
             time.sleep(3)
-        return 2
+        return exc.exit_code
     return 0
 
 

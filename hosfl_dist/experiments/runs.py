@@ -1,9 +1,10 @@
 """Launching the runs of an experiment (one subprocess each), reusing the ones already finished, and reading them.
 
-A run lives in its own folder with the outputs of ``hosfl_dist.run`` (config.yaml, metrics.jsonl, summary.json)
-plus ``log.txt`` (its stdout and stderr). A folder whose summary says ``completed`` and whose config.yaml equals the
-config the run would get now is reused as is, so an interrupted experiment resumes where it stopped and a changed
-setting is run again.
+A run lives in its own folder with the outputs of ``hosfl_dist.run`` (config.yaml, metrics.jsonl, summary.json,
+checkpoints/) plus ``log.txt`` (its stdout and stderr). A folder whose summary says ``completed`` and whose
+config.yaml is the config the run would get now is reused as is; an unfinished run of the same config is continued
+from its latest checkpoint (``job.resume=auto``); a folder holding another setting is run again
+(``job.overwrite=true``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import Config, dump_config, load_config
+from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.runtime.outputs import config_differences, run_status
 
 
 @dataclass
@@ -63,21 +65,18 @@ def resolve(config: str | None, spec: RunSpec) -> Config:
 
 
 def is_finished(spec: RunSpec, cfg: Config) -> bool:
-    summary, saved = spec.out_dir / "summary.json", spec.out_dir / "config.yaml"
-    if not (summary.is_file() and saved.is_file()):
-        return False
-    try:
-        done = json.loads(summary.read_text()).get("status") == "completed"
-    except json.JSONDecodeError:
-        return False
-    return done and saved.read_text() == dump_config(cfg)
+    """A completed run of exactly this config."""
+    return run_status(spec.out_dir) == "completed" and config_differences(spec.out_dir, cfg) == []
 
 
-def command(config: str | None, spec: RunSpec) -> list[str]:
+def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> list[str]:
+    """The run's command: it continues an unfinished run of the same config and replaces another setting's."""
     cmd = [sys.executable, "-m", "hosfl_dist.run"]
     if config:
         cmd += ["--config", str(config)]
-    return cmd + spec.all_overrides()
+    diff = config_differences(spec.out_dir, cfg) if cfg is not None else None
+    start = [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
+    return cmd + spec.all_overrides() + start
 
 
 def launch(
@@ -89,12 +88,13 @@ def launch(
         raise ConfigError(f"--jobs and --threads must be >= 1 (got {jobs}, {threads})")
     todo = []
     reused = []
+    cfgs = {}
     for spec in specs:
-        cfg = resolve(config, spec)
+        cfgs[spec.out_dir] = cfg = resolve(config, spec)
         (reused if is_finished(spec, cfg) else todo).append(spec)
     if dry_run:
         for spec in todo:
-            print(" ".join(command(config, spec)))
+            print(" ".join(command(config, spec, cfgs[spec.out_dir])))
         return {"launched": [], "reused": [str(s.out_dir) for s in reused], "failed": [], "wall_time_s": 0.0}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     start = time.perf_counter()
@@ -103,7 +103,8 @@ def launch(
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(spec.out_dir / "log.txt", "w") as log:
-            rc = subprocess.run(command(config, spec), stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            cmd = command(config, spec, cfgs[spec.out_dir])
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         took = time.perf_counter() - t0
         line = f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}: {took:.1f} s\n"
         sys.stdout.write(line)  # one write per line: runs finish in parallel threads

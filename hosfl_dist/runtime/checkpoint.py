@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,13 @@ def prune(out_dir: str | Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def commit(partial: Path, final: Path) -> None:
+    """Make a fully written checkpoint the latest: one rename, atomic on one filesystem (a kill before it leaves
+    only the partial folder, which is ignored and cleaned up later)."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+
+
 def _model_state(server: Any) -> tuple[dict[str, Any], Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -111,7 +119,9 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
         state, _ = _model_state(server)
-        dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
+        with warnings.catch_warnings():  # one process without a group is what no_dist says
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
         if self.rank0:
             extra = {
                 "server": server.state_dict(),
@@ -122,8 +132,7 @@ class Checkpointer:
             torch.save(extra, partial / "state.pt")
             info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
             (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)  # atomic on one filesystem: the checkpoint exists whole or not at all
+            commit(partial, final)
             prune(self.out_dir, self.keep)
         if self.group is not None:
             dist.barrier(group=self.group)
@@ -143,7 +152,9 @@ class Checkpointer:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
-        dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
         set_model_state_dict(server.model, state["model"], options=opts)
         if "optim" in state:
             set_optimizer_state_dict(server.model, server.optimizer, state["optim"], options=opts)

@@ -58,6 +58,29 @@ def strict_dumps(obj: dict[str, Any], **kwargs: Any) -> str:
     return json.dumps(clean, allow_nan=False, **kwargs)
 
 
+def config_differences(folder: Path, cfg: Config) -> list[str] | None:
+    """The keys in which the run that ``folder`` holds differs from ``cfg`` (None: the folder holds no config),
+    apart from how the run is started (job.resume, job.overwrite, job.progress, job.device)."""
+    saved = folder / "config.yaml"
+    if not saved.is_file():
+        return None
+    try:
+        theirs = yaml.safe_load(saved.read_text()) or {}
+    except yaml.YAMLError:
+        return ["config.yaml (unreadable)"]
+    return _differences(_comparable(theirs), _comparable(config_to_dict(cfg)))
+
+
+def run_status(folder: Path) -> str | None:
+    """The status summary.json records in ``folder`` (None: no summary)."""
+    try:
+        return str(json.loads((folder / "summary.json").read_text()).get("status", "unknown"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "unknown"
+
+
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
     for section, keys in VOLATILE_KEYS.items():
@@ -104,30 +127,20 @@ def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
         clear_run(d)
         return None
     if cfg.job.resume == "auto" or restarted:
-        saved = d / "config.yaml"
-        if saved.is_file():
-            theirs = yaml.safe_load(saved.read_text()) or {}
-            diff = _differences(_comparable(theirs), _comparable(config_to_dict(cfg)))
-            if diff:
-                raise ConfigError(
-                    f"job.out_dir {d} holds a different run (its config differs in {', '.join(diff[:5])}); "
-                    "choose another folder or set job.overwrite=true"
-                )
+        diff = config_differences(d, cfg)
+        if diff:
+            raise ConfigError(
+                f"job.out_dir {d} holds a different run (its config differs in {', '.join(diff[:5])}); "
+                "choose another folder or set job.overwrite=true"
+            )
         ckpt = latest_checkpoint(d)
         if ckpt is None:  # nothing to continue from: the partial run is replaced
             clear_run(d)
         return ckpt
     raise ConfigError(
-        f"job.out_dir {d} holds a run (status: {_status(d)}); set job.resume=auto to continue it or "
+        f"job.out_dir {d} holds a run (status: {run_status(d) or 'no summary'}); set job.resume=auto to continue it or "
         "job.overwrite=true to replace it"
     )
-
-
-def _status(d: Path) -> str:
-    try:
-        return str(json.loads((d / "summary.json").read_text()).get("status", "unknown"))
-    except (OSError, ValueError):
-        return "unknown"
 
 
 def clear_run(d: Path) -> None:
