@@ -52,8 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 
 
-def torchrun(nproc: int, target: list[str], timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, float]:
-    """``torchrun`` with c10d rendezvous on a free port; the process tree is killed if it outlives ``timeout``."""
+def torchrun(
+    nproc: int, target: list[str], timeout: float = LAUNCH_TIMEOUT_S, launcher: tuple[str, ...] = ()
+) -> tuple[int, str, float]:
+    """``torchrun`` with c10d rendezvous on a free port; the process tree is killed if it outlives ``timeout``.
+    ``launcher``: more torchrun options (e.g. ``--max-restarts=1``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -63,6 +66,7 @@ def torchrun(nproc: int, target: list[str], timeout: float = LAUNCH_TIMEOUT_S) -
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=localhost:0",
         f"--rdzv-id={uuid.uuid4().hex[:8]}",
+        *launcher,
         *target,
     ]
     start = time.perf_counter()

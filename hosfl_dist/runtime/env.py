@@ -200,7 +200,8 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.server.rpc_timeout_s)
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    store = job_store(env, timeout)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     out = Distributed(env, roles, device, None, None)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
@@ -210,6 +211,7 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.server_group = servers if env.rank in roles.server_ranks else None
         opts = rpc.TensorPipeRpcBackendOptions(
             rpc_timeout=cfg.server.rpc_timeout_s,
+            init_method=_store_url(store),
             # the server holds K submits of a round at once (async, no thread each) plus syncs and reports
             num_worker_threads=max(16, 4 * len(roles.worker_ranks)),
         )
@@ -221,6 +223,47 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.shutdown(graceful=False)
         raise
     return out
+
+
+def job_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The key-value store every group and RPC of this attempt meets in, under a prefix of its own.
+
+    torchrun (c10d rendezvous) keeps one TCPStore for the whole job and hands it to every restart of the workers, but
+    ``env://`` puts no attempt in the keys: restarted workers would read the dead workers' addresses from the previous
+    attempt and fail to connect. Under ``hosfl/<run id>/attempt-<n>/`` each attempt sees only its own keys.
+    Without torchrun's agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or RANK/WORLD_SIZE set by hand) rank 0
+    hosts the store.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    base = dist.TCPStore(
+        env.master_addr,
+        int(env.master_port),
+        env.world_size,
+        is_master=not agent and env.rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"hosfl/{env.run_id or 'job'}/attempt-{env.restart}", base)
+
+
+_STORES: dict[str, dist.Store] = {}
+
+
+def _store_url(store: dist.Store) -> str:
+    """An init_method for RPC that meets in ``store`` (RPC takes a URL, not a store)."""
+    if not _STORES:  # the first store of this process: teach torch the scheme
+        dist.register_rendezvous_handler("hosfl", _store_rendezvous)
+    key = str(len(_STORES))
+    _STORES[key] = store
+    return f"hosfl://{key}"
+
+
+def _store_rendezvous(url: str, **kwargs: Any):  # noqa: ANN202 - the generator torch's rendezvous expects
+    from urllib.parse import parse_qs, urlparse
+
+    parsed = urlparse(url)
+    query = parse_qs(parsed.query)
+    yield _STORES[parsed.netloc], int(query["rank"][0]), int(query["world_size"][0])
 
 
 class StopRequest:

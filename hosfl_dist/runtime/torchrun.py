@@ -116,6 +116,7 @@ class ServerFront:
         self.final: dict[str, Any] = {}
         self.failure = ""
         self.interrupted = ""
+        self.stopped_at: int | None = None
 
     def report(self, kind: str, payload: dict[str, Any]) -> Any:
         server = self.endpoint.server
@@ -139,7 +140,7 @@ class ServerFront:
             self.saved = str(self.endpoint.locked(lambda: self._save(loop, parts)))
             return self.saved
         elif kind == "interrupted":
-            self.interrupted = payload["why"]
+            self.interrupted, self.stopped_at = payload["why"], payload["t"]
             self.done.set()
         elif kind == "final":
             self.final = payload
@@ -196,7 +197,7 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
         if stop.signal and time.monotonic() - stop.since > cfg.server.rpc_timeout_s:
             raise Interrupted(f"{stop.signal}: the client workers did not stop within {cfg.server.rpc_timeout_s} s")
     if front.interrupted:  # the workers checkpointed and stopped (their own exits may report failures after)
-        writer.interrupt(front.interrupted, None, front.saved)
+        writer.interrupt(front.interrupted, front.stopped_at, front.saved)
         if mirror is not None:
             mirror.stop()
         raise Interrupted(f"{front.interrupted}; checkpoint {front.saved} (resume with job.resume=auto)")
@@ -284,7 +285,7 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
         t, processed = train_loop(cfg, timed, on_eval, bar, start, after_round)
         if processed < cfg.train.budget_samples:  # stopped by a signal, after the checkpoint
             if leader:
-                rpc.report("interrupted", why=f"{stop.signal or 'SIGTERM'} after round {t}")
+                rpc.report("interrupted", t=t, why=f"{stop.signal or 'SIGTERM'} after round {t}")
             raise Interrupted(f"{stop.signal or 'a signal to another worker'}: stopped after round {t}")
         worker.sync_all(t)  # Algorithm 3 up to round t for every hosted replica, so the digests are comparable
     finally:

@@ -1,0 +1,154 @@
+"""Surviving faults under torchrun: a stop signal checkpoints and resumes exactly; a lost rank (a client worker, the
+leader, the server) is restarted by ``torchrun --max-restarts`` from the last checkpoint and the job finishes with
+the results of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosfl_dist.config import load_config
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from tiny import TINY_OVERRIDES, read_run, torchrun
+
+TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60", "checkpoint.interval_samples=48"]
+"""Ten rounds of K=3 clients of 8 samples, a checkpoint every second round."""
+
+pytestmark = pytest.mark.multiprocess
+
+
+def in_process(out: Path, extra: list[str]) -> tuple[list[dict], dict]:
+    """The in-process run of the same config, with one intra-op thread like every torchrun process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        InProcessRunner(load_config(None, [*TINY, *extra, f"job.out_dir={out}"])).setup().run()
+    finally:
+        torch.set_num_threads(threads)
+    return read_run(out)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache: dict[str, tuple[list[dict], dict]] = {}
+
+    def get(alg: str, extra: list[str]) -> tuple[list[dict], dict]:
+        if alg not in cache:
+            cache[alg] = in_process(tmp_path_factory.mktemp(alg), [f"algorithm.name={alg}", *extra])
+        return copy.deepcopy(cache[alg])
+
+    return get
+
+
+def assert_same_as(out: Path, reference: tuple[list[dict], dict]) -> dict:
+    rows, summary = read_run(out)
+    ref_rows, ref = reference
+    assert summary["status"] == "completed", summary
+    assert set(summary["client_digests"].values()) == set(ref["client_digests"].values())
+    assert summary["server_digest"] == ref["server_digest"]
+    assert rows == ref_rows  # every row once: those after the checkpoint were dropped and written again
+    if summary["algorithm"] == "hosfl":
+        assert summary["comm"] == ref["comm"]
+    else:  # every client worker fetches θc once more for its end-of-run digest (in-process: one fetch), as "eval"
+        assert _without_eval(summary["comm"]) == _without_eval(ref["comm"])
+    assert summary["rounds"] == ref["rounds"] and summary["processed_samples"] == ref["processed_samples"]
+    return summary
+
+
+def _without_eval(comm: dict) -> dict:
+    return {k: {c: n for c, n in v.items() if c != "eval"} if isinstance(v, dict) else v for k, v in comm.items()}
+
+
+INJECT = textwrap.dedent(
+    """
+    # hosfl_dist.run with one fault injected on the first attempt only:
+    #   FAULT=kill:<rank>:<round>  that rank SIGKILLs itself when it meets round <round>
+    #   FAULT=term:<round>         the leader worker sends SIGTERM to the launcher (what Slurm does) at round <round>
+    import os, signal, sys
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.run import main
+    from hosfl_dist.transport import endpoint
+
+    kind, *args = os.environ["FAULT"].split(":")
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists(os.environ["FAULT_DONE"])
+    rank, at = int(os.environ["RANK"]), int(args[-1])
+    target = int(args[0]) if kind == "kill" else 1
+
+    def fault():
+        open(os.environ["FAULT_DONE"], "w").close()
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getppid(), signal.SIGTERM)
+
+    if first and rank == target == 0:
+        serve = endpoint.ServerEndpoint.serve
+        def dying(self, method, kw):
+            if kw.get("t") == at:
+                fault()
+            return serve(self, method, kw)
+        endpoint.ServerEndpoint.serve = dying
+    elif first and rank == target:
+        worker = get_algorithm(os.environ["ALG"]).worker
+        run_round = worker.run_round
+        def dying(self, t):
+            if t == at:
+                fault()
+            return run_round(self, t)
+        worker.run_round = dying
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def launch(tmp_path: Path, monkeypatch, fault: str, alg: str, launcher=(), extra=()) -> tuple[int, str, float]:
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    monkeypatch.setenv("FAULT", fault)
+    monkeypatch.setenv("FAULT_DONE", str(tmp_path / "fault.done"))
+    monkeypatch.setenv("ALG", alg)
+    target = [str(script), *TINY, f"algorithm.name={alg}", f"job.out_dir={tmp_path / 'run'}", *extra]
+    return torchrun(3, target, timeout=300, launcher=tuple(launcher))
+
+
+SFL = ["data.train_max_samples=240", "train.budget_samples=600", "checkpoint.interval_samples=120"]
+"""SFL's round is a local epoch of K=3 clients (40 samples each): five rounds of 120 samples."""
+RUNS = {"hosfl": (5, 10, []), "sfl": (1, 5, SFL)}
+"""algorithm -> (the round during which the launcher gets SIGTERM, the rounds of the run, its overrides)."""
+
+
+@pytest.mark.parametrize("alg", ["hosfl", pytest.param("sfl", marks=pytest.mark.slow)])  # 40 s each
+def test_sigterm_to_the_launcher_checkpoints_and_a_resume_finishes_identically(tmp_path, monkeypatch, references, alg):
+    at, rounds, extra = RUNS[alg]
+    rc, out, seconds = launch(tmp_path, monkeypatch, f"term:{at}", alg, extra=extra)
+    assert rc != 0, out[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted", (summary, out[-3000:])
+    t = summary["rounds"]  # the first round boundary after the signal reached every worker
+    assert at < t < rounds and summary["error"] == f"SIGTERM after round {t}"
+    assert summary["checkpoint"].endswith(f"round-{t:08d}")
+    assert f"[server] interrupted: SIGTERM after round {t}" in out
+    assert seconds < 60  # well inside torchrun's 30 s stop wait after the signal, plus start-up
+    rc, out, _ = launch(tmp_path, monkeypatch, f"term:{at}", alg, extra=[*extra, "job.resume=auto"])
+    assert rc == 0, out[-3000:]
+    summary = assert_same_as(tmp_path / "run", references(alg, extra))
+    assert summary["resumed_from"].endswith(f"round-{t:08d}")
+
+
+@pytest.mark.slow  # about 60 s each: torchrun waits 30 s for the survivors before it kills them and restarts
+@pytest.mark.parametrize("rank", [2, 1, 0], ids=["worker", "leader", "server"])
+def test_a_lost_rank_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, monkeypatch, references, rank):
+    rc, out, _ = launch(tmp_path, monkeypatch, f"kill:{rank}:7", "hosfl", launcher=["--max-restarts=1"])
+    assert rc == 0, out[-3000:]
+    assert (tmp_path / "fault.done").exists()  # the fault did happen
+    assert "resuming from" in out and "round-00000006 (round 6, 144 samples)" in out
+    summary = assert_same_as(tmp_path / "run", references("hosfl", []))
+    assert summary["resumed_from"].endswith("round-00000006")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "round-00000008",
+        "round-00000010",
+    ]  # checkpoint.keep=2
