@@ -30,6 +30,7 @@ DATASETS = VISION_DATASETS + TEXT_DATASETS
 # Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
 VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 MAX_PERTURBATIONS = 10_000
 MIN_MU = 1e-9
 
@@ -51,11 +52,17 @@ class JobConfig:
     none); never: refuse a folder that holds another run unless job.overwrite is set."""
     overwrite: bool = False
     """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
+    interface: str = "auto"
+    """torchrun runtime: the network interface gloo and TensorPipe bind to (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).
+    auto: loopback ("lo") when every rank runs on one node, otherwise what the environment sets (torch's choice
+    when nothing is set); or a name, e.g. "ib0" or the interface of the Slurm head node's address."""
 
     def __post_init__(self) -> None:
         _check(bool(self.out_dir.strip()), "out_dir", self.out_dir, "must name a folder")
         _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
         _check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
+        _check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
+               "use auto or an interface name such as lo, eth0, ib0")  # fmt: skip
         _check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
                "the folder's run; choose one of the two")  # fmt: skip
 

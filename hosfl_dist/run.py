@@ -1,4 +1,4 @@
-"""Entry point: ``python -m hosfl_dist.run --config configs/X.yaml [section.key=value ...] [--dry-run]``.
+"""Entry point: ``python -m hosfl_dist.run --config configs/X.yaml [section.key=value ...] [--dry-run | --check]``.
 
 Started by ``torchrun --nproc_per_node=N -m hosfl_dist.run ...`` (N > 1) it runs the torchrun runtime (rank 0
 server, the others client workers, see hosfl_dist/runtime/torchrun.py); started alone it runs the in-process runtime.
@@ -21,7 +21,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config file (sections of hosfl_dist.config.Config)")
     p.add_argument("--dry-run", action="store_true", help="build the config (and data/model) and print it; no training")
     p.add_argument(
-        "--nproc", type=int, default=0, help="with --dry-run: also print the role map of a torchrun world of NPROC"
+        "--check",
+        action="store_true",
+        help="only check the input that can fail fast (config, devices, job.out_dir, the role map of --nproc) and "
+        "exit: 0 if it is usable, 2 with one line if not; changes nothing (the launch scripts run it before torchrun)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="with --dry-run or --check: the role map of a torchrun world of NPROC processes",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
     return p.parse_args(argv)
@@ -62,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
         world = launch.world_size if launch is not None else args.nproc
+        if args.check:
+            from hosfl_dist.runtime.env import check_devices
+            from hosfl_dist.runtime.outputs import check_out_dir
+
+            if world > 1:
+                role_map(cfg, world)
+            check_devices(cfg)
+            check_out_dir(cfg)
+            return 0
         if args.dry_run:
             if launch is None or launch.rank == 0:
                 print(dump_config(cfg), end="")

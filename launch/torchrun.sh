@@ -13,6 +13,8 @@ CONFIG=${CONFIG:-configs/quickstart.yaml}
 VENV=${VENV:-.venv}
 PYTHON=python3
 [ -x "$VENV/bin/python" ] && PYTHON="$VENV/bin/python"
+# Bad input fails here in one line (exit 2), before torchrun starts NPROC processes that would each report it.
+"$PYTHON" -m hosfl_dist.run --config "$CONFIG" --check --nproc "$NPROC" "$@"
 # shellcheck disable=SC2206  # TORCHRUN_ARGS is deliberately word-split
 exec "$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="hosfl-$$" ${TORCHRUN_ARGS:-} \

@@ -25,7 +25,7 @@ from hosfl_dist.algorithms.hosfl import HOSFLServer
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.models import build_split_model
-from hosfl_dist.runtime.env import launch_env, role_map
+from hosfl_dist.runtime.env import bind_interface, launch_env, role_map
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from tiny import TINY_OVERRIDES, read_run, torchrun
@@ -59,6 +59,23 @@ def test_launch_env_reads_torchrun_variables_and_rejects_partial_ones():
     assert (env.rank, env.world_size, env.local_rank) == (2, 4, 0)
     with pytest.raises(ConfigError, match="MASTER_ADDR, MASTER_PORT not set"):
         launch_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_gloo_and_tensorpipe_bind_to_loopback_on_one_node_and_to_the_configured_interface_across_nodes():
+    base = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    one_node, two_nodes = launch_env({**base, "LOCAL_WORLD_SIZE": "4"}), launch_env({**base, "LOCAL_WORLD_SIZE": "2"})
+    environ: dict[str, str] = {}
+    assert bind_interface(load_config(None, []), one_node, environ) == "lo"
+    assert environ == {"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"}
+    environ = {"GLOO_SOCKET_IFNAME": "ib0"}  # across nodes, auto leaves what the environment says
+    assert bind_interface(load_config(None, []), two_nodes, environ) == "ib0" and environ == {
+        "GLOO_SOCKET_IFNAME": "ib0"
+    }
+    environ = {}
+    assert bind_interface(load_config(None, ["job.interface=lo"]), two_nodes, environ) == "lo"
+    assert environ["TP_SOCKET_IFNAME"] == "lo"
+    with pytest.raises(ConfigError, match=r"job.interface=nosuch0: this node has no such interface \(it has .*lo"):
+        bind_interface(load_config(None, ["job.interface=nosuch0"]), two_nodes, {})
 
 
 def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():

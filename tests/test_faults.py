@@ -303,3 +303,28 @@ def test_a_cuda_device_without_one_is_one_line(tmp_path, capsys):
     assert rc == 2 and err == [
         "error: job.device=cuda but this machine has no CUDA device (torch.cuda.is_available() is False)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ([], None),
+        (["--nproc", "9"], "world size 9 does not fit the roles: 8 client workers for clients.total=6"),
+        (["server.rpc_timeout_s=inf"], "invalid value for server.rpc_timeout_s: inf"),
+        (["job.interface=bad/name"], "invalid value for job.interface: 'bad/name'"),
+        (["job.out_dir={held}"], "holds a run (status: completed); set job.resume=auto"),
+    ],
+)
+def test_check_refuses_bad_input_in_one_line_and_changes_nothing(tmp_path, capsys, extra, needle):
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "summary.json").write_text('{"status": "completed"}')
+    out = tmp_path / "new"
+    extra = [x.format(held=held) for x in extra]
+    rc = main(["--check", "--nproc", "3", *TINY_OVERRIDES, f"job.out_dir={out}", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    if needle is None:
+        assert rc == 0 and err == []
+    else:
+        assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not out.exists() and sorted(p.name for p in held.iterdir()) == ["summary.json"]

@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +51,12 @@ class LaunchEnv:
     """torchrun's rendezvous id (TORCHELASTIC_RUN_ID), empty when RANK/WORLD_SIZE were set by hand."""
     restart: int = 0
     """How many times torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
+    local_world_size: int = 0
+    """Processes on this node (LOCAL_WORLD_SIZE; the world size when it is not set)."""
+
+    def __post_init__(self) -> None:
+        if not self.local_world_size:
+            object.__setattr__(self, "local_world_size", self.world_size)
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -70,9 +77,11 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     if not 0 <= rank < world:
         raise ConfigError(f"launcher environment: RANK={rank} outside WORLD_SIZE={world}")
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world) or world)
     return LaunchEnv(
-        rank, world, local, env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID", ""), restart
-    )
+        rank, world, local, env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID", ""), restart,
+        local_world,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,8 @@ class Distributed:
     server_group: dist.ProcessGroup | None
     """Server ranks only, when server.ranks > 1: FSDP collectives and the call broadcast from rank 0."""
     rpc_up: bool = False
+    interface: str | None = None
+    """The network interface gloo and TensorPipe were bound to (None: torch's choice)."""
 
     @property
     def rank(self) -> int:
@@ -198,11 +209,12 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     device = process_device(cfg, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    interface = bind_interface(cfg, env)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=cfg.server.rpc_timeout_s)
     store = job_store(env, timeout)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    out = Distributed(env, roles, device, None, None)
+    out = Distributed(env, roles, device, None, None, interface=interface)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         workers = dist.new_group(list(roles.worker_ranks), timeout=timeout)
@@ -223,6 +235,30 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.shutdown(graceful=False)
         raise
     return out
+
+
+SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def bind_interface(cfg: Config, env: LaunchEnv, environ: dict[str, str] | None = None) -> str | None:
+    """Bind gloo and TensorPipe to ``job.interface`` (set before any group or RPC agent exists); the name bound.
+
+    auto: loopback when the job runs on one node (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE), so that nothing of
+    the job listens beyond this machine; across nodes, what the environment already says (the Slurm script sets the
+    head node's interface through job.interface).
+    """
+    environ = os.environ if environ is None else environ
+    name = cfg.job.interface
+    if name == "auto":
+        if env.local_world_size != env.world_size:
+            return environ.get("GLOO_SOCKET_IFNAME") or None
+        name = "lo"
+    if not Path("/sys/class/net", name).exists() and Path("/sys/class/net").is_dir():
+        have = sorted(p.name for p in Path("/sys/class/net").iterdir())
+        raise ConfigError(f"job.interface={name}: this node has no such interface (it has {', '.join(have)})")
+    for key in SOCKET_IFNAMES:
+        environ[key] = name
+    return name
 
 
 def job_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:

@@ -15,6 +15,7 @@ A folder that holds another run is refused unless ``job.resume=auto`` (continue 
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import time
@@ -30,7 +31,7 @@ from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 CHECKPOINTS = "checkpoints"
-VOLATILE_KEYS = {"job": ("resume", "overwrite", "progress", "device")}
+VOLATILE_KEYS = {"job": ("resume", "overwrite", "progress", "device", "interface")}
 """Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
 
 
@@ -60,7 +61,7 @@ def strict_dumps(obj: dict[str, Any], **kwargs: Any) -> str:
 
 def config_differences(folder: Path, cfg: Config) -> list[str] | None:
     """The keys in which the run that ``folder`` holds differs from ``cfg`` (None: the folder holds no config),
-    apart from how the run is started (job.resume, job.overwrite, job.progress, job.device)."""
+    apart from how the run is started (the job keys of VOLATILE_KEYS)."""
     saved = folder / "config.yaml"
     if not saved.is_file():
         return None
@@ -95,6 +96,35 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
+    """Refuse an unusable job.out_dir, or one that holds a run this one may not continue or replace, without
+    changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job)."""
+    d = Path(cfg.job.out_dir)
+    for parent in [d, *d.parents]:
+        if parent.exists():
+            if parent.is_file():
+                where = "is a file" if parent == d else f"lies under a file ({parent})"
+                raise ConfigError(f"job.out_dir {d} {where}, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(f"job.out_dir {d} is not writable ({parent}: permission denied)")
+            break
+    held = d.is_dir() and any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
+    if not held or cfg.job.overwrite:
+        return d
+    if cfg.job.resume == "auto" or restarted:
+        diff = config_differences(d, cfg)
+        if diff:
+            raise ConfigError(
+                f"job.out_dir {d} holds a different run (its config differs in {', '.join(diff[:5])}); "
+                "choose another folder or set job.overwrite=true"
+            )
+        return d
+    raise ConfigError(
+        f"job.out_dir {d} holds a run (status: {run_status(d) or 'no summary'}); set job.resume=auto to continue it or "
+        "job.overwrite=true to replace it"
+    )
+
+
 def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
     """Make job.out_dir ready for this run; the checkpoint to resume from, or None to start afresh.
 
@@ -103,44 +133,26 @@ def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
     """
     from hosfl_dist.runtime.checkpoint import latest_checkpoint
 
-    d = Path(cfg.job.out_dir)
+    d = check_out_dir(cfg, restarted)
     try:
         d.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"job.out_dir {d} is a file, not a folder") from None
-    except NotADirectoryError:
-        raise ConfigError(f"job.out_dir {d} lies under a file, not a folder") from None
     except OSError as exc:
         raise ConfigError(f"job.out_dir {d} cannot be created: {exc.strerror or exc}") from None
-    if not d.is_dir():
-        raise ConfigError(f"job.out_dir {d} is not a folder")
     probe = d / ".write_test"
     try:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"job.out_dir {d} is not writable: {exc.strerror or exc}") from None
-    held = [f for f in RUN_FILES if (d / f).exists()] + ([CHECKPOINTS] if (d / CHECKPOINTS).exists() else [])
-    if not held:
+    if not any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS)):
         return None
     if cfg.job.overwrite:
         clear_run(d)
         return None
-    if cfg.job.resume == "auto" or restarted:
-        diff = config_differences(d, cfg)
-        if diff:
-            raise ConfigError(
-                f"job.out_dir {d} holds a different run (its config differs in {', '.join(diff[:5])}); "
-                "choose another folder or set job.overwrite=true"
-            )
-        ckpt = latest_checkpoint(d)
-        if ckpt is None:  # nothing to continue from: the partial run is replaced
-            clear_run(d)
-        return ckpt
-    raise ConfigError(
-        f"job.out_dir {d} holds a run (status: {run_status(d) or 'no summary'}); set job.resume=auto to continue it or "
-        "job.overwrite=true to replace it"
-    )
+    ckpt = latest_checkpoint(d)
+    if ckpt is None:  # nothing to continue from: the partial run is replaced
+        clear_run(d)
+    return ckpt
 
 
 def clear_run(d: Path) -> None:

@@ -166,6 +166,7 @@ class ServerFront:
 def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[str, Any]) -> None:
     roles = d.roles
     _log(d, roles.describe())
+    _log(d, f"gloo and TensorPipe bound to {d.interface or 'the interface torch chooses'} (job.interface)")
     world = {
         "world_size": roles.world_size,
         "server_ranks": list(roles.server_ranks),
@@ -213,7 +214,11 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
     summary = run_summary(
         cfg, writer, "torchrun", final["rounds"], final["processed"], final["comm"], final["client_digests"], digest
     )
-    summary["roles"] = {**world, "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()}}
+    summary["roles"] = {
+        **world,
+        "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()},
+        "interface": d.interface,
+    }
     summary["transport"] = {"workers": final["transport"], "server": endpoint.stats()}
     if final.get("link"):
         summary["link"] = final["link"]
