@@ -328,3 +328,14 @@ def test_check_refuses_bad_input_in_one_line_and_changes_nothing(tmp_path, capsy
     else:
         assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not out.exists() and sorted(p.name for p in held.iterdir()) == ["summary.json"]
+
+
+def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused():
+    from hosfl_dist.data import FederatedData, build_data
+
+    cfg = load_config(None, [*TINY_OVERRIDES, "data.train_max_samples=30", "clients.batch_size=8"])
+    with pytest.warns(UserWarning, match=r"clients.batch_size=8 is larger than the shard of 6 of 6 client\(s\)"):
+        build_data(cfg)
+    x, y = torch.zeros(4, 1), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(DataError, match="client 1 has no training samples"):
+        FederatedData(x, y, x, y, [torch.arange(4).numpy(), torch.arange(0).numpy()], 2, 0, {})

@@ -68,7 +68,8 @@ INJECT = textwrap.dedent(
     """
     # hosfl_dist.run with one fault injected on the first attempt only:
     #   FAULT=kill:<rank>:<round>  that rank SIGKILLs itself when it meets round <round>
-    #   FAULT=term:<round>         the leader worker sends SIGTERM to the launcher (what Slurm does) at round <round>
+    #   FAULT=term:<round>         the leader worker (rank $LEADER, default 1) sends SIGTERM to the launcher (what
+    #                              Slurm does) at round <round>
     import os, signal, sys
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.run import main
@@ -77,7 +78,7 @@ INJECT = textwrap.dedent(
     kind, *args = os.environ["FAULT"].split(":")
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists(os.environ["FAULT_DONE"])
     rank, at = int(os.environ["RANK"]), int(args[-1])
-    target = int(args[0]) if kind == "kill" else 1
+    target = int(args[0]) if kind == "kill" else int(os.environ.get("LEADER", "1"))
 
     def fault():
         open(os.environ["FAULT_DONE"], "w").close()
@@ -105,8 +106,11 @@ INJECT = textwrap.dedent(
 )
 
 
-def launch(tmp_path: Path, monkeypatch, fault: str, alg: str, launcher=(), extra=()) -> tuple[int, str, float]:
+def launch(
+    tmp_path: Path, monkeypatch, fault: str, alg: str, launcher=(), extra=(), leader: int = 1
+) -> tuple[int, str, float]:
     script = tmp_path / "inject.py"
+    monkeypatch.setenv("LEADER", str(leader))
     script.write_text(INJECT)
     monkeypatch.setenv("FAULT", fault)
     monkeypatch.setenv("FAULT_DONE", str(tmp_path / "fault.done"))
@@ -152,3 +156,19 @@ def test_a_lost_rank_is_restarted_from_the_checkpoint_and_finishes_identically(t
         "round-00000008",
         "round-00000010",
     ]  # checkpoint.keep=2
+
+
+@pytest.mark.slow  # about 40 s
+def test_an_fsdp_server_group_checkpoints_its_shards_and_resumes_identically(tmp_path, monkeypatch, references):
+    """server.ranks=2: each server rank writes its FSDP shard of θs and the optimizer through DCP; resumed, the run
+    equals the one-process reference (which a 2-rank server equals bit for bit)."""
+    s2 = ["server.ranks=2"]
+    rc, out, _ = launch(tmp_path, monkeypatch, "term:5", "hosfl", extra=s2, leader=2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert rc != 0 and summary["status"] == "interrupted", (summary, out[-3000:])
+    shards = sorted(p.name for p in Path(summary["checkpoint"], "model").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per server rank
+    rc, out, _ = launch(tmp_path, monkeypatch, "term:5", "hosfl", extra=[*s2, "job.resume=auto"], leader=2)
+    assert rc == 0, out[-3000:]
+    summary = assert_same_as(tmp_path / "run", references("hosfl", []))
+    assert summary["roles"]["server_ranks"] == [0, 1]

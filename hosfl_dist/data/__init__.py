@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import warnings
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -12,6 +14,7 @@ from torch import Tensor
 from hosfl_dist.config import TEXT_DATASETS, Config
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
+from hosfl_dist.errors import DataError
 
 
 class ClientStream:
@@ -77,6 +80,7 @@ class FederatedData:
         self.eval_inputs, self.eval_labels = eval_inputs, eval_labels
         self.shards = list(shards)
         self.batch_size = batch_size
+        _check_shards(self.shards, batch_size)
         self.seed = seed
         self.info = info
         self.train_transform = train_transform
@@ -126,6 +130,22 @@ def _take(inputs: Any, idx: Tensor) -> Any:
     if isinstance(inputs, dict):
         return {k: v[idx] for k, v in inputs.items()}
     return inputs[idx]
+
+
+def _check_shards(shards: Sequence[np.ndarray], batch_size: int) -> None:
+    """An empty shard cannot give a batch (refused); a shard smaller than a batch repeats samples in one step
+    (allowed, e.g. for tiny tests, but said once)."""
+    sizes = [len(s) for s in shards]
+    if sizes and min(sizes) == 0:
+        raise DataError(f"client {sizes.index(0)} has no training samples: use fewer clients (clients.total)")
+    small = [m for m, n in enumerate(sizes) if n < batch_size]
+    if small:
+        warnings.warn(
+            f"clients.batch_size={batch_size} is larger than the shard of {len(small)} of {len(sizes)} client(s) "
+            f"(smallest: client {min(small, key=sizes.__getitem__)}, {min(sizes)} samples): their batches repeat "
+            "samples within a step; lower clients.batch_size or clients.total, or train on more data",
+            stacklevel=3,
+        )
 
 
 def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
