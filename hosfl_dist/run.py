@@ -72,12 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         world = launch.world_size if launch is not None else args.nproc
         if args.check:
-            from hosfl_dist.runtime.env import check_devices
+            from hosfl_dist.runtime.env import check_devices, check_interface
             from hosfl_dist.runtime.outputs import check_out_dir
 
             if world > 1:
                 role_map(cfg, world)
             check_devices(cfg)
+            check_interface(cfg.job.interface)
             check_out_dir(cfg)
             return 0
         if args.dry_run:

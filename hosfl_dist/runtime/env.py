@@ -253,12 +253,18 @@ def bind_interface(cfg: Config, env: LaunchEnv, environ: dict[str, str] | None =
         if env.local_world_size != env.world_size:
             return environ.get("GLOO_SOCKET_IFNAME") or None
         name = "lo"
-    if not Path("/sys/class/net", name).exists() and Path("/sys/class/net").is_dir():
-        have = sorted(p.name for p in Path("/sys/class/net").iterdir())
-        raise ConfigError(f"job.interface={name}: this node has no such interface (it has {', '.join(have)})")
+    check_interface(name)
     for key in SOCKET_IFNAMES:
         environ[key] = name
     return name
+
+
+def check_interface(name: str) -> None:
+    """Refuse a network interface this node does not have (where the system lists them)."""
+    net = Path("/sys/class/net")
+    if name != "auto" and net.is_dir() and not (net / name).exists():
+        have = sorted(p.name for p in net.iterdir())
+        raise ConfigError(f"job.interface={name}: this node has no such interface (it has {', '.join(have)})")
 
 
 def job_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
