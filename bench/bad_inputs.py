@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FASHION = Path("/usr/share/dataset-fashion-mnist")
+FASHION = Path("/usr/share/datasets/fashion-mnist")
 QUICK = ["--config", "configs/quickstart.yaml", "train.budget_samples=128", "job.progress=false"]
 
 

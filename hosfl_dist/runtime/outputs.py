@@ -31,7 +31,7 @@ from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 CHECKPOINTS = "checkpoints"
-VOLATILE_KEYS = {"job": ("resume", "overwrite", "progress", "device", "interface")}
+VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface")}
 """Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
 
 
