@@ -30,6 +30,12 @@
 #                                                              backoff grows while below MinJobAge/2, so the default
 #                                                              300 gives 2, 10, 42, 74 s); finished jobs stay in
 #                                                              `scontrol show job` for at least 16 s
+#   AuthInfo=cred_expire=5                                     a requeued job may start again 6 s after the requeue
+#                                                              (cred_expire + 1 s; the default is 121 s)
+#   SchedulerParameters=sched_interval=1,bf_interval=1         only the periodic pass of the main scheduler starts a
+#                                                              job whose begin time has come (default: every 60 s),
+#                                                              so a requeued job starts within 7 s; the backfill
+#                                                              pass (default: every 30 s) starts a new one in ~1 s
 set -euo pipefail
 
 STATE_DIR=${HOSFL_SLURM_DIR:-/tmp/hosfl-slurm}
@@ -129,6 +135,8 @@ SlurmctldDebug=info
 SlurmdDebug=info
 PlugStackConfig=$STATE_DIR/plugstack.conf
 KillWait=5
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=1,bf_interval=1
 InactiveLimit=0
 MinJobAge=16
 $node State=UNKNOWN

@@ -2,7 +2,9 @@
 
 slurm/local_cluster.sh starts munged, slurmctld and slurmd; the job runs srun -> torchrun (2 processes) ->
 c10d rendezvous -> a gloo all_reduce, so a pass proves the launch line works under Slurm, not just that the
-script parses. Needs root and the Debian packages slurm-wlm and munge; skipped otherwise.
+script parses. A second test preempts a running job the way `--signal=B:TERM@...` does and checks that it
+checkpoints, requeues itself and resumes to the results of an uninterrupted run.
+Needs root and the Debian packages slurm-wlm and munge; skipped otherwise.
 Run alone with `pytest -m slurm tests/test_slurm.py`; deselect with `-m "not slurm"`.
 """
 
@@ -16,11 +18,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from tiny import read_run
+
+from hosfl_dist.config import load_config
+from hosfl_dist.runtime.inprocess import InProcessRunner
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "hosfl.sbatch"
@@ -80,7 +88,7 @@ def _skip_reason() -> str:
 SKIP_REASON = _skip_reason()
 pytestmark = [
     pytest.mark.slurm,
-    pytest.mark.slow,  # ~20 s: brings up munged, slurmctld and slurmd, then runs a torchrun job
+    pytest.mark.slow,  # 20-35 s and 40-45 s: each brings up munged, slurmctld and slurmd, then runs torchrun jobs
     pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON or "n/a"),
 ]
 
@@ -171,10 +179,97 @@ def test_sbatch_runs_torchrun_ranks(slurm_env: dict[str, str], tmp_path: Path) -
     if TARGET.module == PROBE_MODULE:
         probes = re.findall(r"PROBE rank=(\d+) world=(\d+) sum=(\d+) argv=(.*)", log)
         assert sorted(int(rank) for rank, *_ in probes) == list(range(NPROC)), log
-        expected_argv = str(["--config", TARGET.config, *overrides])
+        expected_argv = str(["--config", TARGET.config, "job.resume=auto", *overrides])
         for _, world, total, argv in probes:
             assert (int(world), int(total), argv) == (NPROC, NPROC * (NPROC + 1) // 2, expected_argv), log
     else:
         summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["engine"] == "torchrun", summary
         assert summary["processed_samples"] >= 256, summary
+
+
+PREEMPT = (
+    "train.budget_samples=1280",  # ten rounds of K=4 clients x 32 samples
+    "train.eval_every_samples=128",  # a metrics row every round, so progress shows in metrics.jsonl
+    "data.train_max_samples=2560",
+    "data.eval_max_samples=256",
+    "checkpoint.interval_samples=256",
+    "job.progress=false",
+)
+"""The quickstart, small enough that a round takes about a second: the job is still training when it is signalled."""
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _wait_for(what: str, ready: Callable[[], bool], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not after {timeout} s; job output:\n{_read(log)[-6000:]}")
+        time.sleep(0.2)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else f"<no {path.name}>"
+
+
+def test_a_signalled_job_checkpoints_requeues_and_resumes_identically(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    out_dir, log = tmp_path / "runs", tmp_path / "job.out"
+    overrides = [*PREEMPT, f"job.out_dir={out_dir}"]
+    env = dict(
+        slurm_env,
+        PYTHON=sys.executable,
+        NPROC_PER_NODE=str(NPROC),
+        CONFIG=QUICKSTART.config,
+        TORCHRUN_ARGS="--tee=3",
+    )
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--cpus-per-task=1", "--time=00:05:00", "--job-name=hosfl-preempt"]
+    sub = _run([*cmd, f"--output={log}", str(SBATCH_SCRIPT), *overrides], env)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return _job_field(slurm_env, job_id, "JobState")
+
+    def metrics_rows() -> int:
+        metrics = out_dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    _wait_for("two metrics rows (rounds 0 and 1)", lambda: metrics_rows() >= 2 or state() in FINISHED, log, 120)
+    assert state() == "RUNNING", f"the job ended before it was signalled:\n{_read(log)}"
+    # what `--signal=B:TERM@<lead>` does at the lead time before the job's end: SIGTERM to the batch shell alone
+    signal = _run(["scancel", "--signal=TERM", "--batch", job_id], slurm_env)
+    assert signal.returncode == 0, signal.stderr
+
+    # the uninterrupted reference, while the job stops and starts again: in-process, one intra-op thread like each
+    # torchrun process
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = load_config(str(REPO / QUICKSTART.config), [*PREEMPT, f"job.out_dir={tmp_path / 'ref'}"])
+        InProcessRunner(reference).setup().run()
+    finally:
+        torch.set_num_threads(threads)
+    ref_rows, ref = read_run(tmp_path / "ref")
+
+    _wait_for("job finished", lambda: state() in FINISHED, log, JOB_TIMEOUT_S)
+    text = _read(log)
+    assert state() == "COMPLETED", text
+    assert _job_field(slurm_env, job_id, "ExitCode") == "0:0", text
+    assert _job_field(slurm_env, job_id, "Restarts") == "1", text
+    assert re.search(r"hosfl\.sbatch: \[[\d:]+\] SIGTERM from Slurm", text), text
+    stopped = re.search(r"\[server\] interrupted: SIGTERM after round (\d+); checkpoint (\S+)", text)
+    assert stopped, text
+    t, checkpoint = int(stopped.group(1)), stopped.group(2)
+    assert 1 <= t < 10 and checkpoint == str(out_dir / "checkpoints" / f"round-{t:08d}"), text
+    assert "(run interrupted); requeueing job" in text and "start 2 (SLURM_RESTART_COUNT=1)" in text, text
+    assert f"[server] resuming from {checkpoint} (round {t}, {128 * t} samples)" in text, text
+
+    rows, summary = read_run(out_dir)
+    assert summary["status"] == "completed" and summary["resumed_from"] == checkpoint, summary
+    # the same client weights (in-process names its one worker worker_0, torchrun by rank) and server weights
+    assert sorted(summary["client_digests"].values()) == sorted(ref["client_digests"].values())
+    assert summary["server_digest"] == ref["server_digest"]
+    assert summary["comm"] == ref["comm"] and summary["processed_samples"] == ref["processed_samples"] == 1280
+    assert rows == ref_rows  # every row once: those after the checkpoint were dropped and written again
