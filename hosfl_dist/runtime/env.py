@@ -244,8 +244,8 @@ def bind_interface(cfg: Config, env: LaunchEnv, environ: dict[str, str] | None =
     """Bind gloo and TensorPipe to ``job.interface`` (set before any group or RPC agent exists); the name bound.
 
     auto: loopback when the job runs on one node (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE), so that nothing of
-    the job listens beyond this machine; across nodes, what the environment already says (the Slurm script sets the
-    head node's interface through job.interface).
+    the job listens beyond this machine; across nodes, what the environment already says (name the interface with
+    job.interface, e.g. as an override to slurm/hosfl.sbatch).
     """
     environ = os.environ if environ is None else environ
     name = cfg.job.interface

@@ -15,8 +15,8 @@ A folder that holds another run is refused unless ``job.resume=auto`` (continue 
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import shutil
 import time
 from pathlib import Path
