@@ -89,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                     roles = role_map(cfg, world).describe().splitlines()
                     print("# roles:\n" + "\n".join("#  " + line for line in roles))
             return 0
+        from hosfl_dist.runtime.outputs import completed_already
+
+        if completed_already(cfg):  # e.g. a Slurm job submitted again, or a sweep re-run
+            if launch is None or launch.rank == 0:
+                print(f"done: {cfg.job.out_dir} holds this run, completed; nothing to do (job.resume=auto)")
+            return 0
         if world > 1 and launch is not None:
             from hosfl_dist.runtime.torchrun import run_torchrun
 

@@ -339,3 +339,13 @@ def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused():
     x, y = torch.zeros(4, 1), torch.zeros(4, dtype=torch.long)
     with pytest.raises(DataError, match="client 1 has no training samples"):
         FederatedData(x, y, x, y, [torch.arange(4).numpy(), torch.arange(0).numpy()], 2, 0, {})
+
+
+def test_resuming_a_completed_run_leaves_it_alone(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_in_process([*TINY_OVERRIDES, f"job.out_dir={out}"])  # no checkpoints: nothing to resume from
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    capsys.readouterr()
+    assert main([*TINY_OVERRIDES, f"job.out_dir={out}", "job.resume=auto"]) == 0
+    assert capsys.readouterr().out.strip() == f"done: {out} holds this run, completed; nothing to do (job.resume=auto)"
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before

@@ -125,6 +125,13 @@ def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
     )
 
 
+def completed_already(cfg: Config) -> bool:
+    """``job.resume=auto`` on a folder whose run (this config) completed: nothing is left to do, and nothing there
+    may be touched (a finished result is never replaced by its own continuation)."""
+    d = Path(cfg.job.out_dir)
+    return cfg.job.resume == "auto" and run_status(d) == "completed" and config_differences(d, cfg) == []
+
+
 def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
     """Make job.out_dir ready for this run; the checkpoint to resume from, or None to start afresh.
 
