@@ -42,7 +42,8 @@ class JobConfig:
     seed: int = 0
     """Run seed: data partition, client sampling, perturbation seeds and initial weights all derive from it."""
     out_dir: str = "runs/default"
-    """Folder for config.yaml, metrics.jsonl, summary.json and checkpoints/ (created if missing)."""
+    """Folder for config.yaml, metrics.jsonl, summary.json and checkpoints/ (created if missing). A folder that holds
+    another run is refused unless job.resume=auto or job.overwrite=true."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True

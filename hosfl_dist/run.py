@@ -21,6 +21,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config file (sections of hosfl_dist.config.Config)")
     p.add_argument("--dry-run", action="store_true", help="build the config (and data/model) and print it; no training")
     p.add_argument(
+        "--help-config",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="print every config key (or those of SECTION, e.g. zo or clients.optim) with its type, default and "
+        "meaning, and exit",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="only check the input that can fail fast (config, devices, job.out_dir, the role map of --nproc) and "
@@ -66,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     launch = None
     try:
+        if args.help_config is not None:
+            from hosfl_dist.config_help import help_config
+
+            print(help_config(args.help_config), end="")
+            return 0
         from hosfl_dist.runtime.env import launch_env, role_map
 
         launch = launch_env()  # None without torchrun

@@ -108,3 +108,20 @@ def test_every_shipped_config_loads(path):
     load_config(path)
     first = path.read_text().splitlines()[0]
     assert first.startswith("#") and "hosfl_dist.run" in first, f"{path} must open with the command that runs it"
+
+
+def test_help_config_lists_every_key_with_type_default_and_meaning(capsys):
+    from hosfl_dist.config_help import _entries, help_config
+    from hosfl_dist.run import main
+
+    undocumented = [key for key, _, _, doc, _ in _entries(Config(), "") if not doc]
+    assert undocumented == []  # every field of the tree carries its docstring
+    assert main(["--help-config", "zo"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zo:  Zeroth-order estimator of the clients.\n")
+    assert "  zo.num_perturbations: int = 5\n      P: perturbed client forwards" in out
+    assert "  zo.perturb_mode: 'hooks' | 'copy' = 'hooks'\n" in out
+    full = help_config()
+    assert "  clients.optim.lr: float = 1e-05\n" in full and "  comm.uplink_mbps: float = 30.0\n" in full  # inherited
+    assert main(["--help-config", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --help-config: no section 'nope'; sections: job, algorithm")

@@ -1,0 +1,96 @@
+"""``python -m hosfl_dist.run --help-config [section]``: every config key with its type, default and docstring.
+
+Generated from the dataclasses of :mod:`hosfl_dist.config`: the types from their annotations, the defaults from a
+default :class:`~hosfl_dist.config.Config`, the text from the string literal under each field (attribute
+docstrings are not kept at run time, so they are read from the module's source with :mod:`ast`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from functools import cache
+from typing import Any
+
+from hosfl_dist import config as config_module
+from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError
+
+WIDTH = 100
+
+
+@cache
+def field_docs() -> dict[str, dict[str, str]]:
+    """class name -> field name -> the docstring under the field, for every class of hosfl_dist.config."""
+    tree = ast.parse(inspect.getsource(config_module))
+    out: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs = out.setdefault(node.name, {})
+        body = node.body
+        for stmt, after in zip(body, body[1:], strict=False):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return out
+
+
+def _doc(cls: type, name: str) -> str:
+    for klass in cls.__mro__:  # a section may inherit its fields (CommConfig from LinkConfig)
+        doc = field_docs().get(klass.__name__, {}).get(name)
+        if doc:
+            return doc
+    return ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
+    """(dotted key, type, default, docstring, is a section) for ``obj`` and, depth first, its sub-sections."""
+    cls = type(obj)
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.append((key, "", None, _doc(cls, f.name), True))
+            out += _entries(value, f"{key}.")
+        else:
+            out.append((key, _type_name(hints[f.name]), value, _doc(cls, f.name), False))
+    return out
+
+
+def help_config(section: str = "") -> str:
+    """The help text of every key under ``section`` (all keys when empty)."""
+    entries = _entries(Config(), "")
+    sections = [k for k, *_, is_section in entries if is_section]
+    if section and section not in sections:
+        raise ConfigError(f"--help-config: no section {section!r}; sections: {', '.join(sections)}")
+    lines = [] if section else ["Config keys (defaults < YAML < dotted overrides: section.key=value)", ""]
+    for key, type_name, default, doc, is_section in entries:
+        if section and not (key == section or key.startswith(section + ".")):
+            continue
+        if is_section:
+            lines += ([""] if lines and lines[-1] else []) + [f"{key}:" + (f"  {' '.join(doc.split())}" if doc else "")]
+            continue
+        lines.append(f"  {key}: {type_name} = {default!r}")
+        for para in doc.split("\n\n"):  # the source's line breaks are layout: reflow each paragraph
+            lines += textwrap.wrap(" ".join(para.split()), WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines).rstrip() + "\n"
