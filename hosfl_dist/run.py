@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(help_config(args.help_config), end="")
             return 0
-        from hosfl_dist.runtime.env import launch_env, role_map
+        from hosfl_dist.runtime.env import launch_env, role_map  # without torch: a bad config fails in a second
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)

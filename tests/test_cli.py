@@ -56,3 +56,14 @@ def test_short_run_writes_outputs(tmp_path, tiny_overrides):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["processed_samples"] == 240
     assert (out / "config.yaml").is_file()
+
+
+def test_a_bad_config_fails_before_torch_is_imported():
+    """A typo is reported at once, not after the seconds (tens under load) that importing torch takes."""
+    code = (
+        "import sys; from hosfl_dist.run import main; rc = main(['zo.bogus=1', 'clients.total=0']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert done.stderr.startswith("error: unknown key zo.bogus in section zo")

@@ -24,15 +24,14 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.distributed.rpc as rpc
+from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.transport.rpc import SERVER_NAME
+
+if TYPE_CHECKING:  # torch is imported where a process group is made: a bad config fails before that import
+    import torch
+    import torch.distributed as dist
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """Longest wait for the peers at the end of a job (a peer that is gone cannot hold the others forever)."""
@@ -107,6 +106,8 @@ class RoleMap:
         return "worker"
 
     def rpc_name(self, rank: int) -> str:
+        from hosfl_dist.transport.rpc import SERVER_NAME
+
         return SERVER_NAME if rank == 0 else f"{self.role(rank)}{rank}"
 
     def label(self, rank: int) -> str:
@@ -154,6 +155,8 @@ def _ids(ids: tuple[int, ...]) -> str:
 
 def process_device(cfg: Config, env: LaunchEnv) -> torch.device:
     """job.device for this process: a bare "cuda" means the GPU of this local rank."""
+    import torch
+
     dev = torch.device(cfg.job.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", env.local_rank % max(1, torch.cuda.device_count()))
@@ -181,6 +184,8 @@ class Distributed:
 
     def store(self) -> dist.Store | None:
         """The rendezvous key-value store (used to elect the one process that reports a failure)."""
+        import torch.distributed as dist
+
         try:
             return dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - best effort: no store means every failing process reports
@@ -189,6 +194,9 @@ class Distributed:
     def shutdown(self, graceful: bool) -> None:
         """Stop RPC, then the process groups. Graceful waits for every peer (normal end), at most
         SHUTDOWN_TIMEOUT_S (torch's own default waits forever); otherwise, or after that, leave at once."""
+        import torch.distributed as dist
+        import torch.distributed.rpc as rpc
+
         if self.rpc_up:
             self.rpc_up = False
             try:
@@ -206,6 +214,10 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
 
     ``server.rpc_timeout_s`` bounds every wait on a peer: one RPC, one collective, the rendezvous itself.
     """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+
     device = process_device(cfg, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -276,6 +288,8 @@ def job_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     Without torchrun's agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or RANK/WORLD_SIZE set by hand) rank 0
     hosts the store.
     """
+    import torch.distributed as dist
+
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     base = dist.TCPStore(
         env.master_addr,
@@ -293,6 +307,8 @@ _STORES: dict[str, dist.Store] = {}
 
 def _store_url(store: dist.Store) -> str:
     """An init_method for RPC that meets in ``store`` (RPC takes a URL, not a store)."""
+    import torch.distributed as dist
+
     if not _STORES:  # the first store of this process: teach torch the scheme
         dist.register_rendezvous_handler("hosfl", _store_rendezvous)
     key = str(len(_STORES))
@@ -339,6 +355,8 @@ class StopRequest:
 
 def check_devices(cfg: Config) -> None:
     """Refuse a CUDA device (for the models or the noise generator) on a machine without one, in one line."""
+    import torch
+
     for key, value in (("job.device", cfg.job.device), ("zo.rng_device", cfg.zo.rng_device)):
         if value.startswith("cuda"):
             if not torch.cuda.is_available():
