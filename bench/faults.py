@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
+
+from dist_bench import torchrun_cmd  # run as a script: bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = [
@@ -40,20 +41,7 @@ CASES = ("kill_worker", "kill_leader", "kill_server", "sigterm", "sigint", "sigs
 
 
 def launch(nproc: int, overrides: list[str], restarts: int, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=localhost:0",
-        f"--rdzv-id={uuid.uuid4().hex[:8]}",
-        f"--max-restarts={restarts}",
-        "-m",
-        "hosfl_dist.run",
-        *overrides,
-    ]
+    cmd = torchrun_cmd(nproc, [f"--max-restarts={restarts}", "-m", "hosfl_dist.run", *overrides])
     out = log.open("a")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
