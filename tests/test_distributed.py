@@ -26,9 +26,8 @@ from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.env import bind_interface, launch_env, role_map
-from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.transport.endpoint import ServerEndpoint
-from tiny import TINY_OVERRIDES, read_run, torchrun
+from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
@@ -118,14 +117,7 @@ def test_dry_run_prints_the_role_map_without_starting_anything():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The in-process runtime on the tiny config, with one intra-op thread like every torchrun process."""
-    out = tmp_path_factory.mktemp("inproc")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        InProcessRunner(load_config(None, [*TINY, f"job.out_dir={out}"])).setup().run()
-    finally:
-        torch.set_num_threads(threads)
-    return read_run(out)
+    return run_one_thread([*TINY, f"job.out_dir={tmp_path_factory.mktemp('inproc')}"])
 
 
 def assert_same_run(dist_dir: Path, reference, n_workers: int) -> dict:

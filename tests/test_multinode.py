@@ -19,11 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from hosfl_dist.config import load_config
-from hosfl_dist.runtime.inprocess import InProcessRunner
-from tiny import LAUNCH_TIMEOUT_S, ROOT, TINY_OVERRIDES, read_run, torchrun
+from tiny import LAUNCH_TIMEOUT_S, ROOT, TINY_OVERRIDES, read_run, run_one_thread, torchrun
 
 TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60"]
 """Ten rounds of K=3 of M=6 clients: a world of 3 is the server (rank 0) and two client workers (ranks 1, 2)."""
@@ -161,17 +158,6 @@ def _rendezvous(out: str) -> tuple[str, list[int]]:
     return master.group(1), [int(r) for r in ranks.group(1).split(",")]
 
 
-def _in_process(out: Path) -> tuple[list[dict], dict]:
-    """The in-process run of the same config, with one intra-op thread like every torchrun process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        InProcessRunner(load_config(None, [*TINY, f"job.out_dir={out}"])).setup().run()
-    finally:
-        torch.set_num_threads(threads)
-    return read_run(out)
-
-
 @pytest.mark.slow  # 35-50 s: two torchruns and the in-process reference on two cores
 def test_two_nodes_over_a_veth_link_equal_the_in_process_run(tmp_path, two_nodes):
     head, other = two_nodes
@@ -197,7 +183,7 @@ def test_two_nodes_over_a_veth_link_equal_the_in_process_run(tmp_path, two_nodes
     assert received > 32_000 and sent > 32_000, (received, sent)
 
     rows, summary = read_run(out_dir)
-    ref_rows, ref = _in_process(tmp_path / "reference")
+    ref_rows, ref = run_one_thread([*TINY, f"job.out_dir={tmp_path / 'reference'}"])
     assert summary["status"] == "completed" and summary["roles"]["interface"] == IFNAME
     assert rows == ref_rows
     assert set(summary["client_digests"].values()) == set(ref["client_digests"].values())

@@ -10,27 +10,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
-from hosfl_dist.config import load_config
-from hosfl_dist.runtime.inprocess import InProcessRunner
-from tiny import TINY_OVERRIDES, read_run, torchrun
+from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
 
 TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60", "checkpoint.interval_samples=48"]
 """Ten rounds of K=3 clients of 8 samples, a checkpoint every second round."""
 
 pytestmark = pytest.mark.multiprocess
-
-
-def in_process(out: Path, extra: list[str]) -> tuple[list[dict], dict]:
-    """The in-process run of the same config, with one intra-op thread like every torchrun process."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        InProcessRunner(load_config(None, [*TINY, *extra, f"job.out_dir={out}"])).setup().run()
-    finally:
-        torch.set_num_threads(threads)
-    return read_run(out)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +25,8 @@ def references(tmp_path_factory):
 
     def get(alg: str, extra: list[str]) -> tuple[list[dict], dict]:
         if alg not in cache:
-            cache[alg] = in_process(tmp_path_factory.mktemp(alg), [f"algorithm.name={alg}", *extra])
+            out = tmp_path_factory.mktemp(alg)
+            cache[alg] = run_one_thread([*TINY, f"algorithm.name={alg}", *extra, f"job.out_dir={out}"])
         return copy.deepcopy(cache[alg])
 
     return get

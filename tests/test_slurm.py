@@ -24,11 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from tiny import read_run
+from tiny import read_run, run_one_thread
 
-from hosfl_dist.config import load_config
-from hosfl_dist.runtime.inprocess import InProcessRunner
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = REPO / "slurm" / "hosfl.sbatch"
@@ -244,14 +241,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_identically(
 
     # the uninterrupted reference, while the job stops and starts again: in-process, one intra-op thread like each
     # torchrun process
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = load_config(str(REPO / QUICKSTART.config), [*PREEMPT, f"job.out_dir={tmp_path / 'ref'}"])
-        InProcessRunner(reference).setup().run()
-    finally:
-        torch.set_num_threads(threads)
-    ref_rows, ref = read_run(tmp_path / "ref")
+    ref_rows, ref = run_one_thread([*PREEMPT, f"job.out_dir={tmp_path / 'ref'}"], str(REPO / QUICKSTART.config))
 
     _wait_for("job finished", lambda: state() in FINISHED, log, JOB_TIMEOUT_S)
     text = _read(log)

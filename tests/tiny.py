@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
@@ -83,6 +84,19 @@ def torchrun(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, out, time.perf_counter() - start
+
+
+def run_one_thread(overrides: list[str], config: str | None = None) -> tuple[list[dict], dict]:
+    """The in-process run of a config with one intra-op thread, like every torchrun process: the same arithmetic, so
+    torchrun's results must equal it bit for bit. Returns :func:`read_run` of its job.out_dir."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(config, overrides)
+        InProcessRunner(cfg).setup().run()
+    finally:
+        torch.set_num_threads(threads)
+    return read_run(Path(cfg.job.out_dir))
 
 
 def read_run(out_dir: Path) -> tuple[list[dict], dict]:
