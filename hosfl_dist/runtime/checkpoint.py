@@ -18,11 +18,13 @@ complete: a kill during the save leaves the previous checkpoint the latest compl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,14 @@ def _model_state(server: Any) -> tuple[dict[str, Any], Any]:
     return state, opts
 
 
+@contextlib.contextmanager
+def _no_dist_quiet() -> Iterator[None]:
+    """DCP in one process without a group warns that torch.distributed is disabled: that is what no_dist asks for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 class Checkpointer:
     """Saves and loads a run's checkpoints. On the server side only: rank 0, and under FSDP every server rank
     (``group``), which must call :meth:`save` / :meth:`load` together (rank 0's endpoint announces them)."""
@@ -119,8 +129,7 @@ class Checkpointer:
         if self.group is not None:
             dist.barrier(group=self.group)
         state, _ = _model_state(server)
-        with warnings.catch_warnings():  # one process without a group is what no_dist says
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with _no_dist_quiet():
             dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
         if self.rank0:
             extra = {
@@ -152,8 +161,7 @@ class Checkpointer:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with _no_dist_quiet():
             dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
         set_model_state_dict(server.model, state["model"], options=opts)
         if "optim" in state:

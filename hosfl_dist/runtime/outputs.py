@@ -96,6 +96,11 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def holds_run(d: Path) -> bool:
+    """Whether folder ``d`` holds a run's files or checkpoints."""
+    return any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
+
+
 def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
     """Refuse an unusable job.out_dir, or one that holds a run this one may not continue or replace, without
     changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job)."""
@@ -108,8 +113,7 @@ def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"job.out_dir {d} is not writable ({parent}: permission denied)")
             break
-    held = d.is_dir() and any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
-    if not held or cfg.job.overwrite:
+    if not holds_run(d) or cfg.job.overwrite:
         return d
     if cfg.job.resume == "auto" or restarted:
         diff = config_differences(d, cfg)
@@ -151,7 +155,7 @@ def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"job.out_dir {d} is not writable: {exc.strerror or exc}") from None
-    if not any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS)):
+    if not holds_run(d):
         return None
     if cfg.job.overwrite:
         clear_run(d)
