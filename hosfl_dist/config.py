@@ -99,7 +99,7 @@ class ModelConfig:
     gguf_file: str = ""
     """hf: GGUF file name inside model.source (loaded and dequantised by transformers)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """hf: parameter dtype."""
+    """hf: dtype of the frozen base weights. Trainable tensors (LoRA adapters) and optimizer state stay float32."""
     pretrained: str = ""
     """Local path to a state dict with pretrained weights (ResNet-18: torchvision ImageNet layout); empty = random."""
     freeze_bn: bool = True
@@ -215,12 +215,22 @@ class ServerConfig:
     ranks: int = 1
     """Ranks of the server group under torchrun (ranks 0..S-1 shard θs with FSDP; rank 0 is the RPC front)."""
     rpc_timeout_s: float = 300.0
-    """Timeout of one client->server RPC, in seconds."""
+    """Timeout of one client->server RPC, in seconds (the rendezvous and an idle server rank's wait too)."""
+    collective_timeout_s: float = 600.0
+    """Timeout of one collective among the client workers or the server ranks (all_reduce, barrier), in seconds."""
+    micro_batch_tokens: int = 0
+    """Largest number of tokens (samples for vision models) one server forward/backward holds: a round's activations
+    are processed in micro-batches of whole samples and their gradients accumulated (same mean). 0 = the whole
+    round (or a server rank's share of it) in one pass."""
+    activation_checkpointing: bool = False
+    """Recompute each server decoder block in the backward instead of keeping its activations (hf models)."""
 
     def __post_init__(self) -> None:
         _check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")
-        _check(1 <= self.rpc_timeout_s <= 7 * 86400, "rpc_timeout_s", self.rpc_timeout_s,
-               "must be between 1 s and a week: every wait on a peer is bounded by it")  # fmt: skip
+        for key in ("rpc_timeout_s", "collective_timeout_s"):
+            _check(1 <= getattr(self, key) <= 7 * 86400, key, getattr(self, key),
+                   "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
+        _check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:
@@ -309,6 +319,8 @@ class TrainConfig:
     """Evaluate on the held-out split every this many processed samples (and at the start and end)."""
     eval_batch_size: int = 256
     """Batch size of evaluation forwards."""
+    eval_timeout_s: float = 3600.0
+    """Longest an evaluation may take, in seconds; the workers that wait for the evaluating leader wait this long."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite activation, λ, loss or scalar: stop the run with an error naming the round, client and quantity,
     or skip that client's contribution to the round (counted as nonfinite_skipped in the metrics rows)."""
@@ -317,6 +329,8 @@ class TrainConfig:
         _check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
         _check(self.eval_every_samples >= 1, "eval_every_samples", self.eval_every_samples, "must be >= 1")
         _check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
+        _check(1 <= self.eval_timeout_s <= 7 * 86400, "eval_timeout_s", self.eval_timeout_s,
+               "must be between 1 s and a week")  # fmt: skip
 
 
 @dataclass

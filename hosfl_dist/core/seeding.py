@@ -29,6 +29,8 @@ class Stream(IntEnum):
     """Random crops and flips of one client's batches (per client id)."""
     VISION_INIT = 0x0DE1
     """Initial weights of the vision models."""
+    MODEL_INIT = 0x1417
+    """Weights of an architecture without a checkpoint (``model.source=arch:<name>``; per tensor name and chunk)."""
     LORA_INIT = 0x10A
     """LoRA A matrices of the client (0) and server (1) parts."""
     CLIENT_SAMPLING = 0x5A3F

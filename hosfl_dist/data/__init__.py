@@ -74,10 +74,13 @@ class FederatedData:
         info: dict[str, Any],
         train_transform: Any = None,
         eval_transform: Any = None,
+        row_of: Tensor | None = None,
     ) -> None:
         self.train_inputs, self.train_labels = train_inputs, train_labels
         self.eval_inputs, self.eval_labels = eval_inputs, eval_labels
         self.shards = list(shards)
+        self.row_of = row_of
+        """Global sample index -> row of ``train_inputs`` when this process holds some clients' shards only."""
         self.batch_size = batch_size
         _check_shards(self.shards, batch_size)
         self.seed = seed
@@ -108,8 +111,17 @@ class FederatedData:
             self.stream(m).load_state_dict(st["stream"])
             self._aug_gens[m].set_state(st["augment"])
 
+    def rows(self, idx: Tensor) -> Tensor:
+        """Rows of the held training tensors of global sample indices ``idx``."""
+        if self.row_of is None:
+            return idx
+        rows = self.row_of[idx]
+        if bool((rows < 0).any()):
+            raise DataError("a batch of a client whose shard this process does not hold")
+        return rows
+
     def next_batch(self, client: int) -> tuple[Any, Tensor]:
-        idx = self.stream(client).next_indices()
+        idx = self.rows(self.stream(client).next_indices())
         x = _take(self.train_inputs, idx)
         if self.train_transform is not None:
             x = self.train_transform(x, self._aug_gens[client])
@@ -154,12 +166,39 @@ def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
     return iid_partition(len(labels), cfg.clients.total, seed)
 
 
-def build_data(cfg: Config) -> FederatedData:
-    """Load the configured dataset from local files and partition it over ``clients.total`` clients."""
+VISION_INFO = {
+    "fashion_mnist": (10, (1, 28, 28)),
+    "cifar10_npz": (10, (3, 32, 32)),
+    "cifar10": (10, (3, 32, 32)),
+    "cifar100": (100, (3, 32, 32)),
+}
+"""(classes, image shape) of the image data sets, so a server builds its model without loading images."""
+
+
+def data_info(cfg: Config) -> dict[str, Any]:
+    """What the model builders need from the data (classes, input shape, label words), without loading the data: a
+    server loads no training data."""
+    if cfg.data.name in TEXT_DATASETS:
+        from hosfl_dist.data.text_fed import text_data_info
+
+        return text_data_info(cfg)
+    if cfg.data.name in VISION_INFO:
+        classes, shape = VISION_INFO[cfg.data.name]
+        return {"num_classes": classes, "input_shape": shape}
+    return build_data(cfg).info  # synthetic images: generated, not loaded
+
+
+def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
+    """Load the configured dataset from local files and partition it over ``clients.total`` clients.
+
+    ``clients``: the clients whose shards this process holds (default: all); ``evaluation``: whether it holds the
+    evaluation split (the leader worker and the in-process runtime). Text is tokenised for those only; images are
+    read whole (the files are small) and the rows of other clients dropped.
+    """
     if cfg.data.name in TEXT_DATASETS:  # tokenised with the model's tokenizer (hosfl_dist.data.text_fed)
         from hosfl_dist.data.text_fed import build_text_data
 
-        return build_text_data(cfg)
+        return build_text_data(cfg, clients, evaluation)
     from hosfl_dist.data.vision import augment, load_images, normalize
 
     splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
@@ -187,6 +226,15 @@ def build_data(cfg: Config) -> FederatedData:
         "train_size": len(ty),
         "eval_size": len(vy),
     }
+    shards = partition(ty, cfg)
+    row_of = None
+    if clients is not None:
+        rows = torch.as_tensor(np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, np.int64)])))
+        row_of = torch.full((len(ty),), -1, dtype=torch.long)
+        row_of[rows] = torch.arange(len(rows))
+        tx, ty = tx[rows], ty[rows]
+    if not evaluation:
+        vx, vy = vx[:0], vy[:0]
     return FederatedData(
-        tx, ty, vx, vy, partition(ty, cfg), cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf
+        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
     )

@@ -51,6 +51,7 @@ class TextFederatedData(FederatedData):
         batch_size: int,
         seed: int,
         info: dict[str, Any],
+        row_of: Tensor | None = None,
     ) -> None:
         super().__init__(
             {"input_ids": train.input_ids, "attention_mask": train.attention_mask},
@@ -61,11 +62,12 @@ class TextFederatedData(FederatedData):
             batch_size,
             seed,
             info,
+            row_of=row_of,
         )
         self.train_text, self.eval_text = train, evaluation
 
     def next_batch(self, client: int) -> tuple[dict[str, Tensor], Tensor]:
-        b = self.train_text.select(self.stream(client).next_indices(), trim=True)
+        b = self.train_text.select(self.rows(self.stream(client).next_indices()), trim=True)
         return {"input_ids": b.input_ids, "attention_mask": b.attention_mask}, b.labels
 
     def eval_batches(self, batch_size: int) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
@@ -113,8 +115,29 @@ def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
     )
 
 
-def build_text_data(cfg: Config) -> TextFederatedData:
-    """Load, subsample, tokenise with ``cfg.model``'s tokenizer and partition the text data set."""
+def text_data_info(cfg: Config) -> dict[str, Any]:
+    """What the model builders need to know of the text task (its kind, label words), without loading examples."""
+    spec = get_task(task_name(cfg))
+    info: dict[str, Any] = {
+        "task": spec.name,
+        "kind": spec.kind,
+        "max_length": cfg.data.max_length,
+        "padding_side": cfg.data.padding_side,
+    }
+    if spec.kind == "classification":
+        info["label_word_ids"] = label_word_ids(spec, load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file)))
+        info["num_classes"] = len(info["label_word_ids"])
+    return info
+
+
+def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> TextFederatedData:
+    """Load, subsample, partition and tokenise the text data set with ``cfg.model``'s tokenizer.
+
+    The partition is computed over every training example (from the raw labels), then only the shards of
+    ``clients`` (default: all) are tokenised, and the evaluation split only with ``evaluation``: a client worker holds
+    its clients' data, the leader also the evaluation split. The batches are the same as with everything tokenised
+    (each batch is trimmed to its own longest sequence).
+    """
     d = cfg.data
     spec = get_task(task_name(cfg))
     train_ex, eval_ex = load_examples(cfg)
@@ -123,27 +146,29 @@ def build_text_data(cfg: Config) -> TextFederatedData:
         train_ex = [train_ex[i] for i in keep[: d.train_max_samples].sort().values.tolist()]
     if d.eval_max_samples:
         eval_ex = eval_ex[: d.eval_max_samples]
-    tokenizer = load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file))
-    train = tokenize_split(spec, train_ex, tokenizer, d.max_length, d.padding_side, train=True)
-    evaluation = tokenize_split(spec, eval_ex, tokenizer, d.max_length, d.padding_side, train=False)
-    info: dict[str, Any] = {
-        "task": spec.name,
-        "kind": spec.kind,
-        "train_size": len(train),
-        "eval_size": len(evaluation),
-        "max_length": d.max_length,
-        "padding_side": d.padding_side,
-        "train_truncated": train.n_truncated,
-        "eval_truncated": evaluation.n_truncated,
-    }
+    info = {**text_data_info(cfg), "train_size": len(train_ex), "eval_size": len(eval_ex)}
     if spec.kind == "classification":
-        info["label_word_ids"] = label_word_ids(spec, tokenizer)
-        info["num_classes"] = len(info["label_word_ids"])
-        eval_labels = evaluation.labels
-        shards = partition(train.labels, cfg)
+        shards = partition(torch.tensor([int(ex["label"]) for ex in train_ex], dtype=torch.long), cfg)
     else:
         if d.partition != "iid":
             raise ConfigError(f"data.partition={d.partition} needs class labels; {spec.name} supports only iid")
-        eval_labels = encode_answers(evaluation.meta["answers"])  # (N, A, L) gold answers as bytes
-        shards = iid_partition(len(train), cfg.clients.total, stream_seed(cfg.job.seed, Stream.PARTITION))
-    return TextFederatedData(train, evaluation, eval_labels, shards, cfg.clients.batch_size, cfg.job.seed, info)
+        shards = iid_partition(len(train_ex), cfg.clients.total, stream_seed(cfg.job.seed, Stream.PARTITION))
+    row_of = None
+    if clients is not None:  # tokenise the hosted shards only; global sample index -> row of the tokenised subset
+        rows = np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, dtype=np.int64)]))
+        row_of = torch.full((len(train_ex),), -1, dtype=torch.long)
+        row_of[torch.as_tensor(rows, dtype=torch.long)] = torch.arange(len(rows))
+        train_ex = [train_ex[i] for i in rows.tolist()]
+    if not evaluation:
+        eval_ex = []
+    tokenizer = load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file))
+    train = tokenize_split(spec, train_ex, tokenizer, d.max_length, d.padding_side, train=True)
+    held_out = tokenize_split(spec, eval_ex, tokenizer, d.max_length, d.padding_side, train=False)
+    info.update(train_truncated=train.n_truncated, eval_truncated=held_out.n_truncated)
+    if spec.kind == "classification":
+        eval_labels = held_out.labels
+    else:
+        eval_labels = encode_answers(held_out.meta["answers"])  # (N, A, L) gold answers as bytes
+    return TextFederatedData(
+        train, held_out, eval_labels, shards, cfg.clients.batch_size, cfg.job.seed, info, row_of=row_of
+    )

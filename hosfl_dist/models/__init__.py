@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,11 +100,20 @@ def server_forward(server: nn.Module, act: Activation) -> Tensor:
     return server(act["z"]) if len(act) == 1 else server(act)
 
 
-def build_split_model(cfg: Config, data_info: dict[str, Any], zeroth_order_client: bool | None = None) -> SplitModel:
-    """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process).
+def build_split_model(
+    cfg: Config,
+    data_info: dict[str, Any],
+    zeroth_order_client: bool | None = None,
+    parts: Sequence[str] = ("client", "server"),
+    shard: Callable[[nn.Module], Any] | None = None,
+) -> SplitModel:
+    """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process and layout).
 
     ``zeroth_order_client`` (default: what the registry says of ``algorithm.name``) keeps an LM client part free of
-    dropout.
+    dropout. ``parts``: the parts this process runs; an LM is built on the meta device and only these are
+    materialised (of the others, only their trainable tensors). ``shard`` is applied to f_s before its weights exist
+    (FSDP2 over the server group), so a server rank materialises only its shard. Vision models are small: built
+    whole, then sharded.
     """
     if cfg.model.name == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
         from hosfl_dist.models import lm
@@ -112,7 +122,7 @@ def build_split_model(cfg: Config, data_info: dict[str, Any], zeroth_order_clien
             from hosfl_dist.algorithms import get_algorithm
 
             zeroth_order_client = get_algorithm(cfg.algorithm.name).zeroth_order_client
-        return lm.build(cfg, data_info, zeroth_order_client)
+        return lm.build(cfg, data_info, zeroth_order_client, parts, shard)
     from hosfl_dist.models import vision
 
     with torch.random.fork_rng(devices=[]):
@@ -139,4 +149,7 @@ def build_split_model(cfg: Config, data_info: dict[str, Any], zeroth_order_clien
         z = client.eval()(torch.zeros(1, *data_info["input_shape"]))  # eval: BatchNorm statistics stay as they are
     client.train(was)
     spec = ActivationSpec({"z": tuple(z.shape[1:])}, {"z": z.dtype}, num_classes=data_info["num_classes"])
-    return SplitModel(client.to(device), server.to(device), ClassificationTask(), spec)
+    server = server.to(device)
+    if shard is not None:
+        shard(server)
+    return SplitModel(client.to(device), server, ClassificationTask(), spec)

@@ -87,15 +87,20 @@ def tiny_causal_lm(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedMode
     `attn_implementation` picks the attention kernel: "sdpa" (the default, as `from_pretrained` picks) or
     "eager". Returned in eval() mode; the global torch RNG is left as it was.
     """
-    if arch not in _TINY_CONFIGS:
-        raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-    config_cls, defaults = _TINY_CONFIGS[arch]
     attn_implementation = overrides.pop("attn_implementation", "sdpa")
-    config = config_cls(**{**defaults, **overrides})
+    config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.eval()
+
+
+def tiny_config(arch: str, **overrides: Any) -> PretrainedConfig:
+    """The config of :func:`tiny_causal_lm` (``overrides`` replace its fields)."""
+    if arch not in _TINY_CONFIGS:
+        raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+    config_cls, defaults = _TINY_CONFIGS[arch]
+    return config_cls(**{**defaults, **overrides})
 
 
 def _looks_like_path(source: str) -> bool:
@@ -127,17 +132,8 @@ def _checked(source: str, gguf_file: str | None, local_files_only: bool) -> tupl
     return source, where, kwargs
 
 
-def load_causal_lm(
-    source: str,
-    gguf_file: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    local_files_only: bool = False,
-) -> PreTrainedModel:
-    """Load a causal LM in eval() mode from a hub id, a local HF directory, a directory holding `gguf_file`, or a
-    path to a `.gguf` file. GGUF weights are dequantised to `dtype`.
-
-    Raises ConfigError naming `source` when the model cannot be loaded or its type is not supported.
-    """
+def load_causal_config(source: str, gguf_file: str | None = None, local_files_only: bool = False) -> PretrainedConfig:
+    """The config of a checkpoint (hub id, local directory or GGUF file), checked to be a supported model type."""
     source, where, kwargs = _checked(source, gguf_file, local_files_only)
     # from_pretrained fails in many types (OSError, HFValidationError, connection errors, ImportError for a
     # missing gguf package, ...); all of them mean "this source cannot be used", reported in one line.
@@ -150,6 +146,22 @@ def load_causal_lm(
             f"cannot load model {where!r}: model_type {config.model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    return config
+
+
+def load_causal_lm(
+    source: str,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    local_files_only: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM in eval() mode from a hub id, a local HF directory, a directory holding `gguf_file`, or a
+    path to a `.gguf` file. GGUF weights are dequantised to `dtype`.
+
+    Raises ConfigError naming `source` when the model cannot be loaded or its type is not supported.
+    """
+    config = load_causal_config(source, gguf_file, local_files_only)
+    source, where, kwargs = _checked(source, gguf_file, local_files_only)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
     except Exception as err:

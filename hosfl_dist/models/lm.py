@@ -11,7 +11,7 @@ Where the weights come from is :mod:`hosfl_dist.models.sources`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,15 @@ from hosfl_dist.config import Config
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import ActivationSpec, SplitModel
-from hosfl_dist.models.hf_split import HFClient, HFServer, apply_lora, num_decoder_layers, split_causal_lm
-from hosfl_dist.models.sources import DTYPES, KNOWN_DEPTHS, is_hub_id, load_model, load_tokenizer, resolve
+from hosfl_dist.models.hf_split import (
+    HFClient,
+    HFServer,
+    apply_lora,
+    lora_init_values,
+    num_decoder_layers,
+    split_causal_lm,
+)
+from hosfl_dist.models.sources import DTYPES, KNOWN_DEPTHS, is_hub_id, load_tokenizer, model_config, resolve, weights_of
 from hosfl_dist.tasks.classification import ClassificationTask, last_real_index
 from hosfl_dist.tasks.generation import GenerationTask
 
@@ -92,30 +99,50 @@ class ZeroOrderClient(nn.Module):
         return self.client(input_ids, attention_mask)
 
 
-def build(cfg: Config, data_info: dict[str, Any], zeroth_order_client: bool) -> SplitModel:
+def build(
+    cfg: Config,
+    data_info: dict[str, Any],
+    zeroth_order_client: bool,
+    parts: Sequence[str] = ("client", "server"),
+    shard: Callable[[nn.Module], Any] | None = None,
+) -> SplitModel:
     """f_c = embeddings + blocks 0..k-1 with LoRA on ``lora.client_targets``; f_s = the rest with LoRA on
-    ``lora.server_targets`` and the task head. Only LoRA tensors are trainable, so d_c is the client's LoRA size.
+    ``lora.server_targets`` and the task head. Only LoRA tensors are trainable (float32 whatever ``model.dtype``),
+    so d_c is the client's LoRA size.
 
-    LoRA A is drawn from generators seeded by ``job.seed`` (B starts at zero), so every process and every client
-    replica starts from the same θc^0 and θs^0 and the initial split model equals the loaded one. A zeroth-order
-    client runs without dropout (:class:`ZeroOrderClient`).
+    The model is built on the meta device and only ``parts`` are materialised (:mod:`hosfl_dist.models.materialize`):
+    a part not held gets its trainable tensors only (θc^0 for a server), its frozen weights stay on the meta device.
+    ``shard`` (FSDP2's ``fully_shard`` over the server group) is applied to f_s before it is materialised, so a
+    server rank allocates and fills only its shard. LoRA A is drawn from generators seeded by ``job.seed`` (B starts
+    at zero), so every process, layout and replica starts from the same θc^0 and θs^0, and the initial split model
+    equals the loaded one. A zeroth-order client runs without dropout (:class:`ZeroOrderClient`).
     """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from hosfl_dist.models.materialize import materialize, materialize_trainable, parameter_names
+
     source = resolve(cfg.model.source, cfg.model.gguf_file)
-    model = load_model(source, cfg.model.dtype)
+    config = model_config(source)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) real
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.model.dtype], attn_implementation="sdpa")
+    model.eval()  # as from_pretrained returns it (no dropout unless a method turns train mode on)
     depth = num_decoder_layers(model)
     if not 1 <= cfg.split.cut < depth:
         raise ConfigError(
             f"invalid value for split.cut: {cfg.split.cut} ({cfg.model.source} has {depth} decoder blocks; "
             f"need 1 <= cut < {depth})"
         )
+    names = parameter_names(model)
     client, server = split_causal_lm(model, cfg.split.cut, untie=True)
+    if server.lm_head is not model.lm_head:  # the untied copy: the tensor the checkpoint ties it to
+        names[(id(server.lm_head), "weight")] = names[(id(model.lm_head), "weight")]
     lora, seed = cfg.lora, cfg.job.seed
-    apply_lora(
-        client, lora.client_targets, lora.r, lora.alpha, lora.dropout, seed=stream_seed(seed, Stream.LORA_INIT, 0)
-    )
-    apply_lora(
-        server, lora.server_targets, lora.r, lora.alpha, lora.dropout, seed=stream_seed(seed, Stream.LORA_INIT, 1)
-    )
+    init = {}
+    for i, (part, targets) in enumerate(((client, lora.client_targets), (server, lora.server_targets))):
+        apply_lora(part, targets, lora.r, lora.alpha, lora.dropout, seed=stream_seed(seed, Stream.LORA_INIT, i))
+        values = lora_init_values(part, stream_seed(seed, Stream.LORA_INIT, i)) if targets else {}
+        init.update({(id(m), a): v for (m, a), v in values.items()})
     client_part: nn.Module = ZeroOrderClient(client) if zeroth_order_client else client
     if data_info.get("kind") == "classification":
         server_part: nn.Module = LabelWordServer(server, data_info["label_word_ids"])
@@ -133,4 +160,13 @@ def build(cfg: Config, data_info: dict[str, Any], zeroth_order_client: bool) -> 
         vocab=model.get_input_embeddings().num_embeddings,
     )
     device = torch.device(cfg.job.device)
-    return SplitModel(client_part.to(device), server_part.to(device), task, spec)
+    if shard is not None:
+        shard(server_part)
+    weights = weights_of(source, config, cfg.model.dtype, seed) if parts else None
+    for name, part in (("client", client_part), ("server", server_part)):
+        if name in parts:
+            materialize(part, device, weights, names, init)
+        else:
+            materialize_trainable(part, device, init)
+    del weights  # a whole state dict (tiny, GGUF) is freed here
+    return SplitModel(client_part, server_part, task, spec)

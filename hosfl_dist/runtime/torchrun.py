@@ -33,7 +33,7 @@ import torch
 
 from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm
 from hosfl_dist.config import Config
-from hosfl_dist.data import build_data
+from hosfl_dist.data import build_data, data_info
 from hosfl_dist.errors import ConfigError, HosflError, Interrupted, ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState, rng_state, set_rng_state
@@ -231,10 +231,13 @@ def _shard_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
 
 
 def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
-    """The method's server over the model parts it holds (θs sharded over the server group), from ``job.seed``."""
-    split = build_split_model(cfg, build_data(cfg).info, spec.zeroth_order_client)
-    if d.server_group is not None:
-        shard_server_model(split.server, d.server_group, d.device)
+    """The method's server over f_s (sharded over the server group before its weights exist), from ``job.seed``.
+
+    Of f_c only the trainable tensors are materialised (θc^0: HO-SFL's base replica, the baselines' θc^t); no
+    training data is loaded."""
+    group = d.server_group
+    shard = (lambda module: shard_server_model(module, group, d.device)) if group is not None else None
+    split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
     server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
     split.keep(spec.server_parts)  # the server copied what it needs of the others (HO-SFL: θc^0)
     return server
@@ -242,10 +245,11 @@ def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
 
 def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopRequest) -> None:
     roles, rank = d.roles, d.rank
-    data = build_data(cfg)
-    split = build_split_model(cfg, data.info, spec.zeroth_order_client).keep(spec.worker_parts)
-    meter, stats = CommMeter(), TransportStats()
     leader = rank == roles.leader
+    data = build_data(cfg, clients=roles.hosted[rank], evaluation=leader)  # its clients' shards (+ evaluation)
+    split = build_split_model(cfg, data.info, spec.zeroth_order_client, parts=spec.worker_parts)
+    split.keep(spec.worker_parts)
+    meter, stats = CommMeter(), TransportStats()
     group = ProcessGroupCollective(d.worker_group, leader, d.device, meter, stats)
     rpc = RPCTransport(fetch_front(cfg.server.rpc_timeout_s), cfg.server.rpc_timeout_s, stats)
     transport: Transport = rpc

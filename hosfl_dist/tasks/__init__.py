@@ -17,6 +17,10 @@ class Task(Protocol):
     def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         """Mean loss over the batch (ℓ of one client's batch)."""
 
+    def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample (loss sum, count), float32 (B,) each: ``loss`` of a batch is sums.sum() / counts.sum(), so a
+        batch split into pieces (micro-batches, server ranks) is weighted exactly."""
+
     def eval_stats(self, outputs: Tensor, labels: Tensor) -> dict[str, float]:
         """Summable statistics of one evaluation batch."""
 

@@ -14,6 +14,11 @@ class ClassificationTask:
     def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(outputs, labels)
 
+    def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample (loss sum, count) in float32: the cross-entropy of each sample, count 1."""
+        sums = F.cross_entropy(outputs.float(), labels, reduction="none")
+        return sums, torch.ones_like(sums)
+
     def eval_stats(self, outputs: Tensor, labels: Tensor) -> dict[str, float]:
         return {
             "loss_sum": F.cross_entropy(outputs, labels, reduction="sum").item(),
