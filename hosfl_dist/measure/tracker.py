@@ -122,6 +122,23 @@ def rss_bytes() -> tuple[int | None, int | None]:
             return None, None
 
 
+def process_memory(rank: int, role: str, *modules: Any) -> dict[str, Any]:
+    """One entry of summary.json's ``memory``: this process's role, the bytes of the model parameters it
+    materialised (its FSDP shard on a server rank; meta tensors count nothing), its peak RSS, and on GPU its peak
+    CUDA allocation."""
+    from hosfl_dist.models.materialize import param_bytes
+
+    entry: dict[str, Any] = {
+        "rank": rank,
+        "role": role,
+        "param_bytes": param_bytes(*modules),
+        "peak_rss_bytes": rss_bytes()[1],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        entry["peak_cuda_bytes"] = int(torch.cuda.max_memory_allocated())
+    return entry
+
+
 @dataclass
 class ModeStep:
     """A mode ready to run: ``step()`` does one client step; ``resident`` is what the client holds between steps."""

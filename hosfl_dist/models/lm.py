@@ -160,6 +160,8 @@ def build(
         vocab=model.get_input_embeddings().num_embeddings,
     )
     device = torch.device(cfg.job.device)
+    if cfg.server.activation_checkpointing:
+        checkpoint_blocks(server.layers)
     if shard is not None:
         shard(server_part)
     weights = weights_of(source, config, cfg.model.dtype, seed) if parts else None
@@ -170,3 +172,24 @@ def build(
             materialize_trainable(part, device, init)
     del weights  # a whole state dict (tiny, GGUF) is freed here
     return SplitModel(client_part, server_part, task, spec)
+
+
+def checkpoint_blocks(layers: nn.ModuleList) -> None:
+    """Recompute each decoder block in the backward instead of keeping its activations (``server.activation_
+    checkpointing``): only each block's input stays alive between forward and backward.
+
+    The block's ``forward`` is wrapped in place (non-reentrant ``torch.utils.checkpoint``), so module and parameter
+    names — and checkpoints — do not change; FSDP2's hooks stay around the block's call, and the recomputation runs
+    while its parameters are gathered for the backward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for block in layers:
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward

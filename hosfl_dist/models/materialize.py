@@ -205,8 +205,8 @@ def param_bytes(*modules: nn.Module | None) -> int:
             continue
         for p in module.parameters():
             local, _ = _rows_of(p)
-            if id(local) in seen or local.is_meta:
+            if id(p) in seen or local.is_meta:
                 continue
-            seen.add(id(local))
+            seen.add(id(p))
             total += local.numel() * local.element_size()
     return total

@@ -18,6 +18,7 @@ from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
 from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState
 from hosfl_dist.runtime.env import StopRequest, check_devices
 from hosfl_dist.runtime.loop import train_loop
+from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.runtime.outputs import RunWriter, metrics_row, prepare_out_dir, progress_bar, run_summary
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
@@ -120,6 +121,7 @@ class InProcessRunner:
         )
         if self.link is not None:
             summary["link"] = self.link.summary()
+        summary["memory"] = [process_memory(0, "in-process", self.split.client, self.split.server)]
         return writer.complete(summary)
 
     def cleanup(self) -> None:

@@ -17,6 +17,10 @@ class Task(Protocol):
     def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         """Mean loss over the batch (ℓ of one client's batch)."""
 
+    def sample_counts(self, labels: Tensor) -> Tensor:
+        """(B,) float: the count of each sample's loss (``sample_losses``' counts), from the labels alone, so the server
+        knows each client's weight before any forward."""
+
     def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample (loss sum, count), float32 (B,) each: ``loss`` of a batch is sums.sum() / counts.sum(), so a
         batch split into pieces (micro-batches, server ranks) is weighted exactly."""

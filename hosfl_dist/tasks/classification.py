@@ -14,6 +14,10 @@ class ClassificationTask:
     def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(outputs, labels)
 
+    def sample_counts(self, labels: Tensor) -> Tensor:
+        """What each sample's loss is a mean over: one prediction."""
+        return torch.ones(labels.shape[0])
+
     def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample (loss sum, count) in float32: the cross-entropy of each sample, count 1."""
         sums = F.cross_entropy(outputs.float(), labels, reduction="none")

@@ -1,0 +1,235 @@
+"""HO-SFL rounds of the paper's architectures at their real shapes on this machine: memory per rank and round time.
+
+    python bench/scale.py --arch qwen3-8b --ranks 2                      # the 8B shape, one worker + 2 server ranks
+    python bench/scale.py --arch qwen3-0.6b qwen3-1.7b qwen3-4b --ranks 1 2
+    python bench/scale.py --arch qwen3-0.6b --ranks 1 --batch 16 --seq 256 --micro-batch-tokens 1024 --checkpointing
+    python bench/scale.py --table                                        # print results/scale/scale.json as a table
+
+Each run is ``torchrun`` with S server ranks and one client worker on ``model.source=arch:<name>`` (the published
+config, weights drawn from ``job.seed``; no download), bf16 base weights, cut 5, LoRA r=8 on q/v on both sides, the
+offline sentiment data as SST-2 with sequences of ``--seq`` tokens. Reported per rank: the parameters it
+materialised (summary.json ``memory``), its peak RSS (the kernel's VmHWM, from summary.json, and polled from outside
+while the job runs), and the analytic budget: f_c's bytes for the worker; for a server rank f_s/S + the largest
+decoder block and the root's unsharded part (final norm + lm_head, gathered for the root's forward) + nothing for
+activations (they are reported separately: K·B·T·D·2 bytes of z per round); and the round time (the worker's
+``run_round``, first round excluded when there is more than one) and the server's compute time per round. Results
+are appended to ``results/scale/scale.json`` keyed by the run's settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from dist_bench import torchrun_cmd  # noqa: E402
+
+OUT = ROOT / "results" / "scale" / "scale.json"
+GB = 1e9
+
+
+def run_overrides(args: argparse.Namespace, arch: str, ranks: int, out_dir: Path) -> list[str]:
+    k, b = args.clients, args.batch
+    return [
+        "model.name=hf",
+        f"model.source=arch:{arch}",
+        "model.dtype=bfloat16",
+        f"split.cut={args.cut}",
+        "data.name=sentiment_multiemo",
+        f"data.max_length={args.seq}",
+        f"data.train_max_samples={max(64, 4 * k * b)}",
+        f"data.eval_max_samples={args.eval_samples}",
+        f"train.eval_batch_size={args.eval_samples}",
+        f"clients.total={k}",
+        f"clients.per_round={k}",
+        f"clients.batch_size={b}",
+        f"zo.num_perturbations={args.P}",
+        f"train.budget_samples={args.rounds * k * b}",
+        f"train.eval_every_samples={args.rounds * k * b}",
+        f"server.ranks={ranks}",
+        f"server.micro_batch_tokens={args.micro_batch_tokens}",
+        f"server.activation_checkpointing={str(args.checkpointing).lower()}",
+        "server.rpc_timeout_s=3600",
+        "server.collective_timeout_s=3600",
+        "job.progress=false",
+        f"job.out_dir={out_dir}",
+    ]
+
+
+def budget(arch: str, cut: int, ranks: int) -> dict[str, float]:
+    """Analytic bytes per role from the architecture (built on the meta device: nothing is allocated)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from hosfl_dist.models.archs import arch_config
+    from hosfl_dist.models.hf_split import split_causal_lm
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(arch_config(arch), dtype=torch.bfloat16)
+    client, server = split_causal_lm(model, cut, untie=True)
+
+    def size(module: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    block = max(size(b) for b in server.layers)
+    root = size(server.lm_head) + (size(server.norm) if server.norm is not None else 0)
+    hidden = model.config.get_text_config().hidden_size
+    return {"client": size(client), "server": size(server), "block": block, "root": root, "hidden": hidden}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def poll_peaks(proc: subprocess.Popen, peaks: dict[int, int], stop: threading.Event) -> None:
+    """Peak RSS of each rank process (torchrun's children, by pid), polled every 0.5 s; also the machine total."""
+    while not stop.is_set():
+        total = 0
+        for agent in _children(proc.pid):
+            for pid in _children(agent) or [agent]:
+                rss = _rss(pid)
+                peaks[pid] = max(peaks.get(pid, 0), rss)
+                total += rss
+        peaks[-1] = max(peaks.get(-1, 0), total)
+        stop.wait(0.5)
+
+
+def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
+    out_dir = Path(tempfile.mkdtemp(prefix=f"scale-{arch}-s{ranks}-"))
+    cmd = torchrun_cmd(ranks + 1, ["-m", "hosfl_dist.run", *run_overrides(args, arch, ranks, out_dir)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peaks: dict[int, int] = {}
+    stop = threading.Event()
+    poller = threading.Thread(target=poll_peaks, args=(proc, peaks, stop), daemon=True)
+    poller.start()
+    out, _ = proc.communicate(timeout=args.timeout)
+    stop.set()
+    poller.join()
+    wall = time.perf_counter() - start
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"status": "missing"}
+    if proc.returncode != 0 or summary.get("status") != "completed":
+        tail = "\n".join(out.splitlines()[-40:])
+        return {"arch": arch, "ranks": ranks, "failed": True, "rc": proc.returncode, "tail": tail}
+    b = budget(arch, args.cut, ranks)
+    workers = summary["transport"]["workers"]
+    w = next(iter(workers.values()))
+    rounds = w["rounds"]
+    round_s = (w["round_s"] - w["first_round_s"]) / (rounds - 1) if rounds > 1 else w["round_s"]
+    submit_s = summary["transport"]["server"]["compute_s"].get("submit", 0.0) / max(rounds, 1)
+    ranks_out = []
+    for entry in summary.get("memory", []):
+        role = entry["role"]
+        if role == "worker":
+            analytic = b["client"]
+        else:
+            analytic = b["server"] / ranks + b["block"] + (b["root"] * (ranks - 1) / ranks)
+        ranks_out.append({**entry, "analytic_bytes": int(analytic)})
+    tokens = args.clients * args.batch * args.seq
+    return {
+        "arch": arch,
+        "ranks": ranks,
+        "cut": args.cut,
+        "clients": args.clients,
+        "batch": args.batch,
+        "seq": args.seq,
+        "P": args.P,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "checkpointing": args.checkpointing,
+        "rounds": rounds,
+        "round_s": round(round_s, 3),
+        "server_submit_s_per_round": round(submit_s, 3),
+        "server_tokens_per_s": round(tokens / submit_s, 1) if submit_s else None,
+        "activation_bytes_per_round": tokens * b["hidden"] * 2,
+        "memory": ranks_out,
+        "polled_peak_rss_bytes": sorted((v for k, v in peaks.items() if k >= 0), reverse=True),
+        "polled_peak_total_rss_bytes": peaks.get(-1, 0),
+        "wall_s": round(wall, 1),
+        "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
+    }
+
+
+def key(r: dict) -> str:
+    return "{arch} S={ranks} K={clients} B={batch} T={seq} mbt={micro_batch_tokens} ac={checkpointing}".format(**r)
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| run | rank | role | param GB | peak RSS GB | analytic GB | round s | server tok/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r.get("failed"):
+            lines.append(f"| {r['arch']} S={r['ranks']} | – | failed (rc {r['rc']}) | | | | | |")
+            continue
+        for m in r["memory"]:
+            lines.append(
+                f"| {key(r)} | {m['rank']} | {m['role']} | {m['param_bytes'] / GB:.2f} | "
+                f"{(m['peak_rss_bytes'] or 0) / GB:.2f} | {m['analytic_bytes'] / GB:.2f} | {r['round_s']} | "
+                f"{r['server_tokens_per_s']} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", nargs="+", default=["qwen3-0.6b"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="server ranks S")
+    p.add_argument("--cut", type=int, default=5)
+    p.add_argument("--clients", type=int, default=2, help="K = M: clients per round")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--P", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--eval-samples", type=int, default=2)
+    p.add_argument("--micro-batch-tokens", type=int, default=0)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--table", action="store_true", help="print the saved results and exit")
+    args = p.parse_args()
+    saved = json.loads(OUT.read_text()) if OUT.is_file() else []
+    if not args.table:
+        for arch in args.arch:
+            for ranks in args.ranks:
+                res = run_one(args, arch, ranks)
+                saved = [r for r in saved if r.get("failed") or key(r) != key(res)] + [res]
+                OUT.parent.mkdir(parents=True, exist_ok=True)
+                OUT.write_text(json.dumps(saved, indent=1) + "\n")
+                print(table([res]) if not res.get("failed") else res["tail"], flush=True)
+    print(table(saved))
+
+
+if __name__ == "__main__":
+    main()
