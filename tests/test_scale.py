@@ -60,7 +60,8 @@ def test_plan_covers_every_row_once_in_order_with_equal_pass_counts(ranks, micro
 
 def test_plan_shares_end_at_client_boundaries_when_there_are_enough_clients():
     shares = plan(_uploads({0: (4, 8), 1: (4, 8), 2: (4, 8), 3: (4, 8)}), 2, 0)
-    assert [[seg for piece in p for seg in piece] for p, _ in shares] == [[(0, 0, 4), (1, 0, 4)], [(2, 0, 4), (3, 0, 4)]]
+    segments = [[seg for piece in p for seg in piece] for p, _ in shares]
+    assert segments == [[(0, 0, 4), (1, 0, 4)], [(2, 0, 4), (3, 0, 4)]]
     one = plan(_uploads({7: (4, 8)}), 2, 0)  # fewer clients than ranks: rows are split
     assert [p for p, _ in one] == [[[(7, 0, 2)]], [[(7, 2, 4)]]]
 
@@ -123,9 +124,8 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
         group = dist.new_group([0, 1])
         tmp_path = Path(tmp)
         cfg = load_config(None, lm_overrides(tmp_path, tmp_path, arch="qwen3"))
-        split = build_split_model(
-            cfg, data_info(cfg), True, parts=("server",), shard=lambda mod: shard_server_model(mod, group, torch.device("cpu"))
-        )
+        shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"))  # noqa: E731
+        split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
         server = get_algorithm("hosfl").server(cfg, split)
         server.group = group
         _, batch = _server_and_batch(tmp_path, [])
