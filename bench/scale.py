@@ -140,9 +140,23 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
     wall = time.perf_counter() - start
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {"status": "missing"}
+    settings = {
+        "arch": arch,
+        "ranks": ranks,
+        "cut": args.cut,
+        "clients": args.clients,
+        "batch": args.batch,
+        "seq": args.seq,
+        "P": args.P,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "checkpointing": args.checkpointing,
+        "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
+    }
     if proc.returncode != 0 or summary.get("status") != "completed":
-        tail = "\n".join(out.splitlines()[-40:])
-        return {"arch": arch, "ranks": ranks, "failed": True, "rc": proc.returncode, "tail": tail}
+        tail = "\n".join(out.splitlines()[-60:])
+        peaks_gb = [round(v / GB, 2) for k, v in sorted(peaks.items()) if k >= 0]
+        return {**settings, "failed": True, "rc": proc.returncode, "tail": tail, "polled_peak_rss_gb": peaks_gb,
+                "polled_peak_total_rss_bytes": peaks.get(-1, 0), "wall_s": round(wall, 1)}  # fmt: skip
     b = budget(arch, args.cut, ranks)
     workers = summary["transport"]["workers"]
     w = next(iter(workers.values()))
@@ -159,15 +173,7 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
         ranks_out.append({**entry, "analytic_bytes": int(analytic)})
     tokens = args.clients * args.batch * args.seq
     return {
-        "arch": arch,
-        "ranks": ranks,
-        "cut": args.cut,
-        "clients": args.clients,
-        "batch": args.batch,
-        "seq": args.seq,
-        "P": args.P,
-        "micro_batch_tokens": args.micro_batch_tokens,
-        "checkpointing": args.checkpointing,
+        **settings,
         "rounds": rounds,
         "round_s": round(round_s, 3),
         "server_submit_s_per_round": round(submit_s, 3),
@@ -177,7 +183,6 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
         "polled_peak_rss_bytes": sorted((v for k, v in peaks.items() if k >= 0), reverse=True),
         "polled_peak_total_rss_bytes": peaks.get(-1, 0),
         "wall_s": round(wall, 1),
-        "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
     }
 
 
@@ -192,7 +197,7 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         if r.get("failed"):
-            lines.append(f"| {r['arch']} S={r['ranks']} | – | failed (rc {r['rc']}) | | | | | |")
+            lines.append(f"| {key(r)} | – | failed (rc {r['rc']}) | | {r['polled_peak_rss_gb']} | | | |")
             continue
         for m in r["memory"]:
             lines.append(
@@ -224,7 +229,7 @@ def main() -> None:
         for arch in args.arch:
             for ranks in args.ranks:
                 res = run_one(args, arch, ranks)
-                saved = [r for r in saved if r.get("failed") or key(r) != key(res)] + [res]
+                saved = [r for r in saved if key(r) != key(res)] + [res]
                 OUT.parent.mkdir(parents=True, exist_ok=True)
                 OUT.write_text(json.dumps(saved, indent=1) + "\n")
                 print(table([res]) if not res.get("failed") else res["tail"], flush=True)

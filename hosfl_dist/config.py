@@ -145,6 +145,13 @@ class ZOConfig:
     """Latency hiding (paper §3.4): run the P perturbed forwards while the activation is in flight."""
     perturb_mode: Literal["hooks", "copy"] = "hooks"
     """hooks: perturb one module at a time during the forward (inference-level memory); copy: perturbed copy of θc."""
+    compute_dtype: Literal["auto", "float32", "model"] = "auto"
+    """dtype of the zeroth-order client's forwards (z and every z̃): float32 keeps half-precision weights stored as
+    they are and upcasts one module at a time; model = model.dtype; auto = float32 unless model.dtype is float32."""
+
+    HALF_PRECISION_MU_FLOOR = {"bfloat16": 1e-2, "float16": 1e-2}
+    """Smallest μ for forwards computed in a half-precision dtype: at μ = 1e-3 the scalars' relative error against
+    float64 is 1.4-7 in bfloat16 and 0.3-1.3 in float16 (results/scale/zo_precision.md)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_perturbations <= MAX_PERTURBATIONS, "num_perturbations", self.num_perturbations,
@@ -153,6 +160,29 @@ class ZOConfig:
                f"must be a finite perturbation scale in [{MIN_MU:g}, 1]; below it θ + μu rounds to θ in float32 and "
                "every scalar is 0")  # fmt: skip
         _check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
+
+    def precision_problem(self, model_dtype: str, uploads_both: bool = False) -> str | None:
+        """Why μ is too small for a zeroth-order client over ``model_dtype`` weights, or None.
+
+        A half-precision forward rounds z and z̃_p by ~2^-9 (bfloat16) / 2^-12 (float16) of their size, while they
+        differ by ~μ: below the floor the scalars are mostly rounding noise. That happens when the client computes
+        in model.dtype (zo.compute_dtype=model), and, whatever it computes in, when both activations travel in
+        model.dtype and the server takes their difference (``uploads_both``: ZO-SFL's z±, MU-SplitFed's).
+        Torch-free, so a config can be refused before anything is built.
+        """
+        floor = self.HALF_PRECISION_MU_FLOOR.get(model_dtype)
+        if floor is None or self.mu >= floor:
+            return None
+        if uploads_both:
+            why = f"the client uploads z₊ and z₋ in model.dtype={model_dtype}, whose rounding swamps z₊ − z₋"
+            fix = "use model.dtype=float32"
+        elif self.compute_dtype == "model":
+            why = f"zo.compute_dtype=model runs the client's forwards in model.dtype={model_dtype}, whose rounding "
+            why += "swamps z̃ − z"
+            fix = "use zo.compute_dtype=auto for float32 forwards over the stored weights"
+        else:
+            return None
+        return f"invalid value for zo.mu: {self.mu:g} ({why} below μ = {floor:g}; raise zo.mu or {fix})"
 
 
 @dataclass
@@ -420,6 +450,10 @@ class Config:
             spec.name,
             f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
         )
+        if family == "hf":  # half-precision rounding against μ (torch-free: refused before anything is built)
+            problem = self.zo.precision_problem(self.model.dtype, spec.uploads_perturbed_pair)
+            if problem is not None and spec.zeroth_order_client:
+                raise ConfigError(problem)
         _check(
             self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
             "train.on_nonfinite",

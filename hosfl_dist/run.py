@@ -56,7 +56,7 @@ def dry_run(cfg: Config) -> dict:
         if needs:
             return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg)}
     data = build_data(cfg)
-    split = build_split_model(cfg, data.info)
+    split = build_split_model(cfg, data.info, parts=())  # LMs stay on the meta device: an 8B model costs nothing
 
     def count(m, trainable: bool) -> int:
         return sum(p.numel() for p in m.parameters() if p.requires_grad or not trainable)

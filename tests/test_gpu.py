@@ -54,3 +54,19 @@ def test_torchrun_on_one_gpu_with_an_nccl_worker_group(tmp_path):
         rtol=1e-4,
         atol=1e-5,
     )
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_server_group_on_one_gpu_reports_cuda_memory(tmp_path):
+    """A tiny bf16 Qwen3 under torchrun with 2 server ranks (FSDP2 on a CUDA mesh, NCCL) and 1 worker sharing one GPU:
+    the run completes, every rank reports its peak CUDA allocation, and each server rank holds about half of f_s."""
+    from tiny import lm_overrides, write_text_files
+
+    files = write_text_files(tmp_path)
+    ovr = [*lm_overrides(tmp_path / "run", files, arch="qwen3"), "model.dtype=bfloat16", "job.device=cuda"]
+    rc, out, _ = torchrun(3, ["-m", "hosfl_dist.run", *ovr, "server.ranks=2"])
+    assert rc == 0, out[-4000:]
+    _, summary = read_run(tmp_path / "run")
+    mem = {m["rank"]: m for m in summary["memory"]}
+    assert all(m.get("peak_cuda_bytes", 0) > 0 for m in mem.values())
+    assert abs(mem[0]["param_bytes"] - mem[1]["param_bytes"]) < 0.1 * mem[0]["param_bytes"]

@@ -44,6 +44,9 @@ class AlgorithmSpec:
     """Trains LoRA adapters on both sides (model.name=hf with client and server targets)."""
     skips_nonfinite: bool = False
     """Can leave a client with a non-finite upload out of a round (``train.on_nonfinite=skip``); else it stops."""
+    uploads_perturbed_pair: bool = False
+    """The server takes the difference of two uploaded activations (z₊ − z₋): their rounding to a half-precision
+    model.dtype bounds μ from below (``ZOConfig.precision_problem``)."""
 
     def __post_init__(self) -> None:
         from hosfl_dist.transport.wire import CONTROL, EVAL, wire_specs

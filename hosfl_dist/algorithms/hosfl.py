@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
+from hosfl_dist.algorithms.step import ShareResult, Upload, make_shares, merge_results, run_share
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer
@@ -35,8 +36,16 @@ from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.errors import NonFiniteError, ProtocolError
-from hosfl_dist.models import Activation, SplitModel, server_forward
+from hosfl_dist.models import Activation, SplitModel
+from hosfl_dist.models.precision import client_precision
 from hosfl_dist.transport import Pending
+from hosfl_dist.transport.server_group import (
+    broadcast_from_lead,
+    dist_rank,
+    dist_size,
+    gather_to_lead,
+    scatter_from_lead,
+)
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -201,61 +210,78 @@ class HOSFLServer(ServerBase):
         self._trim()
         return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
+    data_parallel = True
+    """With a server group, ``submit`` spreads the round's rows over the ranks (:mod:`hosfl_dist.algorithms.step`);
+    the other ranks are told only the round, and receive their rows from rank 0."""
+    group: Any = None
+    """The server group's process group (set by the torchrun runtime when ``server.ranks`` > 1)."""
+
     @wire(
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS}, gather=True
     )
-    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    def submit(self, t: int, batch: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]] | None:
         """Round t's (z_m, y_m) of the K sampled clients in; {m: {"lam": λ_m}} out, after one step of θs.
 
-        A client whose upload or loss is non-finite (``train.on_nonfinite=skip``) is left out of the step and gets
-        {"lam": 0, "skip": True}; a non-finite gradient leaves the whole round out of θs's step.
+        The forward/backward runs over the server ranks and in micro-batches as :mod:`~hosfl_dist.algorithms.step`
+        lays out; θs steps with the mean gradient over the clients kept. A client whose upload or loss is non-finite
+        (``train.on_nonfinite=skip``) is left out of the step and gets {"lam": 0, "skip": True}; a non-finite
+        gradient leaves the whole round out of θs's step. On server ranks other than 0 ``batch`` is None: their rows
+        arrive from rank 0.
         """
-        if t != self.rounds_done:
-            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
-        clients = sorted(batch)
-        if clients != round_plan(self.cfg, t):
-            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
-        kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
-        acts = [{k: v.to(self.device) for k, v in batch[m]["act"].items()} for m in kept]
-        labels = [batch[m]["labels"].to(self.device) for m in kept]
-        zs = [a["z"].detach().requires_grad_(True) for a in acts]
+        lead = self.group is None or dist_rank(self.group) == 0
+        if lead:
+            if t != self.rounds_done:
+                raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
+            clients = sorted(batch)
+            if clients != round_plan(self.cfg, t):
+                raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+            kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
+            uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
+            counts = {m: float(self.task.sample_counts(uploads[m].labels).sum()) for m in kept}
+            ranks = 1 if self.group is None else dist_size(self.group)
+            shares = make_shares(uploads, counts, ranks, self.cfg.server.micro_batch_tokens) if kept else []
         self.opt.zero_grad(set_to_none=True)
-        losses = {}
-        if acts and _batchable(acts):  # one forward/backward for the whole round (GPU efficiency), exact for frozen BN
-            merged = {k: torch.cat([z if k == "z" else a[k] for a, z in zip(acts, zs)]) for k in acts[0]}
-            out = server_forward(self.model, merged)
-            total = out.new_zeros(())
-            start = 0
-            for m, z, y in zip(kept, zs, labels):
-                n = z.shape[0]
-                loss_m = self.task.loss(out[start : start + n], y)
-                start += n
-                if self._finite_loss(t, m, loss_m):
-                    total = total + loss_m
-                    losses[m] = loss_m.item()
-            if losses:
-                total.backward()
+        if self.group is None:
+            share = shares[0] if shares else None
+        else:  # each rank its rows (an empty round: none anywhere)
+            inputs = (shares or [None] * dist_size(self.group)) if lead else None
+            share = scatter_from_lead(self.group, inputs)
+        result = run_share(self.model, self.task, share, self.device) if share is not None else None
+        finite_grads = all(bool(torch.isfinite(g).all()) for g in _local_grads(self.model))
+        if self.group is None:
+            gathered = [(result, finite_grads)]
         else:
-            for m, a, z, y in zip(kept, acts, zs, labels):
-                loss_m = self.task.loss(server_forward(self.model, {**a, "z": z}), y)
-                if self._finite_loss(t, m, loss_m):
-                    loss_m.backward()
-                    losses[m] = loss_m.item()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        lams = {m: z.grad for m, z in zip(kept, zs) if m in losses}
-        if not all(bool(torch.isfinite(g).all()) for g in [*grads, *lams.values()]):
-            self.nonfinite(t, "all", "server gradient (the round is left out of θs's step)")
-            self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
-            losses, lams = {}, {}
-        if losses:
-            for g in grads:  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
-                g.div_(len(losses))
+            gathered = gather_to_lead(self.group, (_to_cpu(result), finite_grads))
+        decision = None
+        if lead:
+            lams, losses, bad = merge_results([r for r, _ in gathered if r is not None])
+            for m in sorted(bad):
+                self._finite_loss(t, m, torch.tensor(float("nan")))  # stops, or counts the skip
+            finite = all(ok for _, ok in gathered) and all(bool(torch.isfinite(g).all()) for g in lams.values())
+            if losses and not finite:
+                self.nonfinite(t, "all", "server gradient (the round is left out of θs's step)")
+                self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
+                losses, lams = {}, {}
+            decision = len(losses)
+        if self.group is not None:
+            decision = broadcast_from_lead(self.group, decision)
+        if decision:
+            ranks = 1 if self.group is None else dist_size(self.group)
+            for g in _local_grads(self.model):  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
+                if ranks > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
+                    g.mul_(ranks)
+                g.div_(decision)
             self.opt.step()
-            self.record_loss(list(losses.values()))
         self.rounds_done += 1
+        if not lead:
+            return None
+        if losses:
+            self.record_loss([losses[m] for m in sorted(losses)])
         # λ_m = ∂ℓ_m/∂z_m: the client's own loss, not divided by K
         return {
-            m: {"lam": lams[m].detach()} if m in lams else {"lam": torch.zeros_like(batch[m]["act"]["z"]), "skip": True}
+            m: {"lam": lams[m].to(batch[m]["act"]["z"].dtype)}
+            if m in lams
+            else {"lam": torch.zeros_like(batch[m]["act"]["z"]), "skip": True}
             for m in clients
         }
 
@@ -333,18 +359,34 @@ def _load_replica(rep: Replica, state: dict[str, Any]) -> None:
     rep.round = state["round"]
 
 
-def _batchable(acts: Sequence[Activation]) -> bool:
-    first = acts[0]
-    return all(a.keys() == first.keys() and all(a[k].shape[1:] == first[k].shape[1:] for k in a) for a in acts)
+def _local_grads(model: nn.Module) -> list[Tensor]:
+    """This rank's gradients (its FSDP2 shard's local tensors)."""
+    out = []
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            out.append(g.to_local() if hasattr(g, "to_local") else g)
+    return out
+
+
+def _to_cpu(result: ShareResult | None) -> ShareResult | None:
+    if result is None:
+        return None
+    return ShareResult([(m, r, lam.cpu()) for m, r, lam in result.lams], result.losses, result.nonfinite)
 
 
 # ------------------------------------------------------------------------------------------------------ worker
 class HOSFLWorker(WorkerBase):
-    """A client worker: hosts logical clients, their replicas and data; never back-propagates."""
+    """A client worker: hosts logical clients, their replicas and data; never back-propagates.
+
+    z and every z̃_p are computed in ``zo.compute_dtype`` (float32 over half-precision stored weights by default, see
+    :mod:`hosfl_dist.models.precision`); z goes up in the server's dtype and the float32 z is kept for Eq. 13.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
+        self.precision = client_precision(cfg, self.split)  # refuses a half-precision client below the μ floor
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
         self.perturb_mode = cfg.zo.perturb_mode
@@ -375,10 +417,15 @@ class HOSFLWorker(WorkerBase):
     def replay(self, rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor) -> None:
         replay(rep, hist_seeds, hist_scalars, self.mu, self.rng_device)
 
+    def zo_forward(self, x: Any) -> Activation:
+        """f_c(x) at the bound θc in the client's compute dtype, without an autograd graph (Eq. 1, 12)."""
+        with torch.no_grad(), self.precision.computing(self.module, self.slots):
+            return self.client_forward(x)
+
     def perturbed_forward(self, x: Any, seed: int) -> Tensor:
-        """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc and without an autograd graph."""
-        with torch.no_grad(), perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode):
-            return self.client_forward(x)["z"]
+        """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc."""
+        with perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode):
+            return self.zo_forward(x)["z"]
 
     def zo_activations(self, x: Any, seeds: Sequence[int]) -> list[Tensor]:
         """The P perturbed activations at once: latency hiding runs them before λ arrives (§3.4)."""
@@ -413,10 +460,9 @@ class HOSFLWorker(WorkerBase):
             seeds = got["seeds"].tolist()
             x, y = self.data.next_batch(m)
             self.bind(rep.params)
-            with torch.no_grad():
-                act = self.client_forward(x)
-            lam = self.transport.call_async("submit", t=t, client=m, act=act, labels=y)
-            z = act["z"]
+            act = self.zo_forward(x)
+            lam = self.transport.call_async("submit", t=t, client=m, act=self.precision.upload(act), labels=y)
+            z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
             del act
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ.
             z_tilde = self.zo_activations(x, seeds) if self.cfg.zo.overlap else None

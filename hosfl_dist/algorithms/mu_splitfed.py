@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.exchange import ExchangeWorker, server_seed, spsa_pair, step_seed, zo_step
-from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer
+from hosfl_dist.algorithms.exchange import server_seed, spsa_pair, step_seed, zo_step
+from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer, ZOSFLWorker
 from hosfl_dist.config import Config
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.core.params import bound
@@ -67,8 +67,8 @@ class MUSplitFedServer(ZOSFLServer):
         return {"g": torch.tensor(delta, dtype=torch.float32)}
 
 
-class MUSplitFedWorker(ExchangeWorker):
-    first_order = False
+class MUSplitFedWorker(ZOSFLWorker):
+    """ZO-SFL's client (its forwards' precision included) with MU-SplitFed's step: three uploads, one scalar."""
 
     def local_steps(self, client: int) -> int:
         return 1  # clients aggregate after every step
@@ -78,8 +78,8 @@ class MUSplitFedWorker(ExchangeWorker):
         x, y = self.data.next_batch(client)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
         with torch.no_grad():
-            act = self.client_forward(x)
-        act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign: self.client_forward(x))
+            act = self.upload_forward(x)
+        act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign: self.upload_forward(x))
         delta = self.transport.call(
             "submit", t=t, client=client, act=act, act_plus=act_plus, act_minus=act_minus, labels=y
         )["g"]
@@ -93,6 +93,7 @@ register(
         server=MUSplitFedServer,
         worker=MUSplitFedWorker,
         zeroth_order_client=True,
+        uploads_perturbed_pair=True,
         traffic=ZO_SFL_TRAFFIC,
         server_parts=("server", "client"),
     )

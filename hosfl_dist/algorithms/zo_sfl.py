@@ -7,6 +7,10 @@ in SFL): with z = (u, v) ~ N(0, I) regenerated from the step's seed on both side
   both:    θc ← opt(θc, g·u),  θs_m ← opt(θs_m, g·v)              — one float32 scalar g goes down, never λ
 Perturbations use the project's seeded, write-free scheme (``zo.perturb_mode``), the exact counterpart of MeZO's
 in-place ±μz (same memory: one module's perturbed copy at a time; θ is never modified, so nothing drifts).
+The client's forwards run in ``zo.compute_dtype`` and z± go up in the server's dtype. With half-precision weights
+that upload rounds z₊ − z₋ whatever the client computed in: at μ = 1e-3 in bfloat16 the relative error of λᵀ(z₊ − z₋)
+is 0.4-1.3 (1.4-7 with bfloat16 forwards; results/scale/zo_precision.md), so a half-precision run is refused below
+zo.mu = 1e-2 (``ZOConfig.precision_problem``). HO-SFL's client projects its float32 difference itself.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, serve
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, server_forward
+from hosfl_dist.models.precision import client_precision
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 
@@ -71,13 +76,22 @@ class ZOSFLWorker(ExchangeWorker):
 
     first_order = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.precision = client_precision(self.cfg, self.split, uploads_both=True)  # refuses a half-precision run
+
+    def upload_forward(self, x: Any) -> Activation:
+        """f_c(x) at the bound (perturbed) θc, computed in ``zo.compute_dtype``, in the dtype the server accepts."""
+        with self.precision.computing(self.module, self.slots):
+            return self.precision.upload(self.client_forward(x))
+
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
         zo = self.cfg.zo
         opt = TensorwiseOptimizer(self.cfg.clients.optim, params)
         for j in range(steps):
             x, y = self.data.next_batch(client)
             seed = step_seed(self.cfg.job.seed, t, client, j)
-            act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign, x=x: self.client_forward(x))
+            act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign, x=x: self.upload_forward(x))
             g = self.transport.call(
                 "submit", t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y
             )["g"]
@@ -92,6 +106,7 @@ register(
         server=ZOSFLServer,
         worker=ZOSFLWorker,
         zeroth_order_client=True,
+        uploads_perturbed_pair=True,
         traffic=ZO_SFL_TRAFFIC,
         server_parts=("server", "client"),
     )

@@ -60,6 +60,9 @@ class ProfileSpec:
     """LMs: LoRA r=8, α=16 on q_proj/v_proj (the paper's setting) with the base frozen; False = full fine-tuning."""
     dtype: str = "float32"
     """LM parameter dtype (float32, bfloat16, float16)."""
+    compute_dtype: str = "auto"
+    """zo.compute_dtype of the zeroth-order clients: auto/float32 = float32 forwards over the stored weights (one
+    module upcast at a time, float32 activations), model = forwards in ``dtype``."""
     device: str = "cpu"
     """Torch device of the client."""
     gguf_file: str = ""
@@ -81,6 +84,8 @@ class ProfileSpec:
             raise ConfigError(f"--mu must be > 0, got {self.mu}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.compute_dtype not in ("auto", "float32", "model"):
+            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of auto, float32, model")
         if self.model in VISION_INPUTS:
             lo, hi = VISION_CUT_RANGE[self.model]
             if not lo <= self.cut <= hi:
@@ -158,15 +163,22 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
 
 
 def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
-    """The run config a profiled worker sees: only the zo and clients sections matter to it."""
+    """The run config a profiled worker sees: the zo and clients sections, and model.dtype (what a zeroth-order
+    client computes in and uploads follows from it)."""
     return build_config(
         {
             "algorithm": {"name": algorithm},
             # model and data just have to be a valid pair
-            "model": {"name": "hf", "source": spec.model} if spec.is_lm else {"name": spec.model},
+            "model": {"name": "hf", "source": spec.model, "dtype": spec.dtype} if spec.is_lm else {"name": spec.model},
             "data": {"name": "sst2" if spec.is_lm else "synthetic"},
             "split": {"cut": spec.cut},
-            "zo": {"num_perturbations": spec.P, "mu": spec.mu, "perturb_mode": "hooks", "overlap": spec.overlap},
+            "zo": {
+                "num_perturbations": spec.P,
+                "mu": spec.mu,
+                "perturb_mode": "hooks",
+                "overlap": spec.overlap,
+                "compute_dtype": spec.compute_dtype,
+            },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},
             "job": {"seed": spec.seed, "device": spec.device, "progress": False},
