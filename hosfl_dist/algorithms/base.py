@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,12 +136,18 @@ class ServerBase:
         return out
 
     # -- evaluation ----------------------------------------------------------------------------------------------
-    def _eval_forward(self, act: Activation) -> Tensor:
+    def _eval_forward(self, act: Activation, past_key_values: Any = None) -> Tensor:
+        act = {k: v.to(self.device) for k, v in act.items()}
         with torch.no_grad():
             was = self.model.training
-            self.model.eval()
-            out = server_forward(self.model, {k: v.to(self.device) for k, v in act.items()})
-            self.model.train(was)
+            if was:  # a decoding step is short: walking every module to switch modes is worth skipping
+                self.model.eval()
+            if past_key_values is None:
+                out = server_forward(self.model, act)
+            else:  # through the module's own forward, where an FSDP-sharded root gathers its parameters
+                out = self.model(act, past_key_values=past_key_values)
+            if was:
+                self.model.train()
         return out
 
     def _add_eval_stats(self, stats: dict[str, float]) -> None:
@@ -153,17 +160,52 @@ class ServerBase:
 
     # Generation tasks (SQuAD): the worker drives greedy decoding through the split with eval_next_token, then
     # sends the generated tokens and the gold labels to be scored with eval_generated.
-    @wire(args={"act": EVAL}, result={"token": EVAL})
-    def eval_next_token(self, act: Activation) -> dict[str, Tensor]:
-        """The greedy next token (B,) of each row of an evaluation activation."""
-        out = self._eval_forward(act)
-        return {"token": self.task.next_token(out, act["attention_mask"].to(self.device)).cpu()}
+    _eval_cache: _EvalCache | None = None
+    """The KV cache of f_s's blocks for the evaluation batch being decoded (at most one lives)."""
+
+    @wire(args={"act": EVAL, "keep": EVAL}, result={"token": EVAL})
+    def eval_next_token(
+        self, act: Activation, cache: Hashable | None = None, keep: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """The greedy next token (B,) of each row of an evaluation activation; the head runs at one position a row.
+
+        Without ``cache`` the activation holds whole sequences. With ``cache`` (the worker's id of an evaluation
+        batch) f_s reuses past keys and values: a call whose z covers the whole mask (the prompts, (B, T, D)) starts
+        that batch's cache, replacing any other; each later call sends only the newest token's z (B, 1, D) and the
+        mask extended by one column, after the rows of the previous call not in ``keep`` were dropped (the worker
+        drops the same rows from its own cache).
+        """
+        mask, length = act["attention_mask"].to(self.device), act["z"].shape[1]
+        kv = None if cache is None else self._eval_kv(cache, act["z"].shape[0], length, mask.shape[1], keep)
+        out = self._eval_forward({**act, **self.task.next_token_inputs(mask, length)}, kv)  # (B, V)
+        return {"token": self.task.next_token(out, mask).cpu()}
+
+    def _eval_kv(self, key: Hashable, rows: int, length: int, columns: int, keep: Tensor | None) -> Any:
+        """The cache an eval_next_token call continues (or starts, for prompts), checked against what it holds."""
+        if length == columns:  # prompts: a new batch
+            self._eval_cache = _EvalCache(key, self.model.new_cache(), rows)
+        held = self._eval_cache
+        if held is None or held.key != key:
+            raise ProtocolError(f"evaluation batch {key!r}: a decoding step without its prompts (the server holds "
+                                f"the cache of {None if held is None else held.key!r})")  # fmt: skip
+        if keep is not None:
+            if keep.dim() != 1 or not bool(((keep >= 0) & (keep < held.rows)).all()):
+                raise ProtocolError(f"evaluation batch {key!r}: keep {keep.tolist()} is not a list of its rows")
+            held.kv.batch_select_indices(keep.to(self.device))
+            held.rows = len(keep)
+        if rows != held.rows or columns != held.columns + length:
+            raise ProtocolError(f"evaluation batch {key!r}: a step of {rows} rows and {columns} positions, the cache "
+                                f"holds {held.rows} rows and {held.columns} positions")  # fmt: skip
+        held.columns = columns
+        return held.kv
 
     @wire(args={"tokens": EVAL, "labels": EVAL})
     def eval_generated(self, tokens: Tensor, labels: Tensor) -> None:
+        self._eval_cache = None  # the batch is decoded
         self._add_eval_stats(self.task.generation_stats(tokens, labels))
 
     def pop_eval_metrics(self) -> dict[str, float]:
+        self._eval_cache = None
         stats, self._eval_stats = self._eval_stats, {}
         return self.task.finalize(stats)
 
@@ -221,19 +263,43 @@ class WorkerBase:
         """One round for the hosted clients; returns the samples all clients processed in it."""
         raise NotImplementedError
 
+    eval_kv_cache = True
+    """Generation tasks: greedy decoding keeps KV caches on both sides of the split (False: each step re-runs the
+    whole sequences, the reference path that bench/generation.py times against it)."""
+
     def evaluate(self, t: int) -> None:
         """Run the held-out split through an up-to-date θc and the server (leader worker only)."""
         self.bind(self.eval_params(t))
         self.module.eval()
-        generate = getattr(self.split.task, "generate", None)  # generation tasks decode through the split
+        generation = hasattr(self.split.task, "generate")  # generation tasks decode through the split
         with torch.no_grad():
-            for x, y in self.data.eval_batches(self.cfg.train.eval_batch_size):
-                if generate is None:
+            for i, (x, y) in enumerate(self.data.eval_batches(self.cfg.train.eval_batch_size)):
+                if not generation:
                     self.transport.call("eval_batch", act=self.client_forward(x), labels=y)
                 else:
-                    step = lambda act: self.transport.call("eval_next_token", act=act)["token"]  # noqa: E731
-                    self.transport.call("eval_generated", tokens=generate(x, self.client_forward, step), labels=y)
+                    self.transport.call("eval_generated", tokens=self.generate(x, key=(t, i)), labels=y)
         self.module.train()
+
+    def generate(self, x: dict[str, Tensor], key: Hashable) -> Tensor:
+        """Greedy continuations (B, n) of a batch of prompts through f_c and the server (-1 after a row's end).
+
+        With :attr:`eval_kv_cache` and a decoder-LM client, f_c runs each new token only, on a cache this worker
+        keeps for the batch, and the server keeps the matching cache of f_s under ``key``.
+        """
+        task = self.split.task
+        client = _decoder_client(self.module) if self.eval_kv_cache else None
+        if client is None:
+            step = lambda act: self.transport.call("eval_next_token", act=act)["token"]  # noqa: E731
+            return task.generate(x, self.client_forward, step)
+        kv = client.new_cache()
+
+        def cached_step(input_ids: Tensor, attention_mask: Tensor, keep: Tensor | None) -> Tensor:
+            if keep is not None:
+                kv.batch_select_indices(keep.to(self.device))
+            act = client(input_ids.to(self.device), attention_mask.to(self.device), past_key_values=kv)
+            return self.transport.call("eval_next_token", act=act, cache=key, keep=keep)["token"]
+
+        return task.generate_cached(x, cached_step)
 
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
         raise NotImplementedError
@@ -262,3 +328,21 @@ def _to(inputs: Any, device: torch.device) -> Any:
     if isinstance(inputs, dict):
         return {k: v.to(device) for k, v in inputs.items()}
     return inputs.to(device)
+
+
+@dataclass
+class _EvalCache:
+    """The server's KV cache of one evaluation batch: the worker's key, the cache, and what it holds."""
+
+    key: Hashable
+    kv: Any
+    rows: int
+    columns: int = 0
+
+
+def _decoder_client(module: nn.Module) -> nn.Module | None:
+    """The split decoder LM's f_c inside a client module (None for other models): cached decoding calls it with a
+    KV cache, past wrappers such as ZeroOrderClient that only forward the two inputs."""
+    from hosfl_dist.models.hf_split import HFClient  # transformers only for LMs
+
+    return next((m for m in module.modules() if isinstance(m, HFClient)), None)

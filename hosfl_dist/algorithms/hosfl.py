@@ -237,7 +237,7 @@ class HOSFLServer(ServerBase):
                 raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
             kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
             uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
-            counts = {m: float(self.task.sample_counts(uploads[m].labels).sum()) for m in kept}
+            counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
             ranks = 1 if self.group is None else dist_size(self.group)
             shares = make_shares(uploads, counts, ranks, self.cfg.server.micro_batch_tokens) if kept else []
         self.opt.zero_grad(set_to_none=True)

@@ -11,10 +11,14 @@ the 4-D causal / sliding-window masks, RoPE positions (Llama, Qwen3 and Gemma-3 
 padding, exactly as their unsplit forward does without explicit position_ids), Gemma-3's local and global
 rotary tables, and OPT's mask-derived positions.
 f_s = decoder blocks k..L-1 + final norm (+ OPT's project_out) + lm_head (+ Gemma-3's final logit soft-capping).
+The server may add a side input of its own, ``"predict"`` (B, T) bool, computed from what it already holds (the
+labels, or the mask): the head then runs at those positions only, so no (B, T, V) logits exist (V is 150k for Qwen3).
 
 Both parts call the model's own submodules, in the order and with the arguments of the unsplit forward
-(transformers 5.x), so client-then-server logits equal the unsplit logits bit for bit. No KV cache is used:
-the unsplit model's prefill cache does not change a single forward's output.
+(transformers 5.x), so client-then-server logits equal the unsplit logits bit for bit. Training uses no KV cache (the
+unsplit model's prefill cache does not change a single forward's output). Greedy decoding in evaluation does: each
+side keeps a ``DynamicCache`` of its own blocks (:meth:`_Blocks.new_cache`) and runs only the newest token, with
+the positions and masks the unsplit forward derives from a cache (``past_key_values`` of ``run_blocks``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import Tensor, nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from hosfl_dist.errors import ConfigError
@@ -108,42 +113,61 @@ def _opt_positions(attention_mask: Tensor) -> Tensor:
 class _Blocks(nn.Module):
     """Runs a contiguous slice of decoder blocks the way the unsplit base model's forward does."""
 
-    def __init__(self, parts: _Parts, layers: list[nn.Module], layer_types: list[str]) -> None:
+    def __init__(self, parts: _Parts, layers: list[nn.Module], layer_types: list[str], first: int) -> None:
         super().__init__()
         self.config = parts.config
         self.model_type = parts.model_type
         self.layers = nn.ModuleList(layers)
         self.layer_types = layer_types
+        # A cache has a slot per block of the whole model (each block's attention updates the slot of its own layer
+        # number); the masks of each attention type are sized against the first block of that type on this side.
+        self.cache_slot = {t: first + layer_types.index(t) for t in set(layer_types)}
         # Each side gets its own copy of the (parameter-free) rotary module so moving one part to another
         # device never moves the other's buffers; the config stays shared.
         rotary = parts.rotary_emb
         self.rotary_emb = None if rotary is None else copy.deepcopy(rotary, memo={id(parts.config): parts.config})
 
-    def run_blocks(self, h: Tensor, attention_mask: Tensor) -> Tensor:
-        """h (B, T, D) through the blocks; masks and positions are rebuilt from the (B, T) padding mask."""
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for :meth:`run_blocks` (sliding-window slots keep only the window, as in the unsplit
+        model); this side fills the slots of its own blocks."""
+        return DynamicCache(config=self.config)
+
+    def run_blocks(self, h: Tensor, attention_mask: Tensor, past_key_values: Cache | None = None) -> Tensor:
+        """h (B, T, D) through the blocks; masks and positions are rebuilt from the (B, T) padding mask.
+
+        With ``past_key_values`` (a :meth:`new_cache` that holds the first T - q positions), h is (B, q, D), the
+        newest q positions only, while ``attention_mask`` still covers all T; the blocks append their keys and values
+        to the cache. Positions are those of the unsplit forward with a cache: T - q + arange(q) (OPT: the mask's).
+        """
+        past = 0 if past_key_values is None else attention_mask.shape[1] - h.shape[1]
         if self.model_type == "opt":
-            position_ids = _opt_positions(attention_mask)  # (B, T)
+            position_ids = _opt_positions(attention_mask)[:, past:]  # (B, q)
             mask = create_causal_mask(
-                config=self.config, inputs_embeds=h, attention_mask=attention_mask, past_key_values=None
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                layer_idx=self.cache_slot["full_attention"],
             )
             for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_ids=position_ids)
+                h = layer(h, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values)
             return h
 
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as without a cache
+        position_ids = torch.arange(past, past + h.shape[1], device=h.device).unsqueeze(0)  # (1, q), padding included
         mask_kwargs = {
             "config": self.config,
             "inputs_embeds": h,
             "attention_mask": attention_mask,
-            "past_key_values": None,
+            "past_key_values": past_key_values,
             "position_ids": position_ids,
         }
         needed = set(self.layer_types)
         masks = {}
         if "full_attention" in needed:
-            masks["full_attention"] = create_causal_mask(**mask_kwargs)
+            masks["full_attention"] = create_causal_mask(**mask_kwargs, layer_idx=self.cache_slot["full_attention"])
         if "sliding_attention" in needed:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+            slot = self.cache_slot["sliding_attention"]
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs, layer_idx=slot)
         if self.model_type == "gemma3_text":
             # Gemma-3 has a local (sliding) and a global RoPE base: one (cos, sin) pair per layer type.
             rope = {t: self.rotary_emb(h, position_ids, t) for t in needed}
@@ -152,7 +176,11 @@ class _Blocks(nn.Module):
             rope = dict.fromkeys(needed, shared)
         for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
             h = layer(
-                h, attention_mask=masks[layer_type], position_embeddings=rope[layer_type], position_ids=position_ids
+                h,
+                attention_mask=masks[layer_type],
+                position_embeddings=rope[layer_type],
+                position_ids=position_ids,
+                past_key_values=past_key_values,
             )
         return h
 
@@ -162,20 +190,27 @@ class HFClient(_Blocks):
 
     def __init__(self, parts: _Parts, k: int) -> None:
         types = _layer_types(parts.config, len(parts.layers))
-        super().__init__(parts, list(parts.layers[:k]), types[:k])
+        super().__init__(parts, list(parts.layers[:k]), types[:k], first=0)
         self.embed_tokens = parts.embed_tokens  # Gemma-3's scales by sqrt(D) itself
         self.embed_positions = parts.embed_positions
         self.project_in = parts.project_in
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
-        """input_ids, attention_mask (B, T) -> {"z": (B, T, D), "attention_mask": (B, T)}, the uplink message."""
-        h = self.embed_tokens(input_ids)  # (B, T, D_embed)
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, past_key_values: Cache | None = None
+    ) -> dict[str, Tensor]:
+        """input_ids, attention_mask (B, T) -> {"z": (B, T, D), "attention_mask": (B, T)}, the uplink message.
+
+        With ``past_key_values`` (see :meth:`_Blocks.run_blocks`), input_ids are the newest q tokens (B, q) and z is
+        (B, q, D); the mask covers all T positions and is sent whole.
+        """
+        h = self.embed_tokens(input_ids)  # (B, q, D_embed)
         if self.model_type == "opt":
-            pos = self.embed_positions(attention_mask, 0, position_ids=_opt_positions(attention_mask))
+            past = attention_mask.shape[1] - input_ids.shape[1]
+            pos = self.embed_positions(attention_mask, past, position_ids=_opt_positions(attention_mask)[:, past:])
             if self.project_in is not None:
-                h = self.project_in(h)  # (B, T, D)
+                h = self.project_in(h)  # (B, q, D)
             h = h + pos.to(h.device)
-        z = self.run_blocks(h, attention_mask)  # (B, T, D)
+        z = self.run_blocks(h, attention_mask, past_key_values)  # (B, q, D)
         return {"z": z, "attention_mask": attention_mask}
 
 
@@ -184,20 +219,32 @@ class HFServer(_Blocks):
 
     def __init__(self, parts: _Parts, k: int, lm_head: nn.Module) -> None:
         types = _layer_types(parts.config, len(parts.layers))
-        super().__init__(parts, list(parts.layers[k:]), types[k:])
+        super().__init__(parts, list(parts.layers[k:]), types[k:], first=k)
         self.norm = parts.norm
         self.project_out = parts.project_out
         self.lm_head = lm_head
         self.softcap = parts.softcap
 
-    def forward(self, act: dict[str, Tensor]) -> Tensor:
-        """act: the client's message {"z": (B, T, D), "attention_mask": (B, T)} -> logits (B, T, V)."""
-        h = self.run_blocks(act["z"], act["attention_mask"])  # (B, T, D)
+    def forward(self, act: dict[str, Tensor], past_key_values: Cache | None = None) -> Tensor:
+        """act: the client's message {"z": (B, T, D), "attention_mask": (B, T)} -> logits (B, T, V).
+
+        With ``act["predict"]`` (B, T) bool, the logits at the selected positions only, (N, V) in row-major order:
+        the head runs inside this forward (where an FSDP-sharded root has its parameters gathered) on N states.
+        ``past_key_values``: decode the newest positions with a KV cache (see :meth:`_Blocks.run_blocks`).
+        """
+        h = self.run_blocks(act["z"], act["attention_mask"], past_key_values)  # (B, T, D)
+        predict = act.get("predict")
+        if predict is not None:
+            h = h[predict.to(h.device)]  # (N, D); norm and head act per position
+        return self.head(h)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm (+ project_out) + lm_head (+ soft-capping) on hidden states (..., D) -> logits (..., V)."""
         if self.norm is not None:
             h = self.norm(h)
         if self.project_out is not None:
-            h = self.project_out(h)  # (B, T, D_embed)
-        logits = self.lm_head(h)  # (B, T, V)
+            h = self.project_out(h)  # (..., D_embed)
+        logits = self.lm_head(h)  # (..., V)
         if self.softcap is not None:
             # Gemma-3: logits = c * tanh(logits / c), in the same three steps as Gemma3ForCausalLM.
             logits = logits / self.softcap
@@ -239,7 +286,8 @@ def apply_lora(
 
     LoRA B starts at zero (peft's default) so outputs are unchanged; A is drawn from a local generator seeded
     with `seed` (peft's kaiming-uniform law), so replicas built in different processes start identical and
-    the global RNG is untouched. An empty `target_modules` adds nothing and freezes every parameter.
+    the global RNG is untouched. An empty `target_modules` adds nothing and freezes every parameter. The adapters
+    are float32 whatever the base weights' dtype.
     """
     if target_modules:
         config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules))
@@ -249,14 +297,28 @@ def apply_lora(
         except ValueError as err:  # peft: "Target modules {...} not found in the base model"
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"LoRA target_modules {list(target_modules)} not found: {reason}") from err
-        gen = torch.Generator().manual_seed(seed)
-        for name, sub in module.named_modules():
-            if name.endswith("lora_A.default"):
-                # Drawn on the CPU then copied, so the values do not depend on the module's device.
-                weight = torch.empty(sub.weight.shape)
-                nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
-                with torch.no_grad():
+        with torch.no_grad():
+            for (sub, _), weight in lora_init_values(module, seed).items():
+                if not sub.weight.is_meta:  # a meta-device model is filled when it is materialised
                     sub.weight.copy_(weight)
     for name, param in module.named_parameters():
         param.requires_grad_("lora_" in name)
+        if "lora_" in name and param.dtype != torch.float32:
+            # trainable tensors are float32 whatever the base dtype (a bf16 step of lr·g rounds to no change);
+            # peft casts the adapter's input to its dtype and the sum back to the base layer's
+            param.data = param.data.float()
     return module
+
+
+def lora_init_values(module: nn.Module, seed: int) -> dict[tuple[nn.Module, str], Tensor]:
+    """The initial LoRA A matrices of ``module`` (peft's kaiming-uniform law), in module order from one generator
+    seeded with ``seed``: (lora_A module, "weight") -> float32 CPU tensor. Drawn on the CPU, so the values depend on
+    neither the module's device nor whether it is materialised yet."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, sub in module.named_modules():
+        if name.endswith("lora_A.default"):
+            weight = torch.empty(sub.weight.shape)
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+            out[(sub, "weight")] = weight
+    return out

@@ -4,8 +4,10 @@ What the client sends per batch is ``{"z": (B, T, D), "attention_mask": (B, T)}`
 counted as uplink activation traffic. The server part ends in the task head:
 - classification (SST-2, RTE, WSC, sentiment): :class:`LabelWordServer` outputs the label words' logits at the last
   real token, (B, n_labels), so :class:`~hosfl_dist.tasks.classification.ClassificationTask` (CE + accuracy) applies;
-- SQuAD: the server outputs (B, T, V) logits, trained with the causal LM loss on the answer; evaluation generates
-  greedily through the split (:class:`~hosfl_dist.tasks.generation.GenerationTask`) and scores SQuAD F1 / EM.
+- SQuAD: the server outputs logits only at the positions the loss reads (``predict``, derived from the labels on the
+  server: (N, V), never (B, T, V)), trained with the causal LM loss on the answer; evaluation generates greedily
+  through the split with KV caches on both sides (:class:`~hosfl_dist.tasks.generation.GenerationTask`) and scores
+  SQuAD F1 / EM.
 Where the weights come from is :mod:`hosfl_dist.models.sources`.
 """
 
@@ -72,14 +74,7 @@ class LabelWordServer(nn.Module):
         mask = act["attention_mask"]
         h = s.run_blocks(act["z"], mask)  # (B, T, D)
         h = h[torch.arange(h.shape[0], device=h.device), last_real_index(mask).to(h.device)]  # (B, D)
-        if s.norm is not None:  # the tail of HFServer.forward, on the selected states
-            h = s.norm(h)
-        if s.project_out is not None:
-            h = s.project_out(h)
-        logits = s.lm_head(h)  # (B, V)
-        if s.softcap is not None:
-            logits = torch.tanh(logits / s.softcap) * s.softcap
-        return logits[:, self.label_ids]  # (B, n_labels)
+        return s.head(h)[:, self.label_ids]  # the head of HFServer.forward on the selected states: (B, n_labels)
 
 
 class ZeroOrderClient(nn.Module):

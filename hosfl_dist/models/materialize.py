@@ -176,14 +176,16 @@ def materialize(
             local, start = _rows_of(p)
             if local.numel() == 0:
                 continue
-            stop = start + local.shape[0]
             key = (id(m), attr)
             if key in init:
-                local.copy_(init[key][start:stop])
+                local.copy_(init[key][start : start + local.shape[0]])
             elif key not in names:
                 local.zero_()
-            else:
-                local.copy_(weights.rows(names[key], m, attr, p.shape, start, stop))
+            else:  # in blocks of rows, so the float32 values in flight stay small (an 8B embedding is 2.5 GB)
+                step = max(1, ROWS_PER_DRAW // max(1, local[0].numel()))
+                for a in range(0, local.shape[0], step):
+                    b = min(a + step, local.shape[0])
+                    local[a:b].copy_(weights.rows(names[key], m, attr, p.shape, start + a, start + b))
 
 
 def materialize_trainable(module: nn.Module, device: torch.device, init: dict[Key, Tensor]) -> None:

@@ -39,6 +39,9 @@ def shard_server_model(model: nn.Module, group: dist.ProcessGroup, device: torch
             for block in module:
                 if any(p.requires_grad for p in block.parameters()):
                     fully_shard(block, mesh=mesh)
+    for name, module in list(model.named_modules()):
+        if name.split(".")[-1] == "lm_head":  # its own group: gathered for its forward only, not kept unsharded
+            fully_shard(module, mesh=mesh)  # with the root's parameters between forward and backward (V·D each)
     fully_shard(model, mesh=mesh)
     return model
 

@@ -93,6 +93,10 @@ class GenerationTask:
         whose logits the loss reads (the answer's), so the head computes (N, V) logits, not (B, T, V)."""
         return {"predict": predicted_positions(labels)}
 
+    def sample_counts(self, labels: Tensor) -> Tensor:
+        """Labelled tokens of each sample (the tokens its loss is a mean over), float32 (B,)."""
+        return predicted_positions(labels).sum(1).float()
+
     def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample (sum of token losses, labelled tokens), float32 (B,); outputs full or selected logits."""
         return lm_sample_losses(outputs, labels)
