@@ -9,9 +9,10 @@ Each run is ``torchrun`` with S server ranks and one client worker on ``model.so
 config, weights drawn from ``job.seed``; no download), bf16 base weights, cut 5, LoRA r=8 on q/v on both sides, the
 offline sentiment data as SST-2 with sequences of ``--seq`` tokens. Reported per rank: the parameters it
 materialised (summary.json ``memory``), its peak RSS (the kernel's VmHWM, from summary.json, and polled from outside
-while the job runs), and the analytic budget: f_c's bytes for the worker; for a server rank f_s/S + the largest
-decoder block and the root's unsharded part (final norm + lm_head, gathered for the root's forward) + nothing for
-activations (they are reported separately: K·B·T·D·2 bytes of z per round); and the round time (the worker's
+while the job runs), and the analytic budget of parameters: f_c's bytes for the worker; for a server rank f_s/S + the
+largest decoder block and the rest of the lm_head (each gathered for its own forward/backward; the lm_head is its
+own FSDP group) — activations are reported separately (K·B·T·D·2 bytes of z per round) and the interpreter with
+torch's libraries adds ~0.4 GB per process; and the round time (the worker's
 ``run_round``, first round excluded when there is more than one) and the server's compute time per round. Results
 are appended to ``results/scale/scale.json`` keyed by the run's settings.
 """
@@ -168,8 +169,10 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
         role = entry["role"]
         if role == "worker":
             analytic = b["client"]
-        else:
-            analytic = b["server"] / ranks + b["block"] + (b["root"] * (ranks - 1) / ranks)
+        elif ranks == 1:
+            analytic = b["server"]
+        else:  # its shard, one decoder block gathered, and the lm_head (its own FSDP group) gathered for its forward
+            analytic = b["server"] / ranks + b["block"] + b["root"] * (ranks - 1) / ranks
         ranks_out.append({**entry, "analytic_bytes": int(analytic)})
     tokens = args.clients * args.batch * args.seq
     return {

@@ -184,13 +184,22 @@ def test_torchrun_equals_in_process_with_overlap_and_any_arrival_order(tmp_path,
 
 @pytest.mark.multiprocess
 def test_fsdp_server_group_of_two_equals_a_one_rank_server(tmp_path, reference):
-    """θs sharded over ranks 0-1 with FSDP2 (gloo), one client worker hosting all 6 clients. Every server rank
-    computes the same round and the average of 2 identical gradient shards is exact, so the results equal the
-    1-rank server's bit for bit (for S not a power of two they would differ by float rounding of g/S·S)."""
+    """θs sharded over ranks 0-1 with FSDP2 (gloo), one client worker hosting all 6 clients. The round is data
+    parallel: each rank runs whole clients' rows, where the 1-rank server runs the K equally shaped uploads as one
+    merged pass, so the results equal it to the float rounding of a differently batched conv/matmul (measured ~1e-7
+    relative; the bit-for-bit case, one pass per client, is tests/test_scale.py)."""
     rc, out, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY, "server.ranks=2", f"job.out_dir={tmp_path / 'run'}"])
     assert rc == 0, out[-4000:]
-    summary = assert_same_run(tmp_path / "run", reference, n_workers=1)
+    rows, summary = read_run(tmp_path / "run")
+    ref_rows, ref_summary = reference
+    assert summary["status"] == "completed" and summary["comm"] == ref_summary["comm"]
+    assert len(set(summary["client_digests"].values())) == 1
+    for a, b in zip(rows, ref_rows, strict=True):
+        assert a["comm"] == b["comm"] and a["processed_samples"] == b["processed_samples"]
+        for k in ("eval_loss", "train_loss", "eval_accuracy"):
+            assert a[k] == b[k] if b[k] is None else a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     assert summary["roles"]["server_ranks"] == [0, 1] and summary["roles"]["hosted"] == {"worker_2": list(range(6))}
+    assert summary["transport"]["server"]["threads"] == 1  # every execution on the server's own thread
 
 
 FAIL_SCRIPT = textwrap.dedent(

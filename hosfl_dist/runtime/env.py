@@ -8,13 +8,16 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT. This module turns them into a :class:`R
   sampled clients of a round spread over the workers).
 
 A world size that does not fit these roles is refused with the numbers before any process group exists.
-:func:`init_distributed` starts the default process group, the client-worker group (the P-scalar all_reduce), the
-server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, gracefully or not.
+:func:`init_distributed` limits glibc's malloc arenas, starts the default process group, the client-worker group
+(the P-scalar all_reduce), the server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, gracefully
+or not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import datetime
 import os
 import signal
@@ -35,6 +38,27 @@ if TYPE_CHECKING:  # torch is imported where a process group is made: a bad conf
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """Longest wait for the peers at the end of a job (a peer that is gone cannot hold the others forever)."""
+
+MALLOC_ARENAS = 2
+"""glibc malloc arenas of a torchrun process, unless MALLOC_ARENA_MAX says otherwise (glibc's default: 8 per core).
+A thread that allocates while the others hold their arenas gets a new one, and memory freed in an arena stays there.
+The server's executions run on one thread (:class:`~hosfl_dist.transport.endpoint.ServerThread`), which alone kept
+its RSS flat; the cap bounds what the other threads (RPC, gloo, TensorPipe: more of them on larger nodes) can spread.
+Alone, it held the server of the old runtime at 0.49 GiB instead of 0.87 over 50 tiny-Qwen3 rounds, at no cost
+measured in round time (bench/cpu_hygiene.py). Set in code rather than by the launch scripts so that every start
+(scripts, Slurm, tests, benchmarks) gets it."""
+
+RPC_TRANSPORTS = ["uv"]
+"""TensorPipe transports: TCP through libuv, which sleeps in epoll while nothing arrives. TensorPipe's defaults add
+"shm" (its first choice on one node) and "ibv", whose reactors poll in a busy loop: client workers waiting for the
+server used 47-54 % of a core (0.19-0.22 CPU s per round) instead of 14-18 % (0.02-0.03 s), on a node whose cores
+the server needed for the answer: on 2 cores a round of the previous version took 0.41 s, of this one 0.155 s
+(bench/cpu_hygiene.py)."""
+RPC_CHANNELS = ["cma", "basic"]
+"""TensorPipe channels for the tensors: between processes of one node "cma" (one process_vm_readv copy; its thread
+sleeps on a queue), else "basic" (in the transport's own messages). A 64 MiB round trip on loopback took 119 ms
+with cma, 251 ms with basic alone, 1421 ms with TensorPipe's defaults (shm busy-polling on 2 cores). Every tensor is
+staged to CPU before it crosses (:func:`~hosfl_dist.transport.rpc.to_wire`): no CUDA channel is needed."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +215,26 @@ class Distributed:
         except Exception:  # noqa: BLE001 - best effort: no store means every failing process reports
             return None
 
+    def post(self, key: str) -> None:
+        """Set ``key`` in the job's store, for the peers that :meth:`wait_for` it."""
+        self._kv().set(key, b"1")
+
+    def wait_for(self, key: str, timeout_s: float) -> None:
+        """Block until a peer has posted ``key``, at most ``timeout_s``. A store wait sleeps in a socket read and has
+        a bound of its own; a collective would wait with its group's timeout, which is for collectives."""
+        import torch.distributed as dist
+
+        try:
+            self._kv().wait([key], datetime.timedelta(seconds=timeout_s))
+        except dist.DistStoreError as exc:
+            raise TimeoutError(f"{key} was not posted within {timeout_s:g} s") from exc
+
+    def _kv(self) -> dist.Store:
+        store = self.store()
+        if store is None:
+            raise RuntimeError("no rendezvous store: init_distributed has not run")
+        return store
+
     def shutdown(self, graceful: bool) -> None:
         """Stop RPC, then the process groups. Graceful waits for every peer (normal end), at most
         SHUTDOWN_TIMEOUT_S (torch's own default waits forever); otherwise, or after that, leave at once."""
@@ -212,33 +256,38 @@ class Distributed:
 def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed:
     """Start the default process group (gloo on CPU, NCCL for CUDA tensors), the role groups and RPC (TensorPipe).
 
-    ``server.rpc_timeout_s`` bounds every wait on a peer: one RPC, one collective, the rendezvous itself.
+    Each wait on a peer has its own bound: ``server.rpc_timeout_s`` one RPC and the rendezvous (the store's
+    timeout); ``server.collective_timeout_s`` one collective of the default, client-worker or server group. An
+    evaluation, which only the leader worker runs, is waited for through the store with ``train.eval_timeout_s``
+    (:meth:`Distributed.wait_for`), never in a collective.
     """
     import torch
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
+    limit_malloc_arenas()  # before RPC, gloo and the server start their threads
+    fix_mmap_threshold()
     device = process_device(cfg, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     interface = bind_interface(cfg, env)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=cfg.server.rpc_timeout_s)
-    store = job_store(env, timeout)
+    store = job_store(env, datetime.timedelta(seconds=cfg.server.rpc_timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.server.collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     out = Distributed(env, roles, device, None, None, interface=interface)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         workers = dist.new_group(list(roles.worker_ranks), timeout=timeout)
-        servers = dist.new_group(list(roles.server_ranks), timeout=timeout) if len(roles.server_ranks) > 1 else None
+        # a server rank also waits in this group for rank 0's next call, which may come after a whole evaluation or
+        # the clients' slowest step: its bound is the longest of the waits it can stand for
+        idle = max(cfg.server.collective_timeout_s, cfg.server.rpc_timeout_s, cfg.train.eval_timeout_s)
+        servers = None
+        if len(roles.server_ranks) > 1:
+            servers = dist.new_group(list(roles.server_ranks), timeout=datetime.timedelta(seconds=idle))
         out.worker_group = workers if env.rank in roles.worker_ranks else None
         out.server_group = servers if env.rank in roles.server_ranks else None
-        opts = rpc.TensorPipeRpcBackendOptions(
-            rpc_timeout=cfg.server.rpc_timeout_s,
-            init_method=_store_url(store),
-            # the server holds K submits of a round at once (async, no thread each) plus syncs and reports
-            num_worker_threads=max(16, 4 * len(roles.worker_ranks)),
-        )
+        opts = rpc_options(cfg, roles, _store_url(store))
         with warnings.catch_warnings():  # TensorPipe's own device-map exchange uses a deprecated group handle
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
             rpc.init_rpc(roles.rpc_name(env.rank), rank=env.rank, world_size=env.world_size, rpc_backend_options=opts)
@@ -247,6 +296,64 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.shutdown(graceful=False)
         raise
     return out
+
+
+def rpc_options(cfg: Config, roles: RoleMap, init_method: str) -> Any:
+    """TensorPipe's options: ``server.rpc_timeout_s`` per call, transports that sleep while idle."""
+    import torch.distributed.rpc as rpc
+
+    return rpc.TensorPipeRpcBackendOptions(
+        rpc_timeout=cfg.server.rpc_timeout_s,
+        init_method=init_method,
+        # the server holds K submits of a round at once (async, no thread each) plus syncs and reports
+        num_worker_threads=max(16, 4 * len(roles.worker_ranks)),
+        _transports=RPC_TRANSPORTS,
+        _channels=RPC_CHANNELS,
+    )
+
+
+def limit_malloc_arenas(environ: Mapping[str, str] | None = None) -> int | None:
+    """Cap glibc's malloc arenas at :data:`MALLOC_ARENAS` (mallopt M_ARENA_MAX) unless MALLOC_ARENA_MAX is set, which
+    glibc has read already; the cap in force, or None where there is no glibc. Arenas made before stay, so this runs
+    before the process starts threads."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MALLOC_ARENA_MAX"):
+        return int(environ["MALLOC_ARENA_MAX"])
+    mallopt = _mallopt()
+    m_arena_max = -8  # <malloc.h>
+    if mallopt is None or mallopt(m_arena_max, MALLOC_ARENAS) != 1:
+        return None
+    return MALLOC_ARENAS
+
+
+MMAP_THRESHOLD = 1 << 20
+"""Allocations of at least this many bytes get their own mmap (glibc's M_MMAP_THRESHOLD), fixed."""
+
+
+def fix_mmap_threshold(environ: Mapping[str, str] | None = None) -> int | None:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` unless MALLOC_MMAP_THRESHOLD_ is set; the threshold in
+    force, or None where there is no glibc.
+
+    glibc raises its threshold (up to 32 MiB) each time a mapped block is freed, after which blocks of that size come
+    from the heap and stay resident once freed. FSDP's per-block all-gather buffers (tens of MB, one block after
+    another) then pile up: an FSDP server rank of Qwen3-0.6B peaked at 2.45 GB after one forward with the dynamic
+    threshold and 1.56 GB with it fixed at 1 MiB, which returns every freed buffer to the system."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return int(environ["MALLOC_MMAP_THRESHOLD_"])
+    mallopt = _mallopt()
+    m_mmap_threshold = -3  # <malloc.h>
+    if mallopt is None or mallopt(m_mmap_threshold, MMAP_THRESHOLD) != 1:
+        return None
+    return MMAP_THRESHOLD
+
+
+def _mallopt() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
 
 
 SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")

@@ -35,6 +35,7 @@ from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data, data_info
 from hosfl_dist.errors import ConfigError, HosflError, Interrupted, ProtocolError
+from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState, rng_state, set_rng_state
 from hosfl_dist.runtime.env import Distributed, LaunchEnv, StopRequest, check_devices, init_distributed, role_map
@@ -53,7 +54,7 @@ from hosfl_dist.transport.rpc import (
     notify_failure,
     publish,
 )
-from hosfl_dist.transport.wire import CommMeter
+from hosfl_dist.transport.wire import CommMeter, wire_specs
 
 
 class PeerFailure(RuntimeError):
@@ -173,7 +174,10 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
         "worker_ranks": list(roles.worker_ranks),
     }
     ckpt = prepare_out_dir(cfg, restarted=d.env.restart > 0)
-    mirror = CallBroadcast(d.server_group) if d.server_group is not None else None
+    lean = ()  # a data-parallel server's gathered rounds: the other ranks get their rows from the server itself
+    if getattr(spec.server, "data_parallel", False):
+        lean = tuple(name for name, w in wire_specs(spec.server).items() if w.gather)
+    mirror = CallBroadcast(d.server_group, lean) if d.server_group is not None else None
     server = _server(cfg, spec, d)
     checkpointer = Checkpointer(cfg.job.out_dir, cfg.checkpoint.keep, d.server_group)
     resume = None
@@ -207,6 +211,8 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
     final = front.final
     problem = endpoint.locked(lambda: server.audit(final["rounds"], final["client_digests"]))
     digest = mirror.digest(server.model) if mirror is not None else server.server_digest()
+    mine = process_memory(0, "server", server.model)
+    memory = mirror.memory(mine) if mirror is not None else [mine]
     if mirror is not None:
         mirror.stop()
     if problem is not None:
@@ -219,6 +225,7 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
         "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()},
         "interface": d.interface,
     }
+    summary["memory"] = memory + final.get("memory", [])
     summary["transport"] = {"workers": final["transport"], "server": endpoint.stats()}
     if final.get("link"):
         summary["link"] = final["link"]
@@ -236,9 +243,12 @@ def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
     Of f_c only the trainable tensors are materialised (θc^0: HO-SFL's base replica, the baselines' θc^t); no
     training data is loaded."""
     group = d.server_group
+    data_parallel = bool(getattr(spec.server, "data_parallel", False))
     shard = (lambda module: shard_server_model(module, group, d.device)) if group is not None else None
     split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
     server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
+    if group is not None and data_parallel:
+        server.group = group  # submit spreads each round's rows over the group
     split.keep(spec.server_parts)  # the server copied what it needs of the others (HO-SFL: θc^0)
     return server
 
@@ -271,6 +281,18 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
     every, last = cfg.checkpoint.interval_samples, [start.processed if start else 0]
 
     def on_eval(t: int, processed: int) -> None:
+        # The leader evaluated alone; the others wait for it through the store, as long as train.eval_timeout_s
+        # allows, and only then enter the collectives below, whose timeout (server.collective_timeout_s) is for a
+        # collective, not for an evaluation.
+        done = f"hosfl/evaluated/{t}"
+        if leader:
+            d.post(done)
+        else:
+            try:
+                d.wait_for(done, cfg.train.eval_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"the leader's evaluation after round {t} took longer than "
+                                   f"train.eval_timeout_s={cfg.train.eval_timeout_s:g} s") from None  # fmt: skip
         comm = group.sum_counts(meter.snapshot())
         if leader:
             rpc.report("eval", t=t, processed=processed, comm=comm)
@@ -283,9 +305,14 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
             part = {"worker": worker.state_dict(), "meter": meter.state_dict(), "rng": rng_state()}
             rpc.report("checkpoint_part", rank=rank, part=part)
             group.barrier()  # every part is in before the leader asks for the save
+            # nobody goes on (or exits) before the checkpoint is complete: the save is one RPC of the leader's, waited
+            # for with that RPC's timeout (a barrier would wait with a collective's)
+            saved = f"hosfl/checkpointed/{t}"
             if leader:
                 rpc.report("checkpoint", t=t, processed=processed)
-            group.barrier()  # nobody goes on (or exits) before the checkpoint is complete
+                d.post(saved)
+            else:
+                d.wait_for(saved, cfg.server.rpc_timeout_s)
             last[0] = processed
         return stopping
 
@@ -302,7 +329,8 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
             bar.close()
         if link is not None:
             link.close()
-    mine = (rank, worker.client_digest(), timed.summary(), link.summary() if link is not None else None)
+    memory = process_memory(rank, "worker", split.client, split.server)
+    mine = (rank, worker.client_digest(), timed.summary(), link.summary() if link is not None else None, memory)
     everyone = group.gather(mine)
     comm = group.sum_counts(meter.snapshot())
     if leader:
@@ -311,9 +339,10 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
             rounds=t,
             processed=processed,
             comm=comm,
-            client_digests={f"worker_{r}": dig for r, dig, _, _ in everyone},
-            transport={f"worker_{r}": st for r, _, st, _ in everyone},
-            link=_sum_links([lk for _, _, _, lk in everyone if lk is not None]),
+            client_digests={f"worker_{r}": dig for r, dig, _, _, _ in everyone},
+            transport={f"worker_{r}": st for r, _, st, _, _ in everyone},
+            link=_sum_links([lk for _, _, _, lk, _ in everyone if lk is not None]),
+            memory=[mem for *_, mem in everyone],
         )
 
 

@@ -229,8 +229,11 @@ def fetch_front(timeout_s: float) -> rpc.RRef:
 
 @rpc.functions.async_execution
 def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
-    """A @wire server method, answered with a future (a gathered ``submit`` completes when its round has run)."""
-    return chained(front.local_value().endpoint.serve(method, kwargs), to_wire)
+    """A @wire server method, answered with a future (a gathered ``submit`` completes when its round has run).
+
+    The RPC thread only queues the call: it runs on the endpoint's server thread (one thread for every execution, see
+    :class:`~hosfl_dist.transport.endpoint.ServerThread`), and the answer leaves from there when it is ready."""
+    return chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
 
 
 def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> Any:
