@@ -9,10 +9,9 @@ Each run is ``torchrun`` with S server ranks and one client worker on ``model.so
 config, weights drawn from ``job.seed``; no download), bf16 base weights, cut 5, LoRA r=8 on q/v on both sides, the
 offline sentiment data as SST-2 with sequences of ``--seq`` tokens. Reported per rank: the parameters it
 materialised (summary.json ``memory``), its peak RSS (the kernel's VmHWM, from summary.json, and polled from outside
-while the job runs), and the analytic budget of parameters: f_c's bytes for the worker; for a server rank f_s/S + the
-largest decoder block and the rest of the lm_head (each gathered for its own forward/backward; the lm_head is its
-own FSDP group) — activations are reported separately (K·B·T·D·2 bytes of z per round) and the interpreter with
-torch's libraries adds ~0.4 GB per process; and the round time (the worker's
+while the job runs), and the analytic budget of parameters (:func:`analytic`) — activations are reported separately
+(K·B·T·D·2 bytes of z per round) and the interpreter with torch's libraries adds ~0.4 GB per process; and the round
+time (the worker's
 ``run_round``, first round excluded when there is more than one) and the server's compute time per round. Results
 are appended to ``results/scale/scale.json`` keyed by the run's settings.
 """
@@ -85,6 +84,18 @@ def budget(arch: str, cut: int, ranks: int) -> dict[str, float]:
     root = size(server.lm_head) + (size(server.norm) if server.norm is not None else 0)
     hidden = model.config.get_text_config().hidden_size
     return {"client": size(client), "server": size(server), "block": block, "root": root, "hidden": hidden}
+
+
+def analytic(b: dict[str, float], role: str, ranks: int) -> int:
+    """Parameter bytes a rank holds at its peak: f_c on a worker; f_s on a lone server; on a server rank of a group
+    its shard of f_s, plus what FSDP2 gathers at once — the running decoder block and the next one (prefetched), or
+    the whole lm_head (its own group) — plus the all-gather's copy of its own shard of that."""
+    if role == "worker":
+        return int(b["client"])
+    if ranks == 1:
+        return int(b["server"])
+    gathered = max(2 * b["block"], b["root"])
+    return int(b["server"] / ranks + gathered + gathered / ranks)
 
 
 def _children(pid: int) -> list[int]:
@@ -164,16 +175,7 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
     rounds = w["rounds"]
     round_s = (w["round_s"] - w["first_round_s"]) / (rounds - 1) if rounds > 1 else w["round_s"]
     submit_s = summary["transport"]["server"]["compute_s"].get("submit", 0.0) / max(rounds, 1)
-    ranks_out = []
-    for entry in summary.get("memory", []):
-        role = entry["role"]
-        if role == "worker":
-            analytic = b["client"]
-        elif ranks == 1:
-            analytic = b["server"]
-        else:  # its shard, one decoder block gathered, and the lm_head (its own FSDP group) gathered for its forward
-            analytic = b["server"] / ranks + b["block"] + b["root"] * (ranks - 1) / ranks
-        ranks_out.append({**entry, "analytic_bytes": int(analytic)})
+    ranks_out = [{**entry, "analytic_bytes": analytic(b, entry["role"], ranks)} for entry in summary.get("memory", [])]
     tokens = args.clients * args.batch * args.seq
     return {
         **settings,
@@ -191,6 +193,17 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
 
 def key(r: dict) -> str:
     return "{arch} S={ranks} K={clients} B={batch} T={seq} mbt={micro_batch_tokens} ac={checkpointing}".format(**r)
+
+
+def reanalyse(results: list[dict]) -> None:
+    """Recompute every record's analytic budget with the current :func:`analytic` (a meta-device build each)."""
+    budgets: dict[tuple[str, int], dict[str, float]] = {}
+    for r in results:
+        if r.get("failed"):
+            continue
+        b = budgets.setdefault((r["arch"], r["cut"]), budget(r["arch"], r["cut"], r["ranks"]))
+        for m in r["memory"]:
+            m["analytic_bytes"] = analytic(b, m["role"], r["ranks"])
 
 
 def table(results: list[dict]) -> str:
@@ -228,7 +241,10 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="print the saved results and exit")
     args = p.parse_args()
     saved = json.loads(OUT.read_text()) if OUT.is_file() else []
-    if not args.table:
+    if args.table:
+        reanalyse(saved)
+        OUT.write_text(json.dumps(saved, indent=1) + "\n")
+    else:
         for arch in args.arch:
             for ranks in args.ranks:
                 res = run_one(args, arch, ranks)

@@ -208,7 +208,19 @@ def test_safetensors_directory_loads_by_slices_and_equals_the_checkpoint(tmp_pat
     assert torch.equal(split.server.server.lm_head.weight, model.lm_head.weight)  # tied: the embedding's values
 
 
-# -- the memory report under torchrun ---------------------------------------------------------------------------------
+# -- the memory report -------------------------------------------------------------------------------------------------
+def test_in_process_summary_reports_the_whole_model_as_one_rank(tmp_path):
+    files = write_text_files(tmp_path)
+    ovr = lm_overrides(tmp_path / "run", files, arch="qwen3")
+    _, summary = run_one_thread(ovr)
+    cfg = load_config(None, ovr)
+    whole = build_split_model(cfg, data_info(cfg), True)
+    (entry,) = summary["memory"]
+    assert entry["rank"] == 0 and entry["role"] == "in-process" and entry["peak_rss_bytes"] > 0
+    assert entry["param_bytes"] == param_bytes(whole.client) + param_bytes(whole.server)
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torchrun_server_group_of_two_reports_memory_per_rank_and_matches_in_process(tmp_path):
     files = write_text_files(tmp_path)
@@ -230,3 +242,24 @@ def test_torchrun_server_group_of_two_reports_memory_per_rank_and_matches_in_pro
     assert abs(mem[0]["param_bytes"] - server / 2) < 0.05 * server  # each server rank about f_s / 2
     assert abs(mem[0]["param_bytes"] + mem[1]["param_bytes"] - server) < 0.01 * server
     assert all(m["peak_rss_bytes"] > 0 for m in mem.values())
+
+
+# -- data per role ----------------------------------------------------------------------------------------------------
+def test_the_server_builds_its_model_without_reading_any_data(tmp_path):
+    cfg = load_config(None, lm_overrides(tmp_path, tmp_path / "no-such-folder"))  # the data files do not exist
+    info = data_info(cfg)
+    assert info["kind"] == "classification" and len(info["label_word_ids"]) == 2
+
+
+def test_a_worker_tokenises_only_its_clients_shards_and_gets_the_same_batches(tmp_path):
+    from hosfl_dist.data import build_data
+
+    cfg = load_config(None, lm_overrides(tmp_path, write_text_files(tmp_path)))
+    whole = build_data(cfg)
+    mine = build_data(cfg, clients=[1, 3], evaluation=False)
+    assert len(mine.train_text) == len(whole.shards[1]) + len(whole.shards[3]) < len(whole.train_text)
+    assert len(mine.eval_labels) == 0 < len(whole.eval_labels)
+    for _ in range(3):
+        for m in (1, 3):
+            (x, y), (x2, y2) = whole.next_batch(m), mine.next_batch(m)
+            assert torch.equal(y, y2) and all(torch.equal(x[k], x2[k]) for k in x)
