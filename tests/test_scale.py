@@ -20,6 +20,7 @@ from hosfl_dist.data import data_info
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
+from hosfl_dist.transport.server_group import ServerGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import lm_overrides, read_run, run_one_thread, torchrun, write_text_files  # noqa: E402
@@ -127,7 +128,7 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
         shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"))  # noqa: E731
         split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
         server = get_algorithm("hosfl").server(cfg, split)
-        server.group = group
+        server.group = ServerGroup(group)
         _, batch = _server_and_batch(tmp_path, [])
         lams = server.submit(0, batch if rank == 0 else None)
         full = [p.full_tensor() for p in server.model.parameters()]

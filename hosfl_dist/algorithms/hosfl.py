@@ -39,13 +39,6 @@ from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.transport import Pending
-from hosfl_dist.transport.server_group import (
-    broadcast_from_lead,
-    dist_rank,
-    dist_size,
-    gather_to_lead,
-    scatter_from_lead,
-)
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -214,7 +207,8 @@ class HOSFLServer(ServerBase):
     """With a server group, ``submit`` spreads the round's rows over the ranks (:mod:`hosfl_dist.algorithms.step`);
     the other ranks are told only the round, and receive their rows from rank 0."""
     group: Any = None
-    """The server group's process group (set by the torchrun runtime when ``server.ranks`` > 1)."""
+    """The server ranks (:class:`~hosfl_dist.transport.server_group.ServerGroup`), injected by the torchrun runtime
+    when ``server.ranks`` > 1."""
 
     @wire(
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS}, gather=True
@@ -228,7 +222,7 @@ class HOSFLServer(ServerBase):
         gradient leaves the whole round out of θs's step. On server ranks other than 0 ``batch`` is None: their rows
         arrive from rank 0.
         """
-        lead = self.group is None or dist_rank(self.group) == 0
+        lead = self.group is None or self.group.leads
         if lead:
             if t != self.rounds_done:
                 raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
@@ -238,20 +232,19 @@ class HOSFLServer(ServerBase):
             kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
             uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
             counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
-            ranks = 1 if self.group is None else dist_size(self.group)
+            ranks = 1 if self.group is None else self.group.size
             shares = make_shares(uploads, counts, ranks, self.cfg.server.micro_batch_tokens) if kept else []
         self.opt.zero_grad(set_to_none=True)
         if self.group is None:
             share = shares[0] if shares else None
         else:  # each rank its rows (an empty round: none anywhere)
-            inputs = (shares or [None] * dist_size(self.group)) if lead else None
-            share = scatter_from_lead(self.group, inputs)
+            share = self.group.scatter((shares or [None] * self.group.size) if lead else None)
         result = run_share(self.model, self.task, share, self.device) if share is not None else None
         finite_grads = all(bool(torch.isfinite(g).all()) for g in _local_grads(self.model))
         if self.group is None:
             gathered = [(result, finite_grads)]
         else:
-            gathered = gather_to_lead(self.group, (_to_cpu(result), finite_grads))
+            gathered = self.group.gather((_to_cpu(result), finite_grads))
         decision = None
         if lead:
             lams, losses, bad = merge_results([r for r, _ in gathered if r is not None])
@@ -264,9 +257,9 @@ class HOSFLServer(ServerBase):
                 losses, lams = {}, {}
             decision = len(losses)
         if self.group is not None:
-            decision = broadcast_from_lead(self.group, decision)
+            decision = self.group.broadcast(decision)
         if decision:
-            ranks = 1 if self.group is None else dist_size(self.group)
+            ranks = 1 if self.group is None else self.group.size
             for g in _local_grads(self.model):  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
                 if ranks > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
                     g.mul_(ranks)

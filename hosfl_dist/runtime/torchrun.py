@@ -46,6 +46,7 @@ from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
 from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.server_group import ServerGroup
 from hosfl_dist.transport.rpc import (
     ProcessGroupCollective,
     RPCTransport,
@@ -248,7 +249,7 @@ def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
     split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
     server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
     if group is not None and data_parallel:
-        server.group = group  # submit spreads each round's rows over the group
+        server.group = ServerGroup(group)  # submit spreads each round's rows over the group
     split.keep(spec.server_parts)  # the server copied what it needs of the others (HO-SFL: θc^0)
     return server
 
