@@ -31,6 +31,7 @@ DATASETS = VISION_DATASETS + TEXT_DATASETS
 VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 MAX_PERTURBATIONS = 10_000
 MIN_MU = 1e-9
 
@@ -53,6 +54,10 @@ class JobConfig:
     none); never: refuse a folder that holds another run unless job.overwrite is set."""
     overwrite: bool = False
     """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where the metrics rows and the run's summary go (rank 0 only): jsonl (metrics.jsonl / summary.json, always on),
+    tensorboard (job.out_dir/tensorboard, needs the tensorboard package), wandb (offline, job.out_dir/wandb, needs
+    wandb)."""
     interface: str = "auto"
     """torchrun runtime: the network interface gloo and TensorPipe bind to (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).
     auto: loopback ("lo") when every rank runs on one node, otherwise what the environment sets (torch's choice
@@ -66,6 +71,9 @@ class JobConfig:
                "use auto or an interface name such as lo, eth0, ib0")  # fmt: skip
         _check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
                "the folder's run; choose one of the two")  # fmt: skip
+        unknown = [x for x in self.loggers if x not in LOGGERS]
+        _check(not unknown, "loggers", self.loggers, f"unknown logger {unknown[0] if unknown else ''!r}; choose from "
+               f"{list(LOGGERS)}")  # fmt: skip
 
 
 @dataclass

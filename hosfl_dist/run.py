@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
+        from hosfl_dist.runtime.tracking import check_loggers
+
+        check_loggers(cfg)  # a logger without its package: one line, before torch
         world = launch.world_size if launch is not None else args.nproc
         if args.check:
             from hosfl_dist.runtime.env import check_devices, check_interface

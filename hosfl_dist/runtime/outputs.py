@@ -27,11 +27,12 @@ import yaml
 from hosfl_dist.algorithms.base import ServerBase
 from hosfl_dist.config import Config, config_to_dict, dump_config
 from hosfl_dist.errors import ConfigError, NonFiniteError
+from hosfl_dist.runtime.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 CHECKPOINTS = "checkpoints"
-VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface")}
+VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface", "loggers")}
 """Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
 
 
@@ -197,6 +198,9 @@ class RunWriter:
         for row in self.history:
             self._metrics.write(strict_dumps(row) + "\n")
         self._metrics.flush()
+        self.trackers = Trackers(cfg, self.dir)  # job.loggers beyond jsonl (TensorBoard, W&B offline)
+        for row in self.history:
+            self.trackers.log(row)
         self.start = time.perf_counter() - wall_s
         self.finished = False
         self.base = {
@@ -215,6 +219,7 @@ class RunWriter:
         self.history.append(row)
         self._metrics.write(strict_dumps(row) + "\n")
         self._metrics.flush()
+        self.trackers.log(row)
 
     def _dump(self, summary: dict[str, Any]) -> None:
         tmp = self.dir / "summary.json.tmp"
@@ -226,6 +231,7 @@ class RunWriter:
         self._dump(summary)
         if not self._metrics.closed:
             self._metrics.close()
+        self.trackers.finish(summary)
         self.finished = True
         return summary
 
