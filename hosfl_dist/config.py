@@ -209,6 +209,13 @@ class OptimConfig:
     """AdamW ε."""
     momentum: float = 0.0
     """SGD momentum."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run's rounds after the warmup: constant, linear or cosine decay to final_lr_ratio·lr
+    (hosfl; computed from the round, so a replica replaying round τ uses round τ's rate)."""
+    warmup_rounds: int = 0
+    """Rounds of linear warmup from lr/warmup_rounds to lr."""
+    final_lr_ratio: float = 0.0
+    """The learning rate at the last round, as a fraction of lr (linear and cosine schedules)."""
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
@@ -218,6 +225,12 @@ class OptimConfig:
         )
         _check(self.eps > 0, "eps", self.eps, "must be > 0")
         _check(0 <= self.momentum < 1, "momentum", self.momentum, "must be in [0, 1)")
+        _check(self.warmup_rounds >= 0, "warmup_rounds", self.warmup_rounds, "must be >= 0")
+        _check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", self.final_lr_ratio, "must be in [0, 1]")
+
+    @property
+    def scheduled(self) -> bool:
+        return self.schedule != "constant" or self.warmup_rounds > 0
 
 
 @dataclass
@@ -462,6 +475,10 @@ class Config:
             problem = self.zo.precision_problem(self.model.dtype, spec.uploads_perturbed_pair)
             if problem is not None and spec.zeroth_order_client:
                 raise ConfigError(problem)
+        for side in ("clients", "server"):
+            _check(not getattr(self, side).optim.scheduled or spec.name == "hosfl", f"{side}.optim.schedule",
+                   getattr(self, side).optim.schedule, f"learning-rate schedules are implemented for hosfl, not "
+                   f"algorithm.name={spec.name}")  # fmt: skip
         _check(
             self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
             "train.on_nonfinite",

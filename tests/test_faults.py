@@ -97,6 +97,7 @@ def test_an_unusable_out_dir_is_one_line(tmp_path, capsys, out_dir, needle):
     [
         ("hosfl", []),
         ("hosfl", ["clients.replicas=shared", "zo.overlap=true"]),
+        ("hosfl", ["clients.optim.schedule=cosine", "clients.optim.warmup_rounds=2", "server.optim.schedule=linear"]),
         ("sfl", []),
         ("fsl_sage", ["algorithm.server_update_interval=2"]),
         ("zo_sfl", []),

@@ -31,7 +31,7 @@ from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, roun
 from hosfl_dist.algorithms.step import ShareResult, Upload, make_shares, merge_results, run_share
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
-from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer
+from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer, lr_at, set_lr
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
@@ -112,12 +112,17 @@ class Replica:
 
     def copy(self) -> Replica:
         params = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in self.params]
-        opt = TensorwiseOptimizer(self.opt.cfg, params)
+        opt = TensorwiseOptimizer(self.opt.cfg, params, self.opt.total_steps)
         opt.load_state_dict(self.opt.state_dict())
         return Replica(params, opt, self.round)
 
     def digest(self) -> str:
         return tensors_digest([*self.params, *self.opt.state_tensors()])
+
+
+def planned_rounds(cfg: Config) -> int:
+    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
+    return -(-cfg.train.budget_samples // (cfg.clients.per_round * cfg.clients.batch_size))
 
 
 def apply_update(rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str) -> None:
@@ -148,7 +153,7 @@ class HOSFLServer(ServerBase):
         params = [
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
-        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params))
+        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
 
     @property
     def optimizer(self) -> Any:
@@ -264,6 +269,8 @@ class HOSFLServer(ServerBase):
                 if ranks > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
                     g.mul_(ranks)
                 g.div_(decision)
+            if self.cfg.server.optim.scheduled:  # round t's rate (warmup, then the schedule)
+                set_lr(self.opt, lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)))
             self.opt.step()
         self.rounds_done += 1
         if not lead:
@@ -401,7 +408,7 @@ class HOSFLWorker(WorkerBase):
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
-        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params))
+        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params, planned_rounds(self.cfg)))
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:

@@ -17,6 +17,29 @@ from torch import Tensor
 from hosfl_dist.config import OptimConfig
 
 
+def lr_at(cfg: OptimConfig, step: int, total: int) -> float:
+    """The learning rate of step ``step`` (0-based) of ``total``: linear warmup over ``cfg.warmup_rounds`` steps,
+    then ``cfg.schedule`` from lr down to ``final_lr_ratio``·lr at the last step. A pure function of the step, so a
+    replica replaying step τ uses step τ's rate and replay stays bit-exact."""
+    if step < cfg.warmup_rounds:
+        return cfg.lr * (step + 1) / cfg.warmup_rounds
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total - 1 - cfg.warmup_rounds)
+    progress = min(1.0, (step - cfg.warmup_rounds) / span)
+    if cfg.schedule == "linear":
+        factor = 1.0 - progress
+    else:  # cosine
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.final_lr_ratio + (1.0 - cfg.final_lr_ratio) * factor)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set a torch optimizer's learning rate for its next step."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if cfg.name == "adamw":
@@ -33,12 +56,16 @@ class TensorwiseOptimizer:
     (step count, moments) lives here, not in the tensors, so a client replica is (tensors, optimizer state, round).
     """
 
-    def __init__(self, cfg: OptimConfig, params: Sequence[Tensor]) -> None:
+    def __init__(self, cfg: OptimConfig, params: Sequence[Tensor], total_steps: int = 0) -> None:
         self.cfg = cfg
+        self.total_steps = total_steps
+        """Steps of the run, for the learning-rate schedule (step i's rate is :func:`lr_at` (cfg, i, total))."""
         self.steps = 0
         self.state: list[dict[str, Tensor]] = [{} for _ in params]
+        self.lr = cfg.lr
 
     def step(self, params: Sequence[Tensor], grad_of: Callable[[int, Tensor], Tensor]) -> None:
+        self.lr = lr_at(self.cfg, self.steps, self.total_steps) if self.cfg.scheduled else self.cfg.lr
         self.steps += 1
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -55,13 +82,13 @@ class TensorwiseOptimizer:
             st["exp_avg"] = torch.zeros_like(p)
             st["exp_avg_sq"] = torch.zeros_like(p)
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        p.mul_(1.0 - c.lr * c.weight_decay)  # decoupled weight decay
+        p.mul_(1.0 - self.lr * c.weight_decay)  # decoupled weight decay
         m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
         v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
         bias1 = 1.0 - c.beta1**self.steps
         bias2 = 1.0 - c.beta2**self.steps
         denom = v.sqrt().div_(math.sqrt(bias2)).add_(c.eps)  # one θ-sized temporary; same kernels as sqrt()/x
-        p.addcdiv_(m, denom, value=-c.lr / bias1)
+        p.addcdiv_(m, denom, value=-self.lr / bias1)
 
     def _sgd(self, i: int, p: Tensor, g: Tensor) -> None:
         c = self.cfg
@@ -74,7 +101,7 @@ class TensorwiseOptimizer:
             else:
                 st["momentum"].mul_(c.momentum).add_(g)
             g = st["momentum"]
-        p.add_(g, alpha=-c.lr)
+        p.add_(g, alpha=-self.lr)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "state": [{k: t.clone() for k, t in st.items()} for st in self.state]}
@@ -87,7 +114,7 @@ class TensorwiseOptimizer:
         return [t for st in self.state for _, t in sorted(st.items())]
 
     def clone(self) -> TensorwiseOptimizer:
-        other = TensorwiseOptimizer(self.cfg, self.state)
+        other = TensorwiseOptimizer(self.cfg, self.state, self.total_steps)
         other.steps = self.steps
         other.state = [{k: t.clone() for k, t in st.items()} for st in self.state]
         return other
