@@ -25,7 +25,7 @@ from hosfl_dist.errors import ConfigError
 VISION_MODELS = ("small_cnn", "resnet18")
 MODELS = (*VISION_MODELS, "hf")
 VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
-TEXT_DATASETS = ("sst2", "rte", "wsc", "squad", "sentiment_multiemo")
+TEXT_DATASETS = ("sst2", "rte", "wsc", "squad", "sentiment_multiemo", "custom")
 DATASETS = VISION_DATASETS + TEXT_DATASETS
 # Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
 VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
@@ -354,12 +354,36 @@ class DataConfig:
     """Text tasks: tokens per example (prompt truncated from the left of its main text)."""
     padding_side: Literal["left", "right"] = "right"
     """Text tasks: which side gets the padding."""
+    task: Literal["", "classification", "generation"] = ""
+    """data.name=custom: the kind of the user's task (classification: label words at the prompt's end, accuracy;
+    generation: the answer after the prompt, SQuAD F1 / exact match)."""
+    template: str = ""
+    """data.name=custom: the prompt, with str.format fields naming the file's columns, e.g.
+    "{premise}\nQuestion: {hypothesis}? Answer:"."""
+    label_words: list[str] = field(default_factory=list)
+    """data.name=custom, classification: label i is verbalised by word i (e.g. [" yes", " maybe", " no"]); the file's
+    labels are 0..n-1 or the words themselves."""
 
     def __post_init__(self) -> None:
         _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
         _check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
         _check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
+        if self.name == "custom":
+            _check(bool(self.task), "task", self.task, "data.name=custom needs data.task: classification or generation")
+            _check(bool(self.template.strip()), "template", self.template,
+                   "data.name=custom needs a prompt naming the file's columns, e.g. \"{text} It was\"")  # fmt: skip
+            _check(self.source == "local", "source", self.source, "a custom task reads local files")
+            if self.task == "classification":
+                _check(len(self.label_words) >= 2 and len(set(self.label_words)) == len(self.label_words),
+                       "label_words", self.label_words, "a classification task needs two or more distinct label "
+                       "words")  # fmt: skip
+            else:
+                _check(not self.label_words, "label_words", self.label_words, "a generation task has no label words")
+        else:
+            for key in ("task", "template", "label_words"):
+                _check(not getattr(self, key), key, getattr(self, key), "applies to data.name=custom only (the "
+                       f"{self.name} preset has its own)")  # fmt: skip
 
 
 @dataclass
@@ -645,6 +669,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"invalid value for {key}: {value!r} (expected a number)")
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected a string)")
+            hint = "; quote text that starts with { or [, e.g. key='\"{x} ...\"'" if value is not None else ""
+            raise ConfigError(f"invalid value for {key}: {value!r} (expected a string{hint})")
         return str(value)
     raise ConfigError(f"cannot read {key}: unsupported field type {tp!r}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ class TextTaskSpec:
     """``datasets.load_dataset`` path and configuration name."""
     hub_columns: dict[str, str] = field(default_factory=dict)
     """Canonical field -> column of the hub data set, where the names differ."""
+    template: str = ""
+    """A user-defined task's prompt: ``str.format`` fields naming the file's columns (the presets have their own)."""
 
 
 _SPECS: dict[str, TextTaskSpec] = {
@@ -104,6 +107,27 @@ _REFERENCE_EXAMPLES: dict[str, dict[str, Any]] = {
 }
 
 
+CUSTOM = "custom"
+"""``data.name`` of a user-defined task (``data.task``, ``data.template``, ``data.label_words``)."""
+
+
+def custom_task(kind: str, template: str, label_words: list[str] | None) -> TextTaskSpec:
+    """A task defined in the config: its fields are the template's, plus ``label`` (classification: label i is
+    verbalised by ``label_words[i]``) or ``answers`` (generation, scored by SQuAD F1 / EM)."""
+    try:
+        names = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for data.template: {template!r} ({exc})") from None
+    if not names or any(not f.isidentifier() for f in names):
+        raise ConfigError(f"invalid value for data.template: {template!r} (name the file's columns as {{column}} "
+                          "fields, e.g. \"{premise}\\nQuestion: {hypothesis}? Answer:\")")  # fmt: skip
+    fields = tuple(dict.fromkeys(names))
+    if kind == "classification":
+        return TextTaskSpec(CUSTOM, "classification", list(label_words or []), "accuracy", (*fields, "label"),
+                            template=template)  # fmt: skip
+    return TextTaskSpec(CUSTOM, "generation", None, "squad_f1", (*fields, "answers"), template=template)
+
+
 def get_task(name: str) -> TextTaskSpec:
     """The spec of task ``name``; ConfigError listing :data:`TASKS` for an unknown name."""
     if name not in _SPECS:
@@ -117,7 +141,7 @@ def get_task(name: str) -> TextTaskSpec:
 
 
 def load_text_split(
-    task: str,
+    task: str | TextTaskSpec,
     split: str,
     source: str,
     path: str | None,
@@ -127,7 +151,7 @@ def load_text_split(
     """Load one split of ``task`` as a list of examples with the canonical fields of the task.
 
     Args:
-        task: one of :data:`TASKS`.
+        task: one of :data:`TASKS`, or the spec of a user-defined task (:func:`custom_task`).
         split: ``train`` / ``validation`` / ``test`` for the hub; only named in messages for local files.
         source: ``hub`` (``datasets.load_dataset``, needs the Hugging Face hub or its cache) or ``local``.
         path: the local JSONL / JSON / CSV / TSV / parquet file (format from the extension); unused for the hub.
@@ -139,7 +163,8 @@ def load_text_split(
     squad context, question, answers (list of str; a ``{"text": [...]}`` dict or a JSON list string also read),
     title (optional). Labels are ints in ``range(len(label_words))``.
     """
-    spec = get_task(task)
+    spec = task if isinstance(task, TextTaskSpec) else get_task(task)
+    task = spec.name
     mapping = {f: f for f in spec.fields}
     if source == "hub":
         mapping.update(spec.hub_columns)
@@ -234,6 +259,9 @@ def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: st
 
 
 def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
+    words = [w.strip() for w in spec.label_words or ()]
+    if isinstance(value, str) and value.strip() in words and not value.strip().lstrip("-").isdigit():
+        return words.index(value.strip())  # a label given as its label word
     try:
         label = int(value.strip()) if isinstance(value, str) else int(value)
     except (TypeError, ValueError):
@@ -244,7 +272,8 @@ def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
             f"{where}: example {i} is unlabelled (label -1; GLUE/SuperGLUE hide test labels, use the validation split)"
         )
     if label is None or not 0 <= label < n or (isinstance(value, float) and value != label):
-        raise DataError(f"{where}: example {i} has label {value!r}; {spec.name} labels are 0..{n - 1}")
+        named = f" or one of the label words {words}" if spec.template else ""
+        raise DataError(f"{where}: example {i} has label {value!r}; {spec.name} labels are 0..{n - 1}{named}")
     return label
 
 
@@ -315,7 +344,7 @@ _PROMPTS: dict[str, Callable[[dict], str]] = {
 
 def format_example(spec: TextTaskSpec, example: dict) -> tuple[str, str]:
     """``(prompt, target)`` of one canonical example; the target is the label word or `` <first gold answer>``."""
-    prompt = _PROMPTS[spec.name](example)
+    prompt = spec.template.format(**example) if spec.template else _PROMPTS[spec.name](example)
     if spec.kind == "classification":
         assert spec.label_words is not None
         return prompt, spec.label_words[int(example["label"])]
@@ -402,7 +431,8 @@ def label_word_ids(spec: TextTaskSpec, tokenizer: PreTrainedTokenizerBase) -> li
     """First token id of each label word as it follows the task's prompt (DataError when two ids coincide)."""
     if spec.kind != "classification" or not spec.label_words:
         raise ConfigError(f"task {spec.name!r} has no label words")
-    prompt, _ = format_example(spec, _REFERENCE_EXAMPLES[spec.name])
+    reference = _REFERENCE_EXAMPLES.get(spec.name) or {**dict.fromkeys(spec.fields, "A film."), "label": 0}
+    prompt, _ = format_example(spec, reference)
     words = list(spec.label_words)
     conts = _continuation_ids(tokenizer, [prompt] * len(words), words)
     for word, ids in zip(words, conts, strict=True):

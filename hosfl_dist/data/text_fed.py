@@ -23,8 +23,11 @@ from hosfl_dist.config import Config
 from hosfl_dist.data import FederatedData, partition
 from hosfl_dist.data.partition import iid_partition
 from hosfl_dist.data.text import (
+    CUSTOM,
     SENTIMENT_COLUMNS,
+    TextTaskSpec,
     TokenizedTextData,
+    custom_task,
     get_task,
     label_word_ids,
     load_text_split,
@@ -83,10 +86,19 @@ def task_name(cfg: Config) -> str:
     return "sst2" if cfg.data.name == "sentiment_multiemo" else cfg.data.name
 
 
+def task_spec(cfg: Config) -> TextTaskSpec:
+    """The task of ``data.name``: a preset, or the user's (``data.name=custom``: ``data.task``, ``data.template``,
+    ``data.label_words``)."""
+    d = cfg.data
+    if d.name == CUSTOM:
+        return custom_task(d.task, d.template, d.label_words)
+    return get_task(task_name(cfg))
+
+
 def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
     """(train, eval) canonical examples of the configured text data set."""
     d = cfg.data
-    task = task_name(cfg)
+    task = task_spec(cfg)
     if d.name == "sentiment_multiemo":
         if d.source == "hub":
             raise ConfigError("data.source=hub: sentiment_multiemo is a local data set; use data.source=local")
@@ -117,7 +129,7 @@ def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 def text_data_info(cfg: Config) -> dict[str, Any]:
     """What the model builders need to know of the text task (its kind, label words), without loading examples."""
-    spec = get_task(task_name(cfg))
+    spec = task_spec(cfg)
     info: dict[str, Any] = {
         "task": spec.name,
         "kind": spec.kind,
@@ -139,7 +151,7 @@ def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluatio
     (each batch is trimmed to its own longest sequence).
     """
     d = cfg.data
-    spec = get_task(task_name(cfg))
+    spec = task_spec(cfg)
     train_ex, eval_ex = load_examples(cfg)
     if d.train_max_samples and d.train_max_samples < len(train_ex):
         keep = torch.randperm(len(train_ex), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
