@@ -30,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from cpu_hygiene import proc_sample  # noqa: E402
 from dist_bench import torchrun_cmd  # noqa: E402
+from faults import ranks  # noqa: E402
 
 OUT = ROOT / "results" / "scale" / "scale.json"
 GB = 1e9
@@ -98,40 +100,15 @@ def analytic(b: dict[str, float], role: str, ranks: int) -> int:
     return int(b["server"] / ranks + gathered + gathered / ranks)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry))
-            except OSError:
-                continue
-    return out
-
-
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def poll_peaks(proc: subprocess.Popen, peaks: dict[int, int], stop: threading.Event) -> None:
-    """Peak RSS of each rank process (torchrun's children, by pid), polled every 0.5 s; also the machine total."""
+    """Peak RSS of each rank process (torchrun's children, by rank), polled every 0.5 s; also the machine total."""
     while not stop.is_set():
         total = 0
-        for agent in _children(proc.pid):
-            for pid in _children(agent) or [agent]:
-                rss = _rss(pid)
-                peaks[pid] = max(peaks.get(pid, 0), rss)
-                total += rss
+        for rank, pid in ranks(proc.pid).items():
+            sample = proc_sample(pid)
+            rss = sample[1] if sample is not None else 0
+            peaks[rank] = max(peaks.get(rank, 0), rss)
+            total += rss
         peaks[-1] = max(peaks.get(-1, 0), total)
         stop.wait(0.5)
 

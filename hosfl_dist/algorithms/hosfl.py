@@ -228,6 +228,7 @@ class HOSFLServer(ServerBase):
         arrive from rank 0.
         """
         lead = self.group is None or self.group.leads
+        ranks = 1 if self.group is None else self.group.size
         if lead:
             if t != self.rounds_done:
                 raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
@@ -237,13 +238,12 @@ class HOSFLServer(ServerBase):
             kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
             uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
             counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
-            ranks = 1 if self.group is None else self.group.size
             shares = make_shares(uploads, counts, ranks, self.cfg.server.micro_batch_tokens) if kept else []
         self.opt.zero_grad(set_to_none=True)
         if self.group is None:
             share = shares[0] if shares else None
         else:  # each rank its rows (an empty round: none anywhere)
-            share = self.group.scatter((shares or [None] * self.group.size) if lead else None)
+            share = self.group.scatter((shares or [None] * ranks) if lead else None)
         result = run_share(self.model, self.task, share, self.device) if share is not None else None
         finite_grads = all(bool(torch.isfinite(g).all()) for g in _local_grads(self.model))
         if self.group is None:
@@ -264,7 +264,6 @@ class HOSFLServer(ServerBase):
         if self.group is not None:
             decision = self.group.broadcast(decision)
         if decision:
-            ranks = 1 if self.group is None else self.group.size
             for g in _local_grads(self.model):  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
                 if ranks > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
                     g.mul_(ranks)

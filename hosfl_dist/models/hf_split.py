@@ -297,9 +297,9 @@ def apply_lora(
         except ValueError as err:  # peft: "Target modules {...} not found in the base model"
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"LoRA target_modules {list(target_modules)} not found: {reason}") from err
-        with torch.no_grad():
-            for (sub, _), weight in lora_init_values(module, seed).items():
-                if not sub.weight.is_meta:  # a meta-device model is filled when it is materialised
+        if not any(p.is_meta for p in module.parameters()):  # a meta-device model draws A when it is materialised
+            with torch.no_grad():
+                for (sub, _), weight in lora_init_values(module, seed).items():
                     sub.weight.copy_(weight)
     for name, param in module.named_parameters():
         param.requires_grad_("lora_" in name)

@@ -316,14 +316,7 @@ def limit_malloc_arenas(environ: Mapping[str, str] | None = None) -> int | None:
     """Cap glibc's malloc arenas at :data:`MALLOC_ARENAS` (mallopt M_ARENA_MAX) unless MALLOC_ARENA_MAX is set, which
     glibc has read already; the cap in force, or None where there is no glibc. Arenas made before stay, so this runs
     before the process starts threads."""
-    environ = os.environ if environ is None else environ
-    if environ.get("MALLOC_ARENA_MAX"):
-        return int(environ["MALLOC_ARENA_MAX"])
-    mallopt = _mallopt()
-    m_arena_max = -8  # <malloc.h>
-    if mallopt is None or mallopt(m_arena_max, MALLOC_ARENAS) != 1:
-        return None
-    return MALLOC_ARENAS
+    return _malloc_option("MALLOC_ARENA_MAX", -8, MALLOC_ARENAS, environ)  # M_ARENA_MAX of <malloc.h>
 
 
 MMAP_THRESHOLD = 1 << 20
@@ -338,14 +331,19 @@ def fix_mmap_threshold(environ: Mapping[str, str] | None = None) -> int | None:
     from the heap and stay resident once freed. FSDP's per-block all-gather buffers (tens of MB, one block after
     another) then pile up: an FSDP server rank of Qwen3-0.6B peaked at 2.45 GB after one forward with the dynamic
     threshold and 1.56 GB with it fixed at 1 MiB, which returns every freed buffer to the system."""
+    return _malloc_option("MALLOC_MMAP_THRESHOLD_", -3, MMAP_THRESHOLD, environ)  # M_MMAP_THRESHOLD of <malloc.h>
+
+
+def _malloc_option(variable: str, param: int, value: int, environ: Mapping[str, str] | None) -> int | None:
+    """mallopt(param, value) unless the environment variable that glibc reads at start sets it; the value in force,
+    or None where there is no glibc."""
     environ = os.environ if environ is None else environ
-    if environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return int(environ["MALLOC_MMAP_THRESHOLD_"])
+    if environ.get(variable):
+        return int(environ[variable])
     mallopt = _mallopt()
-    m_mmap_threshold = -3  # <malloc.h>
-    if mallopt is None or mallopt(m_mmap_threshold, MMAP_THRESHOLD) != 1:
+    if mallopt is None or mallopt(param, value) != 1:
         return None
-    return MMAP_THRESHOLD
+    return value
 
 
 def _mallopt() -> Any:
