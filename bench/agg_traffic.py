@@ -69,7 +69,7 @@ def one_round(algorithm: str, width: int, out_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", type=int, nargs="*", default=[16, 32, 64, 128])
-    p.add_argument("--out", default="bench/results/agg_traffic.json")
+    p.add_argument("--out", default="bench/out/agg_traffic.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = []

@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=CONFIGS)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--work", default="/tmp/hosfl-ckpt-bench", help="where the runs go (replaced)")
-    p.add_argument("--results", default="bench/results")
+    p.add_argument("--results", default="bench/out")
     args = p.parse_args()
     work = Path(args.work)
     subprocess.run(["rm", "-rf", str(work)], check=True)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*", default=list(CUTS))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--out", default="bench/results/memory_ratio.json")
+    p.add_argument("--out", default="bench/out/memory_ratio.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows, skipped = [], {}

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="timed rounds in one process (median)")
     p.add_argument("--torchrun-rounds", type=int, default=30, help="timed rounds under torchrun (mean, one job)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each thread of work (client, server)")
-    p.add_argument("--out", default="bench/results/overlap.json")
+    p.add_argument("--out", default="bench/out/overlap.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import tempfile

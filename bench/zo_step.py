@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="glibc: keep freed memory (mmap threshold 32 MiB, trim threshold 2 GiB), see the module docstring",
     )
-    p.add_argument("--out", default="bench/results/zo_step.json")
+    p.add_argument("--out", default="bench/out/zo_step.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.tune_malloc:

@@ -42,9 +42,15 @@ class JobConfig:
     """Run name, shown in logs and the summary."""
     seed: int = 0
     """Run seed: data partition, client sampling, perturbation seeds and initial weights all derive from it."""
-    out_dir: str = "runs/default"
+    out_dir: str = ""
     """Folder for config.yaml, metrics.jsonl, summary.json and checkpoints/ (created if missing). A folder that holds
-    another run is refused unless job.resume=auto or job.overwrite=true."""
+    another run is refused unless job.resume=auto or job.overwrite=true. Empty: a new folder per run,
+    runs/<job.name>/<start time>, with runs/<job.name>/latest pointing at it (under Slurm runs/<job.name>/slurm-<job
+    id>, which a requeued job continues; job.resume=auto continues latest)."""
+    threads: int = 0
+    """Intra-op CPU threads of each process (torch.set_num_threads). 0 = auto: OMP_NUM_THREADS where it is set
+    (torchrun sets 1), else 1 for a model under 10M parameters (measured fastest: bench/threads.py) and every core
+    for a larger one. Printed at start."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
@@ -64,7 +70,9 @@ class JobConfig:
     when nothing is set); or a name, e.g. "ib0" or the interface of the Slurm head node's address."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.out_dir.strip()), "out_dir", self.out_dir, "must name a folder")
+        _check(self.out_dir == "" or bool(self.out_dir.strip()), "out_dir", self.out_dir,
+               "must name a folder (or be empty: runs/<job.name>/<start time>)")  # fmt: skip
+        _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0 = auto)")
         _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
         _check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
         _check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
@@ -109,11 +117,28 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """hf: dtype of the frozen base weights. Trainable tensors (LoRA adapters) and optimizer state stay float32."""
     pretrained: str = ""
-    """Local path to a state dict with pretrained weights (ResNet-18: torchvision ImageNet layout); empty = random."""
-    freeze_bn: bool = True
-    """Freeze BatchNorm layers (running statistics and affine parameters), as in the paper's App. B.2."""
+    """Local path to a state dict with pretrained weights of the whole vision model: ResNet-18 in torchvision's layout
+    (an ImageNet file, or what python -m hosfl_dist.experiments.pretrain saves), small_cnn in the layout that command
+    saves. A classifier head of another number of classes is dropped (a new one is initialised); empty = random."""
+    reset_head: bool = False
+    """With model.pretrained: initialise a new classifier head even when the file's has as many classes (fine-tuning
+    on other classes than the pretraining's, e.g. data.classes 5-9 after 0-4)."""
+    freeze_bn: Literal["all", "client", "none"] | bool = "all"
+    """BatchNorm of resnet18 (small_cnn has none: ignored). all: statistics and affine parameters frozen on both sides,
+    running statistics everywhere (the paper's text, App. B.2). client: the authors' published code: affine parameters
+    frozen on both sides, the client part always on running statistics, the server part in train mode in training
+    rounds (batch statistics, running statistics updated: the K clients pass one by one, each its own batch) and in
+    eval mode in evaluation. none: as client, with the affine parameters trainable on both sides; client BN still
+    runs on running statistics (they are data-dependent state outside θc, which HO-SFL's seed replay and the model
+    exchange of the baselines do not carry). true = all, false = none (older configs)."""
     width: int = 16
     """Channels of the first block of small_cnn (doubled per block)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.freeze_bn, bool):  # the boolean of older configs: frozen everywhere, or trainable
+            self.freeze_bn = "all" if self.freeze_bn else "none"
+        _check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
+               "choose one of ['all', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
 
 
 @dataclass
@@ -342,6 +367,10 @@ class DataConfig:
     """Use at most this many training samples (0 = all)."""
     eval_max_samples: int = 0
     """Evaluate on at most this many held-out samples (0 = all)."""
+    classes: list[int] = field(default_factory=list)
+    """Vision data sets: keep only the examples of these classes (training and held-out splits, before
+    data.train_max_samples / data.eval_max_samples) and relabel them 0..len-1 in this order; the model's head has
+    len(classes) outputs. Empty = every class."""
     source: Literal["local", "hub"] = "local"
     """Text tasks: read local files (data.train_path / data.eval_path) or the Hugging Face hub (needs network)."""
     train_path: str = ""
@@ -364,10 +393,23 @@ class DataConfig:
     """data.name=custom, classification: label i is verbalised by word i (e.g. [" yes", " maybe", " no"]); the file's
     labels are 0..n-1 or the words themselves."""
 
+    CLASSES = {"fashion_mnist": 10, "cifar10_npz": 10, "cifar10": 10, "cifar100": 100, "synthetic": 4}
+    """Classes of each vision data set (data.classes is checked against them before anything is loaded)."""
+
     def __post_init__(self) -> None:
         _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
         _check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
+        if self.classes:
+            n = self.CLASSES.get(self.name)
+            _check(self.name not in TEXT_DATASETS, "classes", self.classes, f"applies to vision data sets, not "
+                   f"data.name={self.name} (its labels are the task's label words)")  # fmt: skip
+            dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
+            _check(not dup, "classes", self.classes, f"class {dup[0] if dup else ''} is listed twice")
+            bad = [c for c in self.classes if c < 0 or (n is not None and c >= n)]
+            _check(not bad, "classes", self.classes, f"class {bad[0] if bad else ''} is outside 0..{(n or 1) - 1}: "
+                   f"data.name={self.name} has {n} classes")  # fmt: skip
+            _check(len(self.classes) >= 2, "classes", self.classes, "a classifier needs two or more classes")
         _check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
         if self.name == "custom":
             _check(bool(self.task), "task", self.task, "data.name=custom needs data.task: classification or generation")

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(help_config(args.help_config), end="")
             return 0
         from hosfl_dist.runtime.env import launch_env, role_map  # without torch: a bad config fails in a second
+        from hosfl_dist.runtime.run_dir import deterministic_out_dir, with_out_dir
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                 role_map(cfg, world)
             check_devices(cfg)
             check_interface(cfg.job.interface)
-            check_out_dir(cfg)
+            folder = deterministic_out_dir(cfg)
+            if folder is not None:  # otherwise a new folder is made at start
+                check_out_dir(with_out_dir(cfg, folder))
             return 0
         if args.dry_run:
             if launch is None or launch.rank == 0:
@@ -107,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from hosfl_dist.runtime.outputs import completed_already
 
-        if completed_already(cfg):  # e.g. a Slurm job submitted again, or a sweep re-run
+        folder = deterministic_out_dir(cfg)
+        if folder is not None and completed_already(with_out_dir(cfg, folder)):  # a Slurm job again, a sweep re-run
             if launch is None or launch.rank == 0:
-                print(f"done: {cfg.job.out_dir} holds this run, completed; nothing to do (job.resume=auto)")
+                print(f"done: {folder} holds this run, completed; nothing to do (job.resume=auto)")
             return 0
         if world > 1 and launch is not None:
             from hosfl_dist.runtime.torchrun import run_torchrun

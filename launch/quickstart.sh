@@ -9,7 +9,18 @@ VENV="${VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || bash launch/setup_env.sh "$VENV"
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    # apt and debconf write notices to stderr that read like trouble ("debconf: delaying package configuration, since
+    # apt-utils is not installed"): their output goes to a log, shown only if the install fails.
+    export DEBIAN_FRONTEND=noninteractive
+    apt_log=$(mktemp /tmp/hosfl-apt.XXXXXX)
+    if apt-get update -qq >"$apt_log" 2>&1 && apt-get install -y -qq dataset-fashion-mnist >>"$apt_log" 2>&1; then
+      echo "installed dataset-fashion-mnist"
+      rm -f "$apt_log"
+    else
+      echo "installing dataset-fashion-mnist failed; the end of apt's output (all of it in $apt_log):" >&2
+      tail -n 20 "$apt_log" >&2
+      exit 1
+    fi
   else
     echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' (or set data.root=...)" >&2
     exit 2

@@ -6,5 +6,9 @@ venv="${1:-.venv}"
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "torch==2.13.0"
-"$venv/bin/python" -m pip install -q -e "$(cd "$(dirname "$0")/.." && pwd)"
+# The package is a flat layout (hosfl_dist/ at the root), so setuptools installs it through a meta path finder and
+# says so in an informational "Editable installation." notice, which pip (26.3 here) re-emits as a warning on every
+# editable install. Only that notice is filtered, by its message; errors and any other warning still print.
+PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
+  "$venv/bin/python" -m pip install -q -e "$(cd "$(dirname "$0")/.." && pwd)"
 echo "environment ready: $venv (activate with: . $venv/bin/activate)"

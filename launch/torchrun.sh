@@ -6,6 +6,7 @@
 #   CONFIG         YAML config                                                            [configs/quickstart.yaml]
 #   VENV           virtual environment with torch and hosfl_dist                         [.venv, else python3 on PATH]
 #   TORCHRUN_ARGS  extra torchrun options, word-split, e.g. "--max-restarts=0"           [empty]
+#   OMP_NUM_THREADS per-process intra-op threads when NPROC > 1 (yours is kept)          [1]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-3}
@@ -15,7 +16,12 @@ PYTHON=python3
 [ -x "$VENV/bin/python" ] && PYTHON="$VENV/bin/python"
 # Bad input fails here in one line (exit 2), before torchrun starts NPROC processes that would each report it.
 "$PYTHON" -m hosfl_dist.run --config "$CONFIG" --check --nproc "$NPROC" "$@"
-# shellcheck disable=SC2206  # TORCHRUN_ARGS is deliberately word-split
+# torchrun sets OMP_NUM_THREADS=1 itself when it is unset and NPROC > 1, with a multi-line warning on every launch;
+# setting the same default here keeps the behaviour and drops the warning. A value of your own (even empty) is kept.
+if [ "$NPROC" -gt 1 ]; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS-1}"
+fi
+# shellcheck disable=SC2086  # TORCHRUN_ARGS is deliberately word-split
 exec "$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="hosfl-$$" ${TORCHRUN_ARGS:-} \
   -m hosfl_dist.run --config "$CONFIG" "$@"

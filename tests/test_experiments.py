@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,8 +13,20 @@ import pytest
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.experiments import compare, sweep
-from hosfl_dist.experiments.report import curve, mean_std
-from hosfl_dist.experiments.runs import RunData, RunSpec, parse_list, resolve
+from hosfl_dist.experiments.report import (
+    PAPER_CATEGORIES,
+    best_metric,
+    curve,
+    mean_std,
+    row_labels,
+    summarize,
+    traffic_figure,
+    write_table,
+)
+from hosfl_dist.experiments.cli import parse_list
+from hosfl_dist.experiments.runs import RunData, RunSpec, resolve
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = """\
 # python -m hosfl_dist.run --config tiny.yaml
@@ -89,6 +104,7 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     assert all(r["seeds"] == [0, 1] and len(r["final"]) == 2 for r in table["rows"])
     assert table["traffic_ratio_hosfl_over_sfl"] > 0
     assert "Traffic ratio HO-SFL / SFL" in (out / "table.md").read_text()
+    assert all(len(r["best"]) == 2 and all(b >= f for b, f in zip(r["best"], r["final"])) for r in table["rows"])
 
     # a sweep whose first point is already done and whose second is launched as a subprocess
     sw = tmp_path / "sweep"
@@ -101,6 +117,104 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     rows = table["rows"]
     assert [r["variant"] for r in rows] == ["zo.num_perturbations=1", "zo.num_perturbations=3"]
     assert rows[0]["comm_bytes"]["uplink_scalars"] * 3 == rows[1]["comm_bytes"]["uplink_scalars"]  # P scalars each
+    md = (sw / "table.md").read_text()
+    assert "| zo.num_perturbations | final eval_accuracy (%) | best eval_accuracy (%) | n seeds |" in md
+    assert "| 3 | " in md and "±" not in md.split("\n\n")[1]  # one seed per row: no spread in the table
 
     assert compare.main(["--config", str(cfg), "--methods", "sfl", "--out", str(out), "--set", "zo.mu=0"]) == 2
     assert "zo.mu" in capsys.readouterr().err
+
+
+def fake_run(seed: int, accs: list[float], with_best: bool = False, variant: str = "hosfl") -> RunData:
+    """A finished run without running it: one evaluation row per round, and the summary fields the report reads."""
+    rows = [{"round": i + 1, "processed_samples": 100 * (i + 1), "eval_accuracy": a} for i, a in enumerate(accs)]
+    if with_best:  # as the runner writes them: the running best and the first round that reached it
+        for i, row in enumerate(rows):
+            best = max(range(i + 1), key=lambda j: (accs[j], -j))
+            row.update(best_eval_accuracy=accs[best], best_round=best + 1)
+    comm = {c: 1000.0 * (k + 1) for k, c in enumerate(PAPER_CATEGORIES)}
+    summary = {"comm": {"bytes": comm}, "processed_samples": 100 * len(accs), "wall_time_s": 1.0}
+    return RunData(RunSpec(variant, seed, [], Path(f"runs/{variant}/seed{seed}")), rows, summary)
+
+
+def test_best_evaluation_comes_from_the_rows_or_is_the_maximum_over_them():
+    accs = [0.2, 0.6, 0.6, 0.5]
+    assert best_metric(fake_run(0, accs, with_best=True), "eval_accuracy") == (0.6, 2)
+    assert best_metric(fake_run(0, accs), "eval_accuracy") == (0.6, 2)  # rows written before the runner kept it
+    run = fake_run(0, accs)
+    run.rows[-1]["best_eval_accuracy"], run.rows[-1]["best_round"] = 0.9, 7  # the runner's figure wins
+    assert best_metric(run, "eval_accuracy") == (0.9, 7)
+    losses = fake_run(0, [])
+    losses.rows = [{"round": r, "eval_loss": v} for r, v in ((1, 2.0), (2, 1.5), (3, 1.7))]
+    assert best_metric(losses, "eval_loss") == (1.5, 2)  # lower is better for a loss
+
+
+def test_one_seed_rows_have_no_spread_and_every_row_says_its_seed_count(tmp_path):
+    variants = {"hosfl": [fake_run(0, [0.2, 0.8, 0.7])], "sfl": [fake_run(0, [0.5, 0.6]), fake_run(1, [0.8, 0.4])]}
+    rows = summarize(variants, "eval_accuracy")
+    md = write_table(tmp_path, rows, "eval_accuracy", "t", {})
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head[:5] == ["method", "final eval_accuracy (%)", "best eval_accuracy (%)", "n seeds", "processed samples"]
+    hosfl = [c.strip() for c in table[2].strip("|").split("|")]
+    assert hosfl[:4] == ["HO-SFL", "70.00", "80.00 (round 2)", "1"] and "±" not in table[2]
+    sfl = [c.strip() for c in table[3].strip("|").split("|")]
+    assert sfl[1:4] == ["50.00 ± 14.14", "70.00 ± 14.14 (rounds 2, 1)", "2"]
+    saved = json.loads((tmp_path / "table.json").read_text())
+    row = saved["rows"][0]
+    assert row["final"] == [0.7] and row["std"] == 0.0  # the keys the table had before stay as they were
+    assert row["best"] == [0.8] and row["best_round"] == [2] and row["best_mean"] == 0.8
+    assert saved["row_header"] == "method"
+
+
+def test_a_sweeps_rows_are_headed_by_the_swept_keys():
+    assert row_labels(["zo.num_perturbations=1", "zo.num_perturbations=5"]) == ("zo.num_perturbations", ["1", "5"])
+    header, cells = row_labels(["zo.mu=1e-4,split.cut=1", "zo.mu=1e-3,split.cut=2"])
+    assert header == "zo.mu, split.cut" and cells == ["1e-4, 1", "1e-3, 2"]
+    assert row_labels(["hosfl", "mu_splitfed"]) == ("method", ["HO-SFL", "MU-SplitFed"])
+    assert row_labels(["model.source=arch:qwen3-0.6b"]) == ("model.source", ["arch:qwen3-0.6b"])
+
+
+def test_traffic_totals_stay_inside_the_axes_below_the_title():
+    rows = summarize({"hosfl": [fake_run(0, [0.5])], "sfl": [fake_run(0, [0.5])]}, "eval_accuracy")
+    rows[1].training_total_bytes *= 2  # a taller bar, still < 20x: the stacked (linear) layout
+    rows[1].comm_bytes = {c: 2 * v for c, v in rows[1].comm_bytes.items()}
+    fig = traffic_figure(rows, "a title as long as the ones compare writes: hosfl, sfl over seeds [0, 1, 2]")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    box, title = ax.get_window_extent(renderer), ax.title.get_window_extent(renderer)
+    assert len(ax.texts) == 2
+    for text in ax.texts:
+        ext = text.get_window_extent(renderer)
+        assert ext.y1 <= box.y1 and not ext.overlaps(title), text.get_text()
+
+
+def test_positional_overrides_reach_the_runs_like_set(tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    argv = ["zo.mu=0.02", "--config", str(cfg), "--methods", "hosfl", "--out", str(tmp_path / "o"), "--dry-run"]
+    assert compare.main([*argv, "--set", "zo.num_perturbations=3", "clients.per_round=2"]) == 0
+    (cmd,) = capsys.readouterr().out.splitlines()
+    assert cmd.index("zo.num_perturbations=3") < cmd.index("zo.mu=0.02") < cmd.index("clients.per_round=2")
+    argv = ["--config", str(cfg), "--grid", "zo.mu=0.01,0.03", "--out", str(tmp_path / "s"), "--dry-run"]
+    assert sweep.main([*argv, "zo.num_perturbations=3"]) == 0
+    cmds = capsys.readouterr().out.splitlines()
+    assert len(cmds) == 2 and all("zo.num_perturbations=3 zo.mu=0.0" in c for c in cmds)
+    args = sweep.parse_args([*argv, "--set", "zo.mu=1", "zo.mu=2"])
+    assert sweep.plan(args)["zo.mu=0.01"] == ["zo.mu=1", "zo.mu=2", "zo.mu=0.01"]  # --set, positional, grid
+
+
+@pytest.mark.parametrize("command", ["sweep", "compare"])
+def test_a_mistyped_key_is_one_line_before_torch_is_imported(tmp_path, command):
+    what = ["--grid", "zo.mu=1e-3"] if command == "sweep" else ["--methods", "hosfl,sfl"]
+    cmd = [sys.executable, "-X", "importtime", "-m", f"hosfl_dist.experiments.{command}"]
+    cmd += ["--config", "configs/quickstart.yaml", *what, "--out", str(tmp_path / "x"), "zo.foo=1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert len(said) == 1 and said[0].startswith("error: ") and "unknown key zo.foo in section zo" in said[0]
+    imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
+    assert imported and not [m for m in imported if m == "torch" or m.startswith("torch.")]
+    assert not (tmp_path / "x").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from hosfl_dist.config import LinkConfig, link_delay_s
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.measure.latency import (
+    TABLE_COLUMNS,
     DecoderShape,
     Hardware,
     LatencyModel,
@@ -185,3 +187,29 @@ def test_cli_reports_bad_values_in_one_line(tmp_path: Path, capsys: pytest.Captu
     assert main(["--out", str(tmp_path), "--noise", "1.5"]) == 2
     assert capsys.readouterr().err.startswith("error: noise must be in [0, 1)")
     assert not (tmp_path / "latency.json").exists()
+
+
+def test_help_shows_the_default_of_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    options = re.split(r"\n  (?=--)", text.split("options:", 1)[1])[1:]  # one block per option, after -h
+    assert len(options) == 16
+    for block in options:
+        assert "(default" in " ".join(block.split()), block
+    flat = " ".join(text.split())
+    assert "bandwidth, Mbit/s (default 30)" in flat and "TFLOP/s (default 312)" in flat and "(default 1000)" in flat
+
+
+def test_printed_table_explains_every_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--out", str(tmp_path), "--trials", "5", "--max-client-layers", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1]
+    start = next(i for i, line in enumerate(lines) if line.startswith("columns ("))
+    legend = lines[start + 1 : start + 1 + len(TABLE_COLUMNS)]
+    for (name, _, meaning), line in zip(TABLE_COLUMNS, legend, strict=True):  # every column, in the table's order
+        assert name in header and line.startswith(f"  {name} ") and line.endswith(meaning)
+    for name, _, meaning in TABLE_COLUMNS[1:4]:  # the times: unit in the header and in the legend
+        assert name.endswith("[s]") and meaning.endswith("seconds")
+    assert len(lines[2].split()) == len(TABLE_COLUMNS)  # a row has one cell per column

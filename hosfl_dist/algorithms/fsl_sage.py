@@ -34,7 +34,7 @@ from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import Activation, SplitModel, server_forward
-from hosfl_dist.models.vision import ResNetServer, SmallCNNServer
+from hosfl_dist.models.vision import ResNetServer, SmallCNNServer, running_stat_updates
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
@@ -146,12 +146,16 @@ class FSLSageServer(ExchangeServer):
         return out
 
     def true_gradients(self, z: Tensor, y: Tensor) -> Tensor:
-        """λ_i = ∂ℓ_i/∂z_i for every stored sample under the current θs (each row its own sample's loss)."""
+        """λ_i = ∂ℓ_i/∂z_i for every stored sample under the current θs (each row its own sample's loss).
+
+        With batch-statistics BatchNorm (``model.freeze_bn=client|none``) a chunk of ALIGN_BATCH rows is the batch,
+        and these forwards leave the running statistics to the training steps."""
         out = []
-        for zc, yc in zip(z.split(ALIGN_BATCH), y.split(ALIGN_BATCH)):
-            zc = zc.detach().requires_grad_(True)
-            loss = self.task.loss(server_forward(self.model, {"z": zc}), yc) * len(yc)  # Σ_i ℓ_i
-            out.append(torch.autograd.grad(loss, zc)[0])
+        with running_stat_updates(self.model, 0):
+            for zc, yc in zip(z.split(ALIGN_BATCH), y.split(ALIGN_BATCH)):
+                zc = zc.detach().requires_grad_(True)
+                loss = self.task.loss(server_forward(self.model, {"z": zc}), yc) * len(yc)  # Σ_i ℓ_i
+                out.append(torch.autograd.grad(loss, zc)[0])
         return torch.cat(out)
 
     def align(self, t: int, client: int) -> list[nn.Parameter]:

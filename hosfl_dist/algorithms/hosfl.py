@@ -7,7 +7,8 @@ Round t, as the code below runs it (a worker runs the client side for the sample
              scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so it is
              not a round trip on the critical path
   client     z_m = f_c(x_m; θc^t) goes up with y_m                                              (Eq. 1)
-  server     the K activations are gathered into one forward/backward with θs^t; θs steps once with the mean
+  server     the K activations are gathered into one forward/backward with θs^t (one pass per client when the
+             server normalises with batch statistics, model.freeze_bn=client|none); θs steps once with the mean
              gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered)          (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding the P perturbed
              forwards run while z_m is in flight                                                 (Eq. 12-13)
@@ -38,6 +39,7 @@ from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coeffic
 from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
+from hosfl_dist.models.vision import uses_batch_stats
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import (
     CONTROL,
@@ -154,6 +156,9 @@ class HOSFLServer(ServerBase):
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
         self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
+        # Batch-statistics BatchNorm (model.freeze_bn=client|none): client m's λ_m must come from its own batch's
+        # statistics, so each client gets its own pass (running statistics updated K times, in client-id order).
+        self.per_client_passes = uses_batch_stats(self.model)
 
     @property
     def optimizer(self) -> Any:
@@ -238,7 +243,8 @@ class HOSFLServer(ServerBase):
             kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
             uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
             counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
-            shares = make_shares(uploads, counts, ranks, self.cfg.server.micro_batch_tokens) if kept else []
+            micro = self.cfg.server.micro_batch_tokens
+            shares = make_shares(uploads, counts, ranks, micro, self.per_client_passes) if kept else []
         self.opt.zero_grad(set_to_none=True)
         if self.group is None:
             share = shares[0] if shares else None

@@ -28,8 +28,8 @@ from hosfl_dist.algorithms.exchange import server_seed, spsa_pair, step_seed, zo
 from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer, ZOSFLWorker
 from hosfl_dist.config import Config
 from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, SplitModel
+from hosfl_dist.models.vision import running_stat_updates
 from hosfl_dist.transport.wire import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, wire
 
 
@@ -56,7 +56,8 @@ class MUSplitFedServer(ZOSFLServer):
             self.admit(t, client, a, labels)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
         zo, mu = self.cfg.zo, self.cfg.zo.mu
-        with bound(self.slots, copy.params):
+        # batch-statistics BatchNorm: every probe normalises with its batch; the step's first alone updates statistics
+        with self.bound_copy(copy), running_stat_updates(self.model, 1):
             for k in range(self.tau):  # the unbalanced updates: τ server steps for this one client step
                 sk = server_seed(seed, k)
                 lp, lm = spsa_pair(self.slots, sk, mu, zo, lambda sign: self.loss_on(act, labels))

@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
 from hosfl_dist.core.optim import build_torch_optimizer
-from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, server_forward
 from hosfl_dist.transport.wire import DOWNLINK_GRADIENTS, DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
@@ -37,7 +36,7 @@ class SFLServer(ExchangeServer):
         """One step of client m: backprop on θs_m, step it, and return λ = ∂ℓ_m/∂z."""
         copy = self.copy_for(t, client)
         self.admit(t, client, act, labels)  # the baselines stop on a non-finite upload (train.on_nonfinite=stop)
-        with bound(self.slots, copy.params):
+        with self.bound_copy(copy):  # train mode: batch-statistics BatchNorm updates θs_m's statistics once a step
             act = {k: v.to(self.device) for k, v in act.items()}
             z = act["z"].detach().requires_grad_(True)
             loss = self.task.loss(server_forward(self.model, {**act, "z": z}), labels.to(self.device))

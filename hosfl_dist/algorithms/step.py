@@ -15,8 +15,10 @@ into pieces gives the same objective:
 
 Every rank runs the same number of passes (FSDP2's all-gathers and reduce-scatters must line up): a rank with fewer
 pieces runs padding passes of one row with weight 0, which add exact zeros. Rows of clients with differently shaped
-uploads (text batches trimmed to their own length) are never merged into one pass. Without micro-batches and with one
-server rank the pass is the round's single merged forward/backward, as before.
+uploads (text batches trimmed to their own length) are never merged into one pass, nor are the rows of different
+clients when the server normalises with batch statistics (``model.freeze_bn=client|none``: each client's batch is
+its own pass, as in the authors' loop over the sampled clients). Otherwise, without micro-batches and with one server
+rank, the pass is the round's single merged forward/backward, as before.
 """
 
 from __future__ import annotations
@@ -70,12 +72,15 @@ class Share:
 Plan = list[tuple[list[list[Segment]], list[bool]]]
 
 
-def plan(uploads: dict[int, Upload], ranks: int, micro_batch_tokens: int) -> Plan:
+def plan(uploads: dict[int, Upload], ranks: int, micro_batch_tokens: int, per_client: bool = False) -> Plan:
     """Per rank: (pieces, padding flags). Rows in client-id order, contiguous shares of ≈ equal tokens, pieces of at
     most ``micro_batch_tokens`` tokens (0: no limit) that never mix upload shapes — and, when the uploads are not all
-    of one shape, never mix clients (one pass per client, as the unsplit round does)."""
+    of one shape or ``per_client`` is set (a server whose outputs depend on the batch), never mix clients (one pass
+    per client, as the unsplit round does)."""
     clients = sorted(uploads)
-    one_shape = len({uploads[m].shape_key for m in clients}) <= 1
+    # rows of several clients share a pass only when every upload has one shape and the server's outputs do not
+    # depend on which rows share it
+    mix_clients = len({uploads[m].shape_key for m in clients}) <= 1 and not per_client
     rows = [(m, r) for m in clients for r in range(uploads[m].rows)]
     tokens = [uploads[m].tokens_per_row for m, _ in rows]
     # shares end at client boundaries when there are at least as many clients as ranks (each λ_m, and the sum of
@@ -102,7 +107,7 @@ def plan(uploads: dict[int, Upload], ranks: int, micro_batch_tokens: int) -> Pla
             last = current[-1] if current else None
             fits = not micro_batch_tokens or used + t <= micro_batch_tokens
             same = last is not None and (uploads[last[0]].shape_key == uploads[m].shape_key)
-            merge = same and (one_shape or last[0] == m)
+            merge = same and (mix_clients or last[0] == m)
             if current and (not fits or not merge):
                 pieces.append(current)
                 current, used = [], 0
@@ -125,11 +130,11 @@ def plan(uploads: dict[int, Upload], ranks: int, micro_batch_tokens: int) -> Pla
 
 
 def make_shares(
-    uploads: dict[int, Upload], counts: dict[int, float], ranks: int, micro_batch_tokens: int
+    uploads: dict[int, Upload], counts: dict[int, float], ranks: int, micro_batch_tokens: int, per_client: bool = False
 ) -> list[Share]:
     """The :func:`plan` with each rank's rows sliced out of the uploads."""
     out = []
-    for pieces, padding in plan(uploads, ranks, micro_batch_tokens):
+    for pieces, padding in plan(uploads, ranks, micro_batch_tokens, per_client):
         lo: dict[int, int] = {}
         hi: dict[int, int] = {}
         for piece in pieces:

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, server_seed, spsa_pair, step_seed, zo_step
 from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.core.params import bound
 from hosfl_dist.models import Activation, server_forward
 from hosfl_dist.models.precision import client_precision
+from hosfl_dist.models.vision import running_stat_updates
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
 
@@ -57,7 +57,8 @@ class ZOSFLServer(ExchangeServer):
         self.admit(t, client, act_minus, labels)
         seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
         mu = self.cfg.zo.mu
-        with bound(self.slots, copy.params):
+        # batch-statistics BatchNorm: both probes normalise with their batch; the first alone updates the statistics
+        with self.bound_copy(copy), running_stat_updates(self.model, 1):
             lp, lm = spsa_pair(
                 self.slots,
                 seed,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -184,7 +185,7 @@ def data_info(cfg: Config) -> dict[str, Any]:
         return text_data_info(cfg)
     if cfg.data.name in VISION_INFO:
         classes, shape = VISION_INFO[cfg.data.name]
-        return {"num_classes": classes, "input_shape": shape}
+        return {"num_classes": len(cfg.data.classes) or classes, "input_shape": shape}  # data.classes: the kept ones
     return build_data(cfg).info  # synthetic images: generated, not loaded
 
 
@@ -199,10 +200,52 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
         from hosfl_dist.data.text_fed import build_text_data
 
         return build_text_data(cfg, clients, evaluation)
-    from hosfl_dist.data.vision import augment, load_images, normalize
+    images = load_vision_data(cfg)
+    tx, ty, vx, vy = images.train_x, images.train_y, images.eval_x, images.eval_y
+    info = images.info
+    shards = partition(ty, cfg)
+    row_of = None
+    if clients is not None:
+        rows = torch.as_tensor(np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, np.int64)])))
+        row_of = torch.full((len(ty),), -1, dtype=torch.long)
+        row_of[rows] = torch.arange(len(rows))
+        tx, ty = tx[rows], ty[rows]
+    if not evaluation:
+        vx, vy = vx[:0], vy[:0]
+    train_tf, eval_tf = images.train_transform, images.eval_transform
+    return FederatedData(
+        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
+    )
+
+
+@dataclass
+class VisionData:
+    """An image data set as the config selects it (classes, subsets), not yet partitioned over clients."""
+
+    train_x: Tensor  # (N, C, H, W) uint8
+    train_y: Tensor  # (N,) int64, 0..num_classes-1
+    eval_x: Tensor
+    eval_y: Tensor
+    info: dict[str, Any]
+    """num_classes, input_shape, train_size, eval_size."""
+    train_transform: Callable[[Tensor, torch.Generator | None], Tensor]
+    """Stored rows -> model inputs of a training batch (augmentation from the generator, then normalisation)."""
+    eval_transform: Callable[[Tensor, torch.Generator | None], Tensor]
+    """Stored rows -> model inputs of an evaluation batch (normalisation only)."""
+
+
+def load_vision_data(cfg: Config) -> VisionData:
+    """The configured image data set from local files: ``data.classes`` kept and relabelled 0..n-1 in their order,
+    then ``data.train_max_samples`` (a seeded subset) and ``data.eval_max_samples`` (the first ones) applied. The
+    federated runs (:func:`build_data`) and centralised pretraining (hosfl_dist.experiments.pretrain) share it."""
+    from hosfl_dist.data.vision import augment, load_images, normalize, select_classes
 
     splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
     tx, ty, vx, vy = splits.train_x, splits.train_y, splits.test_x, splits.test_y
+    num_classes = splits.num_classes
+    if cfg.data.classes:
+        (tx, ty), (vx, vy) = (select_classes(x, y, cfg.data.classes, num_classes) for x, y in ((tx, ty), (vx, vy)))
+        num_classes = len(cfg.data.classes)
     if cfg.data.train_max_samples:
         keep = torch.randperm(len(ty), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
         keep = keep[: cfg.data.train_max_samples].sort().values
@@ -220,21 +263,5 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
     def eval_tf(x: Tensor, gen: torch.Generator | None) -> Tensor:
         return normalize(x, mean, std)
 
-    info = {
-        "num_classes": splits.num_classes,
-        "input_shape": tuple(tx.shape[1:]),
-        "train_size": len(ty),
-        "eval_size": len(vy),
-    }
-    shards = partition(ty, cfg)
-    row_of = None
-    if clients is not None:
-        rows = torch.as_tensor(np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, np.int64)])))
-        row_of = torch.full((len(ty),), -1, dtype=torch.long)
-        row_of[rows] = torch.arange(len(rows))
-        tx, ty = tx[rows], ty[rows]
-    if not evaluation:
-        vx, vy = vx[:0], vy[:0]
-    return FederatedData(
-        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
-    )
+    info = {"num_classes": num_classes, "input_shape": tuple(tx.shape[1:]), "train_size": len(ty), "eval_size": len(vy)}
+    return VisionData(tx, ty, vx, vy, info, train_tf, eval_tf)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import pickle
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,20 @@ def load_images(name: str, root: str, seed: int) -> ImageSplits:
     if name == "synthetic":
         return synthetic_images(seed)
     raise DataError(f"unknown image dataset {name!r}")
+
+
+def select_classes(x: Tensor, y: Tensor, classes: Sequence[int], num_classes: int) -> tuple[Tensor, Tensor]:
+    """The examples of ``classes`` only, relabelled: class ``classes[i]`` becomes label i."""
+    bad = [c for c in classes if not 0 <= c < num_classes]
+    if bad or len(set(classes)) != len(classes):  # the config refuses both; a caller building its own may not
+        raise DataError(f"invalid value for data.classes: {list(classes)} (distinct classes in 0..{num_classes - 1})")
+    relabel = torch.full((num_classes,), -1, dtype=torch.long)
+    relabel[torch.as_tensor(list(classes), dtype=torch.long)] = torch.arange(len(classes))
+    new = relabel[y]
+    keep = new >= 0
+    if not bool(keep.any()):
+        raise DataError(f"data.classes={list(classes)}: no example of these classes in this split")
+    return x[keep], new[keep]
 
 
 def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:

@@ -1,4 +1,8 @@
-"""What the experiment commands share: their common options, and launch -> report -> one-line errors."""
+"""What the experiment commands share: their common options, and check -> launch -> report -> one-line errors.
+
+This module imports nothing that imports torch: a command checks its overrides with the config loader first, so a
+mistyped key is reported in a second, and only then imports the runner and the report (which pull in torch).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,17 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.report import write_report
-from hosfl_dist.experiments.runs import RunSpec, launch, load
+from hosfl_dist.config import load_config
+from hosfl_dist.errors import ConfigError, HosflError
 
-Build = Callable[[argparse.Namespace], tuple[dict[str, list[RunSpec]], str, dict[str, Any]]]
+if TYPE_CHECKING:
+    from hosfl_dist.experiments.runs import RunSpec
+
+Build = Callable[[argparse.Namespace], tuple[dict[str, list["RunSpec"]], str, dict[str, Any]]]
+Plan = Callable[[argparse.Namespace], dict[str, list[str]]]
+"""The overrides of every row of the report (method or grid point), before seeds: what is checked up front."""
 
 
 def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -20,18 +28,73 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="YAML config of the setting")
     p.add_argument("--seeds", default="0", help="comma-separated job.seed values (default 0)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for every run (repeatable; the same as a positional KEY=VALUE)",
+    )
     p.add_argument("--metric", default="eval_accuracy", help="metric of the table and plot (default eval_accuracy)")
     p.add_argument("--title", default="", help="title of the table and plots")
     p.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do; run nothing")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides for every run, as for python -m hosfl_dist.run (applied after --set)",
+    )
     return p
 
 
-def run_experiment(prog: str, args: argparse.Namespace, argv: list[str] | None, build: Build) -> int:
-    """Build the runs, launch the unfinished ones, write the report; a bad input or a failed run is one line."""
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Options and positional overrides in any order (``--out o zo.mu=1 --seeds 0,1 job.device=cpu``)."""
+    return p.parse_intermixed_args(argv)
+
+
+def user_overrides(args: argparse.Namespace) -> list[str]:
+    """--set overrides, then positional ones: the same meaning, so a later one wins as on the run's command line."""
+    return [*args.sets, *getattr(args, "overrides", [])]
+
+
+def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[Any]:
+    """ "a,b,c" -> [a, b, c]; an empty item or a value ``cast`` rejects is a one-line error (torch-free: the lists
+    are needed before the overrides are checked)."""
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise ConfigError(f"{what}: {text!r} is not a comma-separated list")
     try:
+        return [cast(s) for s in items]
+    except ValueError:
+        raise ConfigError(f"{what}: {text!r} has an item that is not {cast.__name__}") from None
+
+
+def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
+    """Build each row's config once. Unknown keys and malformed overrides fail before the algorithm registry (and
+    so torch) is imported; the first valid config imports it, the later ones are cheap."""
+    for name, overrides in variants.items():
+        try:
+            load_config(config, overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+
+def run_experiment(
+    prog: str, args: argparse.Namespace, argv: list[str] | None, build: Build, plan: Plan | None = None
+) -> int:
+    """Check the overrides (with ``plan``), build the runs, launch the unfinished ones, write the report; a bad
+    input or a failed run is one line (exit code 2)."""
+    try:
+        parse_list(args.seeds, "--seeds", int)
+        if plan is not None:
+            check_overrides(args.config, plan(args))
+        # the runner and the report import torch: only once the input is known to be usable
+        from hosfl_dist.experiments.report import write_report
+        from hosfl_dist.experiments.runs import launch, load
+
         specs, title, extra = build(args)
         record = launch(args.config, [s for v in specs.values() for s in v], args.jobs, args.threads, args.dry_run)
         if args.dry_run:

@@ -8,7 +8,9 @@ samples, mean ± std band over seeds), traffic.png (training traffic by category
 
 Every method runs with the config plus ``algorithm.name=<method>``, then the paper's per-method optimizer where it
 differs (App. B.4: MU-SplitFed uses plain SGD with client lr 0.005, server lr 0.01, global lr 0.3; unless
---no-paper-defaults), then --set overrides (all methods), then --method-set overrides (one method).
+--no-paper-defaults), then the overrides for all methods (``--set KEY=VALUE``, or positional ``KEY=VALUE`` as for
+``python -m hosfl_dist.run``; positional ones after --set), then --method-set overrides (one method). Every method's
+config is checked before anything starts: a mistyped key is one line ``error: ...`` (exit code 2).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hosfl_dist.algorithms import algorithm_names
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.experiments.cli import parser, run_experiment
-from hosfl_dist.experiments.runs import RunSpec, parse_list
+from hosfl_dist.experiments.cli import parse, parse_list, parser, run_experiment, user_overrides
+
+if TYPE_CHECKING:
+    from hosfl_dist.experiments.runs import RunSpec
 
 PROG = "hosfl_dist.experiments.compare"
 
@@ -54,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="override for one method, applied last (repeatable)",
     )
     p.add_argument("--no-paper-defaults", action="store_true", help="do not apply the paper's per-method optimizers")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def method_overrides(args: argparse.Namespace, methods: list[str]) -> dict[str, list[str]]:
@@ -69,26 +72,29 @@ def method_overrides(args: argparse.Namespace, methods: list[str]) -> dict[str, 
     out = {}
     for m in methods:
         defaults = [] if args.no_paper_defaults else PAPER_METHOD_DEFAULTS.get(m, [])
-        out[m] = [f"algorithm.name={m}", *defaults, *args.sets, *per[m]]
+        out[m] = [f"algorithm.name={m}", *defaults, *user_overrides(args), *per[m]]
     return out
 
 
+def plan(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each method's overrides (an unknown method fails the check of its algorithm.name, with the known names)."""
+    return method_overrides(args, parse_list(args.methods, "--methods"))
+
+
 def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict[str, Any]]:
-    methods = parse_list(args.methods, "--methods")
-    known = algorithm_names()
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise ConfigError(f"--methods: unknown {unknown}; choose from {known}")
+    from hosfl_dist.experiments.runs import RunSpec  # imports torch: after the overrides are checked
+
+    overrides = plan(args)
+    methods = list(overrides)
     seeds = parse_list(args.seeds, "--seeds", int)
     out = Path(args.out)
-    overrides = method_overrides(args, methods)
     specs = {m: [RunSpec(m, s, overrides[m], out / "runs" / m / f"seed{s}") for s in seeds] for m in methods}
     title = args.title or f"{Path(args.config).stem}: {', '.join(methods)} over seeds {seeds}"
     return specs, title, {"overrides": overrides}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build)
+    return run_experiment(PROG, parse_args(argv), argv, build, plan)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
-"""Tables and plots of an experiment: final metric mean ± std over seeds, traffic by category (paper Table 5),
-metric vs processed samples with a band over seeds, and traffic breakdown bars."""
+"""Tables and plots of an experiment: the last and the best evaluation, mean ± std over seeds, traffic by category
+(paper Table 5), metric vs processed samples with a band over seeds, and traffic breakdown bars."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 from hosfl_dist.experiments.runs import RunData
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CATEGORY_LABELS = {
     "uplink_activations": "Uplink (Act)",
@@ -45,6 +48,12 @@ class VariantSummary:
     comm_bytes: dict[str, float]
     training_total_bytes: float
     wall_time_s: float
+    best: list[float] = field(default_factory=list)
+    """Per seed: the best evaluation of the run (``best_eval_accuracy`` for eval_accuracy)."""
+    best_round: list[int | None] = field(default_factory=list)
+    """Per seed: the first round that reached it."""
+    best_mean: float = float("nan")
+    best_std: float = float("nan")
 
 
 def final_metric(run: RunData, metric: str) -> float:
@@ -53,6 +62,27 @@ def final_metric(run: RunData, metric: str) -> float:
         if row.get(metric) is not None:
             return float(row[metric])
     raise KeyError(f"run {run.spec.out_dir} has no {metric!r} in metrics.jsonl")
+
+
+def higher_is_better(metric: str) -> bool:
+    return not any(word in metric for word in ("loss", "perplexity"))
+
+
+def best_metric(run: RunData, metric: str) -> tuple[float, int | None]:
+    """The best evaluation of the run and the first round that reached it.
+
+    For eval_accuracy the runner writes the running best into every evaluation row (``best_eval_accuracy``,
+    ``best_round``); runs written before it did, and other metrics, take the best over the rows."""
+    if metric == "eval_accuracy":
+        for row in reversed(run.rows):
+            if row.get("best_eval_accuracy") is not None:
+                return float(row["best_eval_accuracy"]), row.get("best_round")
+    scored = [r for r in run.rows if r.get(metric) is not None]
+    if not scored:
+        raise KeyError(f"run {run.spec.out_dir} has no {metric!r} in metrics.jsonl")
+    sign = 1.0 if higher_is_better(metric) else -1.0
+    best = max(scored, key=lambda r: sign * r[metric])  # max() keeps the first of equals: the earliest round
+    return float(best[metric]), best.get("round")
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -66,6 +96,8 @@ def summarize(variants: dict[str, list[RunData]], metric: str) -> list[VariantSu
     for name, runs in variants.items():
         finals = [final_metric(r, metric) for r in runs]
         mean, std = mean_std(finals)
+        bests = [best_metric(r, metric) for r in runs]
+        best_mean, best_std = mean_std([b for b, _ in bests])
         comm = {c: float(np.mean([r.summary["comm"]["bytes"][c] for r in runs])) for c in PAPER_CATEGORIES}
         out.append(
             VariantSummary(
@@ -78,6 +110,10 @@ def summarize(variants: dict[str, list[RunData]], metric: str) -> list[VariantSu
                 comm_bytes=comm,
                 training_total_bytes=sum(comm.values()),
                 wall_time_s=float(np.mean([r.summary.get("wall_time_s", float("nan")) for r in runs])),
+                best=[b for b, _ in bests],
+                best_round=[r for _, r in bests],
+                best_mean=best_mean,
+                best_std=best_std,
             )
         )
     return out
@@ -105,28 +141,57 @@ def traffic_ratio(rows: list[VariantSummary], num: str = "hosfl", den: str = "sf
     return None
 
 
+def row_labels(variants: list[str]) -> tuple[str, list[str]]:
+    """The first column's header and cells: a sweep's rows (``key=value,key=value`` with the same keys in every
+    row) are headed by the swept keys and show their values; anything else is a method."""
+    points = [[item.partition("=") for item in v.split(",")] for v in variants]
+    keys = [[k for k, _, _ in p] for p in points]
+    if points and all(sep for p in points for _, sep, _ in p) and all(k == keys[0] for k in keys):
+        return ", ".join(keys[0]), [", ".join(value for _, _, value in p) for p in points]
+    return "method", [label(v) for v in variants]
+
+
+def over_seeds(mean: float, std: float, n: int, scale: float) -> str:
+    """``mean ± std``; a single seed has no spread to show, so its value stands alone (the n column says 1)."""
+    return f"{mean * scale:.2f}" if n == 1 else f"{mean * scale:.2f} ± {std * scale:.2f}"
+
+
+def _rounds(rounds: list[int | None]) -> str:
+    known = [str(r) for r in rounds if r is not None]
+    if not known:
+        return ""
+    return f" (round{'s' if len(known) > 1 else ''} {', '.join(known)})"
+
+
 def write_table(out: Path, rows: list[VariantSummary], metric: str, title: str, extra: dict[str, Any]) -> str:
     """table.md (human) and table.json (every number, per seed); returns the markdown."""
     scale = 100.0 if _pct(metric) else 1.0
+    pct = " (%)" if scale == 100 else ""
     unit, size = unit_for(max((r.training_total_bytes for r in rows), default=1.0))
-    head = ["method", f"final {metric}" + (" (%)" if scale == 100 else ""), "seeds", "processed samples"]
+    row_header, names = row_labels([r.variant for r in rows])
+    head = [row_header, f"final {metric}{pct}", f"best {metric}{pct}", "n seeds", "processed samples"]
     head += [f"{CATEGORY_LABELS[c]} [{unit}]" for c in PAPER_CATEGORIES] + [f"Total [{unit}]", "wall s / run"]
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
+    for name, r in zip(names, rows):
+        n = len(r.seeds)
         cells = [
-            label(r.variant),
-            f"{r.mean * scale:.2f} ± {r.std * scale:.2f}",
-            str(len(r.seeds)),
+            name,
+            over_seeds(r.mean, r.std, n, scale),
+            over_seeds(r.best_mean, r.best_std, n, scale) + _rounds(r.best_round),
+            str(n),
             f"{r.processed_samples:,.0f}",
         ]
         cells += [f"{r.comm_bytes[c] / size:.4g}" for c in PAPER_CATEGORIES]
         cells += [f"{r.training_total_bytes / size:.4g}", f"{r.wall_time_s:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    best_word = "highest" if higher_is_better(metric) else "lowest"
     lines += [
         "",
-        f"Final {metric}: the last evaluation of each run (at the end of its sample budget); mean ± sample standard "
-        "deviation over seeds. Traffic: training bytes per category as in the paper's Table 5 (binary units), "
-        "mean over seeds, counted from the tensors that crossed the client-server boundary.",
+        f"Final {metric}: the last evaluation of each run (at the end of its sample budget); best: the {best_word} "
+        "evaluation of each run and the round(s) that first reached it (one per seed). Both are the mean ± sample "
+        "standard deviation over the row's n seeds (a single value where n = 1). Traffic: training bytes per "
+        "category as in the paper's Table 5 (binary units), mean over seeds, counted from the tensors that crossed "
+        "the client-server boundary.",
     ]
     ratio = traffic_ratio(rows)
     if ratio is not None:
@@ -138,6 +203,7 @@ def write_table(out: Path, rows: list[VariantSummary], metric: str, title: str, 
         "metric": metric,
         "rows": [asdict(r) for r in rows],
         "traffic_ratio_hosfl_over_sfl": ratio,
+        "row_header": row_header,
         **extra,
     }
     (out / "table.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -179,8 +245,9 @@ def plot_metric(path: Path, variants: dict[str, list[RunData]], metric: str, tit
     plt.close(fig)
 
 
-def plot_traffic(path: Path, rows: list[VariantSummary], title: str) -> None:
-    """Traffic by category per method: stacked bars, or grouped bars on a log axis when totals span > 20x."""
+def traffic_figure(rows: list[VariantSummary], title: str) -> Figure:
+    """Traffic by category per method: stacked bars with their totals above them, or grouped bars on a log axis
+    when totals span > 20x."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,7 +258,8 @@ def plot_traffic(path: Path, rows: list[VariantSummary], title: str) -> None:
     log = bool(totals) and max(totals) / min(totals) > 20
     cats = [c for c in PAPER_CATEGORIES if any(r.comm_bytes[c] > 0 for r in rows)]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 3.5), 4.2))
+    # constrained layout makes room for the title, the rotated tick labels and the legend outside the axes
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 3.5), 4.2), layout="constrained")
     if log:
         width = 0.8 / max(len(cats), 1)
         for i, c in enumerate(cats):
@@ -206,12 +274,20 @@ def plot_traffic(path: Path, rows: list[VariantSummary], title: str) -> None:
             bottom += vals
         for xi, tot in zip(x, bottom):
             ax.text(xi, tot, f"{tot:.3g}", ha="center", va="bottom", fontsize=8)
+        if bottom.max() > 0:  # headroom inside the axes for the totals, so they never reach the title
+            ax.set_ylim(0, bottom.max() * 1.15)
     ax.set_xticks(x, [label(r.variant) for r in rows], rotation=20)
     ax.set_ylabel(f"training traffic [{unit}]" + (" (log)" if log else ""))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    return fig
+
+
+def plot_traffic(path: Path, rows: list[VariantSummary], title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = traffic_figure(rows, title)
     fig.savefig(path, dpi=130)
     plt.close(fig)
 

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,17 +43,6 @@ class RunData:
     spec: RunSpec
     rows: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[Any]:
-    """ "a,b,c" -> [a, b, c]; an empty item or a value ``cast`` rejects is a one-line error."""
-    items = [s.strip() for s in text.split(",")]
-    if not text.strip() or any(not s for s in items):
-        raise ConfigError(f"{what}: {text!r} is not a comma-separated list")
-    try:
-        return [cast(s) for s in items]
-    except ValueError:
-        raise ConfigError(f"{what}: {text!r} has an item that is not {cast.__name__}") from None
 
 
 def resolve(config: str | None, spec: RunSpec) -> Config:

@@ -25,14 +25,16 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.cli import parser, run_experiment
-from hosfl_dist.experiments.runs import RunData, load, resolve
-from hosfl_dist.experiments.sweep import build
+from hosfl_dist.experiments.cli import parse, parser, run_experiment
+from hosfl_dist.experiments.sweep import build, plan
+
+if TYPE_CHECKING:
+    from hosfl_dist.experiments.runs import RunData
 
 PROG = "hosfl_dist.experiments.scaling"
 QUANTITIES = ("traffic_bytes_per_round", "wall_s_per_round", "client_param_bytes", "peak_rss_bytes")
@@ -42,12 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(PROG, __doc__)
     p.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="a swept key and its values (repeatable: the product of all grids is run)")  # fmt: skip
-    return p.parse_args(argv)
+    return parse(p, argv)  # options and positional key=value overrides, as compare and sweep take them
 
 
 def sizes(config: str, run: RunData) -> dict[str, int]:
     """f_c's and f_s's parameter counts and f_c's bytes, from a meta-device build of the run's config."""
     from hosfl_dist.data import data_info
+    from hosfl_dist.experiments.runs import resolve
     from hosfl_dist.models import build_split_model
 
     cfg = resolve(config, run.spec)
@@ -147,10 +150,12 @@ def _plot(path: Path, points: dict[str, dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rc = run_experiment(PROG, args, argv, build)  # the runs, and the sweep's accuracy report
+    rc = run_experiment(PROG, args, argv, build, plan)  # the runs, and the sweep's accuracy report
     if rc != 0 or args.dry_run:
         return rc
     try:
+        from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
+
         specs, _, _ = build(args)
         points = {name: point(args.config, [load(s) for s in runs], args.metric) for name, runs in specs.items()}
         words = argv if argv is not None else sys.argv[1:]

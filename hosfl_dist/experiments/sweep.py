@@ -4,8 +4,12 @@
         --grid zo.num_perturbations=1,5,10 --seeds 0,1,2 --out results/ablation_P
 
 Several --grid options make their cartesian product (e.g. --grid zo.mu=1e-4,1e-3 --grid split.cut=1,2). Each grid
-point is one row of table.md / table.json and one curve of the plot, labelled by its overrides; runs go to
---out/runs/<label>/seed<k>/ and finished ones are reused.
+point is one row of table.md / table.json (the first column is headed by the swept keys) and one curve of the plot,
+labelled by its overrides; runs go to --out/runs/<label>/seed<k>/ and finished ones are reused.
+
+Overrides common to every point: ``--set KEY=VALUE`` or positional ``KEY=VALUE`` (as for ``python -m
+hosfl_dist.run``; positional ones after --set, the grid's last). Every point's config is checked before anything
+starts: a mistyped key is one line ``error: ...`` (exit code 2).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.experiments.cli import parser, run_experiment
-from hosfl_dist.experiments.runs import RunSpec, parse_list, safe_name
+from hosfl_dist.experiments.cli import parse, parse_list, parser, run_experiment, user_overrides
+
+if TYPE_CHECKING:
+    from hosfl_dist.experiments.runs import RunSpec
 
 PROG = "hosfl_dist.experiments.sweep"
 
@@ -32,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=V1,V2,...",
         help="a swept key and its values (repeatable: the product of all grids is run)",
     )
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def grid_points(grids: list[str]) -> list[list[str]]:
@@ -49,21 +55,26 @@ def grid_points(grids: list[str]) -> list[list[str]]:
     return [list(p) for p in itertools.product(*axes)]
 
 
+def plan(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each grid point's overrides, labelled ``key=value,key=value`` (the report's rows)."""
+    return {",".join(point): [*user_overrides(args), *point] for point in grid_points(args.grid)}
+
+
 def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict[str, Any]]:
+    from hosfl_dist.experiments.runs import RunSpec, safe_name  # imports torch: after the overrides are checked
+
     seeds = parse_list(args.seeds, "--seeds", int)
     out = Path(args.out)
-    specs = {}
-    for point in grid_points(args.grid):
-        name = ",".join(point)
-        specs[name] = [
-            RunSpec(name, s, [*args.sets, *point], out / "runs" / safe_name(name) / f"seed{s}") for s in seeds
-        ]
+    specs = {
+        name: [RunSpec(name, s, overrides, out / "runs" / safe_name(name) / f"seed{s}") for s in seeds]
+        for name, overrides in plan(args).items()
+    }
     title = args.title or f"{Path(args.config).stem}: sweep of {', '.join(args.grid)}"
     return specs, title, {"grid": args.grid}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build)
+    return run_experiment(PROG, parse_args(argv), argv, build, plan)
 
 
 if __name__ == "__main__":

@@ -463,26 +463,50 @@ def load_config(path: str | Path) -> tuple[LatencyModel, dict[str, Any]]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse the CLI; flags default to None so that only those given override the YAML/default values."""
+    """Parse the CLI; flags default to None so that only those given override the YAML/default values (the help
+    shows the built-in defaults, which a --config YAML replaces)."""
+    link, hw, wl, sim = LinkConfig(), Hardware(), Workload(), _SIM_DEFAULTS
     p = argparse.ArgumentParser(
-        prog="python -m hosfl_dist.measure.latency", description="HO-SFL latency-hiding simulator (paper App. C.1)."
+        prog="python -m hosfl_dist.measure.latency",
+        description="HO-SFL latency-hiding simulator (paper App. C.1). Defaults: the paper's 5G link, a "
+        "Jetson-class client and an A100 server, Llama-3.2-1B; a --config YAML replaces them, flags override both.",
     )
-    p.add_argument("--out", default="out/latency", help="directory for latency.json and latency.png")
-    p.add_argument("--config", help="YAML with link/hardware/model/workload/sim sections; flags override it")
-    p.add_argument("--uplink-mbps", type=float)
-    p.add_argument("--downlink-mbps", type=float)
-    p.add_argument("--rtt-ms", type=float)
-    p.add_argument("--client-tflops", type=float)
-    p.add_argument("--server-tflops", type=float)
-    p.add_argument("--client-efficiency", type=float)
-    p.add_argument("--server-efficiency", type=float)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int, dest="seq_len")
-    p.add_argument("--max-client-layers", type=int)
-    p.add_argument("--round-layers", type=int, help="client layers c of the round-time panel (default 4)")
-    p.add_argument("--noise", type=float, help="half-width of the uniform speed multipliers (default 0.10)")
-    p.add_argument("--trials", type=int)
-    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--out", default="out/latency", help="directory for latency.json and latency.png (default %(default)s)"
+    )
+    p.add_argument("--config", help="YAML with link/hardware/model/workload/sim sections (default: none)")
+    p.add_argument("--uplink-mbps", type=float, help=f"client->server bandwidth, Mbit/s (default {link.uplink_mbps:g})")
+    p.add_argument(
+        "--downlink-mbps", type=float, help=f"server->client bandwidth, Mbit/s (default {link.downlink_mbps:g})"
+    )
+    p.add_argument("--rtt-ms", type=float, help=f"round-trip time, ms; a message pays half (default {link.rtt_ms:g})")
+    p.add_argument(
+        "--client-tflops", type=float, help=f"client peak throughput, TFLOP/s (default {hw.client_tflops:g})"
+    )
+    p.add_argument(
+        "--server-tflops", type=float, help=f"server peak throughput, TFLOP/s (default {hw.server_tflops:g})"
+    )
+    p.add_argument(
+        "--client-efficiency", type=float, help=f"achieved / peak on the client (default {hw.client_efficiency:g})"
+    )
+    p.add_argument(
+        "--server-efficiency", type=float, help=f"achieved / peak on the server (default {hw.server_efficiency:g})"
+    )
+    p.add_argument("--batch", type=int, help=f"sequences per client step B (default {wl.batch})")
+    p.add_argument("--seq", type=int, dest="seq_len", help=f"tokens per sequence T (default {wl.seq_len})")
+    p.add_argument(
+        "--max-client-layers",
+        type=int,
+        help=f"client depths c = 1..this are tabulated (default {sim['max_client_layers']}, at most L-1)",
+    )
+    p.add_argument(
+        "--round-layers", type=int, help=f"client layers c of the round-time panel (default {sim['round_layers']})"
+    )
+    p.add_argument(
+        "--noise", type=float, help=f"half-width of the uniform speed multipliers (default {sim['noise']:.2f})"
+    )
+    p.add_argument("--trials", type=int, help=f"noise draws (default {sim['trials']})")
+    p.add_argument("--seed", type=int, help=f"seed of the noise draws (default {sim['seed']})")
     return p.parse_args(argv)
 
 
@@ -553,6 +577,26 @@ def _plot(
     plt.close(fig)
 
 
+TABLE_COLUMNS: tuple[tuple[str, int, str], ...] = (
+    ("c", 2, "client layers: decoder blocks the client runs"),
+    ("t_fwd [s]", 9, "one client forward of its c blocks (a perturbed pass costs the same), seconds"),
+    ("server [s]", 10, "server forward + backward of the other blocks and the LM head, seconds"),
+    ("window W [s]", 12, "idle window W(c): uplink of z + server + downlink of λ, RTT included, seconds"),
+    ("max P", 5, "perturbed forwards that fit in W without noise: floor(W / t_fwd)"),
+    ("P mean", 6, "max P over the noise trials: mean"),
+    ("P 5-95%", 7, "max P over the noise trials: 5th-95th percentile"),
+    ("P min-max", 9, "max P over the noise trials: smallest-largest"),
+)
+"""The printed table's columns: header, width, and what the legend under the table says of it."""
+
+
+def table_legend(noise: float, trials: int) -> list[str]:
+    """One line per column of the printed table (times are without noise; P columns say where noise enters)."""
+    lines = [f"columns (noise: speeds × U[1-{noise:.2f}, 1+{noise:.2f}], {trials} trials):"]
+    pad = max(len(name) for name, _, _ in TABLE_COLUMNS) + 2
+    return lines + [f"  {name:<{pad}}{meaning}" for name, _, meaning in TABLE_COLUMNS]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Simulate at the given settings, write latency.json and latency.png under --out, print a table."""
     try:
@@ -606,16 +650,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     up, down = model.uplink_time(), model.downlink_time()
     print(f"uplink {up:.3f} s, downlink {down:.3f} s (incl. RTT/2 each), ±{noise:.0%} speed noise, {trials} trials")
-    print(
-        f"{'c':>2} {'t_fwd s':>8} {'server s':>8} {'W s':>7} {'P nom':>5} {'P mean':>6} {'P 5-95%':>8} {'min-max':>7}"
-    )
+    print(" ".join(f"{name:>{width}}" for name, width, _ in TABLE_COLUMNS))
     for r in layers:
         server = model.server_compute_time(r.client_layers)
-        print(
-            f"{r.client_layers:>2} {r.client_forward_s.nominal:>8.3f} {server:>8.3f} {r.window_s.nominal:>7.3f}"
-            f" {r.max_p.nominal:>5.0f} {r.max_p.mean:>6.2f} {r.max_p.low:>4.0f}-{r.max_p.high:<3.0f}"
-            f" {r.max_p.min:>3.0f}-{r.max_p.max:<3.0f}"
-        )
+        cells = [
+            f"{r.client_layers}",
+            f"{r.client_forward_s.nominal:.3f}",
+            f"{server:.3f}",
+            f"{r.window_s.nominal:.3f}",
+            f"{r.max_p.nominal:.0f}",
+            f"{r.max_p.mean:.2f}",
+            f"{r.max_p.low:.0f}-{r.max_p.high:.0f}",
+            f"{r.max_p.min:.0f}-{r.max_p.max:.0f}",
+        ]
+        print(" ".join(f"{cell:>{width}}" for cell, (_, width, _) in zip(cells, TABLE_COLUMNS)))
+    print("\n".join(table_legend(noise, trials)))
     print(f"wrote {out / 'latency.json'} and {out / 'latency.png'}")
     return 0
 

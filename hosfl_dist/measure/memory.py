@@ -11,6 +11,10 @@ allocator's ``max_memory_allocated`` is reported as well (that is the primary fi
 VmHWM, reset through /proc/self/clear_refs) is reported beside the count: it includes the Python interpreter,
 libraries and allocator caches, and is only meaningful with one mode per process (the CLI's default).
 
+Before the first mode the CLI says which modes will run and what each should roughly cost (peak tensor memory and
+compute time, from the model's shape: :func:`hosfl_dist.measure.modes.expected_costs`), then one line as each mode
+starts and ends (its elapsed time and peak), on stderr.
+
     python -m hosfl_dist.measure.memory --model tiny:llama --cut 2 --batch 32 --seq 128 --out results/memory/tiny
 """
 
@@ -19,22 +23,29 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hosfl_dist.errors import ConfigError, HosflError
-from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, make_step
+from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, expected_costs, make_step
 from hosfl_dist.measure.tracker import measure
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 MB = 1024**2
+PROCESS_OVERHEAD = 0.6 * 1024**3
+"""RSS of a profiling process beyond its tensors: the interpreter, torch and transformers (on CPU)."""
 
 
 def profile_mode(spec: ProfileSpec, mode: str, steps: int = 1) -> dict[str, Any]:
@@ -78,14 +89,81 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path) -> list[
     ]
 
 
-def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1) -> dict[str, Any]:
-    """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios."""
+def say(line: str) -> None:
+    """A progress line, on stderr (stdout carries the table) and flushed: a mode can take minutes."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", MB)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def seconds(s: float) -> str:
+    return "<0.1 s" if s < 0.1 else f"{s:.1f} s"
+
+
+def matmul_flops_per_s(device: str) -> float:
+    """Float32 matmul throughput here (best of three 1024^3 products): turns FLOP estimates into seconds."""
+    a = torch.randn(1024, 1024, device=device)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ a
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / best
+
+
+def machine_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+        return None
+
+
+def plan(spec: ProfileSpec, modes: Sequence[str], isolate: bool, steps: int = 1) -> list[str]:
+    """What will run and roughly what it costs (from the model's shape: nothing is trained), said before the
+    first mode starts."""
+    how = "each in its own process" if isolate else "in this process"
+    what = f"cut {spec.cut}, batch {spec.batch}" + (f", seq {spec.seq}" if spec.is_lm else "") + f", P={spec.P}"
+    lines = [f"profiling {len(modes)} mode(s) of {spec.model} ({what}), {how}: {', '.join(modes)}"]
+    try:
+        costs, expected = expected_costs(spec, modes)
+    except HosflError:  # the model cannot be named: the profile would fail the same way
+        raise
+    except (OSError, ValueError, KeyError, AttributeError) as exc:  # an unusual config: the estimate is advisory
+        return [*lines, f"(no cost estimate for this model: {type(exc).__name__}: {exc})"]
+    rate, memory = matmul_flops_per_s(spec.device), machine_memory()
+    lines += [
+        f"model: f_c {size(costs.client_bytes)} of weights, f_c + f_s {size(costs.whole_bytes)}; one forward of f_c "
+        f"{costs.client_flops / 1e9:.3g} GFLOP; here ~{rate / 1e9:.0f} GFLOP/s"
+        + (f" and {size(memory)} of memory" if memory else ""),
+        "rough expectation per mode (live tensors, within ~2x; a process adds ~0.6 GiB of RSS; the compute of "
+        f"{steps} step(s), without loading the model, which each mode's process does again):",
+    ]
+    for mode, e in expected.items():
+        warn = "  <- more than this machine's memory" if memory and e.peak_bytes + PROCESS_OVERHEAD > memory else ""
+        lines.append(f"  {mode:<11} ~{size(e.peak_bytes):>10}   ~{seconds(steps * e.step_flops / rate):>8}{warn}")
+    return lines
+
+
+def check_modes(modes: Sequence[str]) -> None:
     for m in modes:
         if m not in MODES:
             raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+
+
+def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1) -> dict[str, Any]:
+    """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios."""
+    check_modes(modes)
     results = {}
-    for mode in modes:
-        print(f"profiling {mode} ({spec.model}, cut {spec.cut}, batch {spec.batch})", file=sys.stderr, flush=True)
+    for i, mode in enumerate(modes, 1):
+        say(f"[{i}/{len(modes)}] {mode}: started")
+        t0 = time.perf_counter()
         if isolate:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "mode.json"
@@ -97,6 +175,10 @@ def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = Tru
         else:
             results[mode] = profile_mode(spec, mode, steps)
             gc.collect()
+        r = results[mode]
+        rss = f", {size(r['rss_peak_bytes'])} process RSS" if isolate and r.get("rss_peak_bytes") else ""
+        say(f"[{i}/{len(modes)}] {mode}: done in {time.perf_counter() - t0:.1f} s, peak {size(r['peak_bytes'])} "
+            f"of live tensors{rss}")  # fmt: skip
     ref = results.get("inference", {}).get("peak_bytes")
     ratios = {m: r["peak_bytes"] / ref for m, r in results.items()} if ref else {}
     rss_ref = results.get("inference", {}).get("rss_peak_bytes") if isolate else None
@@ -122,42 +204,72 @@ def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = Tru
 
 
 # ---------------------------------------------------------------------------------------------------------- plot
-def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Stacked bars per mode: weights, optimizer state, batch, and the working memory of the step."""
+COMPONENTS = (
+    ("weights", lambda r: r["params_bytes"]),
+    ("optimizer state", lambda r: r["optimizer_state_bytes"]),
+    ("batch + buffers", lambda r: r["resident_bytes"] - r["params_bytes"] - r["optimizer_state_bytes"]),
+    ("step working memory", lambda r: r["working_bytes"]),
+)
+"""What the counted peak is made of (they add up to ``peak_bytes``)."""
+
+
+def figure(report: dict[str, Any]) -> Figure:
+    """Two panels, both in MiB: the peak per mode (counted tensors, and process RSS where measured), and what the
+    counted peak is made of on a log axis, so that components 1000x smaller than the weights still show."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     modes = list(report["modes"])
     rows = [report["modes"][m] for m in modes]
-    params = [r["params_bytes"] / MB for r in rows]
-    state = [r["optimizer_state_bytes"] / MB for r in rows]
-    other = [(r["resident_bytes"] - r["params_bytes"] - r["optimizer_state_bytes"]) / MB for r in rows]
-    work = [r["working_bytes"] / MB for r in rows]
-    fig, ax = plt.subplots(figsize=(1.6 * len(modes) + 3, 4.5))
-    bottom = [0.0] * len(modes)
-    for values, label in (
-        (params, "weights"),
-        (state, "optimizer state"),
-        (other, "batch + buffers"),
-        (work, "step working memory"),
-    ):
-        ax.bar(modes, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
+    x = np.arange(len(modes))
+    fig, (totals, parts) = plt.subplots(1, 2, figsize=(1.6 * len(modes) + 5, 4.6), layout="constrained")
+
+    peaks = {"live tensor storage (counted)": [r["peak_bytes"] / MB for r in rows]}
+    if report.get("isolated_processes") and all(r.get("rss_peak_bytes") for r in rows):  # RSS is the mode's own
+        peaks["process peak RSS"] = [r["rss_peak_bytes"] / MB for r in rows]
+    width = 0.8 / len(peaks)
     ratios = report.get("ratio_to_inference", {})
-    for i, m in enumerate(modes):
-        text = f"{bottom[i]:.1f} MiB" + (f"\n×{ratios[m]:.2f}" if m in ratios else "")
-        ax.text(i, bottom[i], text, ha="center", va="bottom", fontsize=8)
+    for i, (name, values) in enumerate(peaks.items()):
+        bars = totals.bar(x + (i - (len(peaks) - 1) / 2) * width, values, width, label=name)
+        if i == 0:
+            texts = [f"{v:.1f}" + (f"\n×{ratios[m]:.2f}" if m in ratios else "") for m, v in zip(modes, values)]
+            totals.bar_label(bars, texts, fontsize=7)
+    totals.set_ylim(0, max(max(v) for v in peaks.values()) * 1.25)  # room for the labels inside the axes
+    totals.set(ylabel="peak memory [MiB]", title="Peak per mode (label: MiB, ×inference)")
+    totals.set_xticks(x, modes, rotation=15)
+    totals.legend(fontsize=8, loc="upper left")
+    totals.grid(axis="y", alpha=0.3)
+
+    series = {name: [max(get(r), 0) / MB for r in rows] for name, get in COMPONENTS}
+    absent = [name for name, values in series.items() if not any(values)]
+    shown = {name: values for name, values in series.items() if any(values)}
+    width = 0.8 / max(len(shown), 1)
+    for i, (name, values) in enumerate(shown.items()):
+        parts.bar(x + (i - (len(shown) - 1) / 2) * width, values, width, label=name)
+    smallest = min((v for values in shown.values() for v in values if v > 0), default=1.0)
+    parts.set_yscale("log")
+    parts.set_ylim(bottom=smallest / 3)  # the smallest non-zero part is a visible bar, not a sliver at the axis
+    parts.set(ylabel="memory [MiB] (log)", title="What the counted peak holds")
+    parts.set_xticks(x, modes, rotation=15)
+    parts.legend(fontsize=8, loc="upper left", title="0 in every mode: " + ", ".join(absent) if absent else None,
+                 title_fontsize=7)  # fmt: skip
+    parts.grid(axis="y", alpha=0.3)
+
     s = report["spec"]
     what = f"{s['model']}, cut {s['cut']}, batch {s['batch']}"
     if s["model"] not in VISION_INPUTS:
         what += f", seq {s['seq']}" + ("" if s["lora"] else ", full fine-tuning")
-    ax.set(ylabel="client peak memory (MiB of live tensor storage)", title=f"Client peak memory: {what}, P={s['P']}")
-    ax.set_ylim(top=max(bottom) * 1.2)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
+    fig.suptitle(f"Client peak memory: {what}, P={s['P']}")
+    return fig
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -218,6 +330,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.single_mode_json:  # child of an isolated run: one mode, raw figures
             Path(args.single_mode_json).write_text(json.dumps(profile_mode(spec, modes[0], args.steps)))
             return 0
+        check_modes(modes)  # before the plan, which builds the model's costs
+        for line in plan(spec, modes, args.isolate, args.steps):
+            say(line)
         report = profile(spec, modes, isolate=args.isolate, steps=args.steps)
     except HosflError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -16,6 +16,7 @@ The server of the other modes is :class:`~hosfl_dist.measure.standin.StandInServ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,3 +265,137 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
 
     trainable = [p for p in held.parameters() if p.requires_grad] if mode == "full_local" else params
     return ModeStep(client_step, resident(), held, trainable, [], act_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ expected cost
+F32 = 4
+"""Activations and gradients are float32 (zo.compute_dtype=auto upcasts a half-precision model's forwards)."""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """A mode's rough cost, worked out from the model's shape before anything runs, to say up front what a profile
+    will take (full_local trains the whole model: 10-30x the memory of the others)."""
+
+    peak_bytes: float
+    """Live tensor storage at the step's peak (what ``peak_bytes`` measures), within a factor ~2: for SmolLM2-135M,
+    cut 5, batch 32 x 128 it gives 269 MiB / 986 MiB / 7.6 GiB for inference / sfl / full_local against 284 MiB /
+    874 MiB / 7.2 GiB measured; for tiny:llama 15 / 56 / 127 MiB against 10 / 32 / 70 MiB."""
+    step_flops: float
+    """Floating-point operations of one client step (matmuls and convolutions; elementwise work left out)."""
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the expectations are made of, in bytes and FLOPs."""
+
+    client_bytes: float
+    """f_c's weights."""
+    whole_bytes: float
+    """f_c's and f_s's weights (full_local holds both)."""
+    client_trainable_bytes: float
+    """f_c's trainable tensors in float32 (the LoRA adapters of an LM: ~0 next to the rest)."""
+    whole_trainable_bytes: float
+    """The same for f_c and f_s."""
+    client_flops: float
+    """One forward of f_c on the batch."""
+    whole_flops: float
+    """One forward of f_c and f_s (the LM head included)."""
+    client_act_bytes: float
+    """What f_c's autograd graph keeps for its backward."""
+    whole_act_bytes: float
+    """What the whole model's graph keeps (an LM's logits, their softmax and its gradient included)."""
+    z_bytes: float
+    """One activation z."""
+    transient_bytes: float
+    """The largest short-lived tensors of a forward without autograd, beside z."""
+
+
+def lm_costs(spec: ProfileSpec) -> ModelCosts:
+    """An LM's costs from its config alone (no weight is read)."""
+    from hosfl_dist.models.sources import model_config, resolve
+
+    text = model_config(resolve(spec.model, spec.gguf_file, key="--model")).get_text_config()
+    d, n_layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None) or 4 * d
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or d // heads
+    block = 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * inner  # q, o; k, v; gated MLP
+    embed = vocab * d
+    client_params, whole_params = embed + spec.cut * block, 2 * embed + n_layers * block  # f_s's head is untied
+    size = DTYPES[spec.dtype].itemsize
+    tokens = spec.batch * spec.seq
+    z, mlp = tokens * d * F32, tokens * inner * F32
+    scores = spec.batch * heads * spec.seq**2 * F32  # (B, H, T, T)
+    per_block = 6 * z + 3 * mlp + 2 * scores  # norms, q/k/v/o, residuals; the MLP's inner tensors; scores, probs
+    logits = 3 * tokens * vocab * F32  # logits, their softmax and its gradient
+    trainable = 0.0 if spec.lora else F32
+    return ModelCosts(
+        client_bytes=client_params * size,
+        whole_bytes=whole_params * size,
+        client_trainable_bytes=client_params * trainable,
+        whole_trainable_bytes=whole_params * trainable,
+        client_flops=2 * tokens * spec.cut * block,
+        whole_flops=2 * tokens * (n_layers * block + embed),
+        client_act_bytes=spec.cut * per_block,
+        whole_act_bytes=n_layers * per_block + logits,
+        z_bytes=z,
+        transient_bytes=2 * z + 2 * mlp + scores,
+    )
+
+
+def vision_costs(spec: ProfileSpec) -> ModelCosts:
+    """A vision model's costs from one forward of the real (small) model, its layers' outputs summed by hooks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    setup = build_setup(spec, whole=True)
+    client, server = setup.split.client, setup.split.server
+    outputs: dict[str, list[int]] = {"client": [], "server": []}
+
+    def watch(part: str, module: nn.Module) -> list[Any]:
+        def record(_m: nn.Module, _inputs: Any, out: Any) -> None:
+            outputs[part].append(storage_bytes(flat(out)))
+
+        return [m.register_forward_hook(record) for m in module.modules() if not list(m.children())]
+
+    handles = watch("client", client) + watch("server", server)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        z = setup.split.client_forward(setup.inputs)["z"]
+        client_flops = counter.get_total_flops()
+        server(z)
+    for h in handles:
+        h.remove()
+    client_bytes = storage_bytes(list(client.parameters()))
+    whole_bytes = client_bytes + storage_bytes(list(server.parameters()))
+    return ModelCosts(
+        client_bytes=client_bytes,
+        whole_bytes=whole_bytes,
+        client_trainable_bytes=client_bytes,
+        whole_trainable_bytes=whole_bytes,
+        client_flops=client_flops,
+        whole_flops=counter.get_total_flops(),
+        client_act_bytes=sum(outputs["client"]),
+        whole_act_bytes=sum(outputs["client"]) + sum(outputs["server"]),
+        z_bytes=storage_bytes([z]),
+        transient_bytes=2 * max(outputs["client"], default=0),
+    )
+
+
+def expected_costs(spec: ProfileSpec, modes: Sequence[str]) -> tuple[ModelCosts, dict[str, Expectation]]:
+    """The model's costs and, per mode, the rough peak and FLOPs of one step (what each mode holds is in this
+    module's docstring)."""
+    c = lm_costs(spec) if spec.is_lm else vision_costs(spec)
+    inference = c.client_bytes + c.z_bytes + c.transient_bytes
+    held = (spec.P + 1 if spec.overlap else 1) * c.z_bytes  # λ, and the z̃ kept until it arrives with overlap
+    table = {
+        "inference": Expectation(inference, c.client_flops),
+        # the replica's optimizer keeps two moments of θc between rounds; P+1 forwards
+        "hosfl": Expectation(inference + held + 2 * c.client_trainable_bytes, (spec.P + 1) * c.client_flops),
+        "sfl": Expectation(  # forward with autograd, backward (2x the forward), a gradient and AdamW's m and v
+            c.client_bytes + c.client_act_bytes + 3 * c.client_trainable_bytes, 3 * c.client_flops
+        ),
+        "zo_sfl": Expectation(inference + c.z_bytes, 2 * c.client_flops),  # z₊ kept while z₋ is computed
+        "full_local": Expectation(c.whole_bytes + c.whole_act_bytes + 3 * c.whole_trainable_bytes, 3 * c.whole_flops),
+    }
+    return c, {m: table[m] for m in modes}

@@ -134,15 +134,17 @@ def build_split_model(
                 cfg.split.cut,
                 cfg.model.freeze_bn,
                 cfg.model.pretrained,
+                cfg.model.reset_head,
             )
-        elif cfg.model.name == "small_cnn":
-            if cfg.model.pretrained:
-                raise ConfigError("model.pretrained is not supported for small_cnn")
+        elif cfg.model.name == "small_cnn":  # no BatchNorm: model.freeze_bn does not apply
+            shape, width = data_info["input_shape"], cfg.model.width
             client, server = vision.small_cnn_split(
-                data_info["num_classes"], data_info["input_shape"], cfg.split.cut, cfg.model.width
+                data_info["num_classes"], shape, cfg.split.cut, width, cfg.model.pretrained, cfg.model.reset_head
             )
         else:
             raise ConfigError(f"unknown model.name {cfg.model.name!r}")
+    if vision.uses_batch_stats(server):
+        _check_batch_stats_server(cfg)
     device = torch.device(cfg.job.device)
     was = client.training
     with torch.no_grad():
@@ -153,3 +155,34 @@ def build_split_model(
     if shard is not None:
         shard(server)
     return SplitModel(client.to(device), server, ClassificationTask(), spec)
+
+
+def _check_batch_stats_server(cfg: Config) -> None:
+    """A server normalising with batch statistics (``model.freeze_bn=client|none``) must see each client's batch
+    whole and in one place: its outputs, λ and running statistics depend on which rows share a pass."""
+    mode = f"model.freeze_bn={cfg.model.freeze_bn} (batch statistics on the server)"
+    if cfg.server.ranks > 1:
+        raise ConfigError(f"invalid value for server.ranks: {cfg.server.ranks} ({mode} needs one server rank: each "
+                          "rank would normalise and update its own statistics)")  # fmt: skip
+    if 0 < cfg.server.micro_batch_tokens < cfg.clients.batch_size:
+        raise ConfigError(f"invalid value for server.micro_batch_tokens: {cfg.server.micro_batch_tokens} ({mode} "
+                          f"needs 0 or at least clients.batch_size={cfg.clients.batch_size}: a client's batch must not "
+                          "be cut into pieces)")  # fmt: skip
+
+
+def build_whole_vision_model(cfg: Config, data_info: dict[str, Any]) -> nn.Module:
+    """The uncut vision model with trainable BatchNorm (train mode: batch statistics, running statistics updated),
+    initialised from ``job.seed``: what ``python -m hosfl_dist.experiments.pretrain`` trains. Its state dict is in
+    the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
+    from hosfl_dist.models import vision
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
+        if cfg.model.name == "resnet18":
+            net: nn.Module = vision.ResNet18(data_info["num_classes"], data_info["input_shape"][0], frozen_bn=False)
+        elif cfg.model.name == "small_cnn":
+            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], cfg.model.width)
+        else:
+            raise ConfigError(f"invalid value for model.name: {cfg.model.name!r} (pretraining is implemented for "
+                              "the vision models resnet18 and small_cnn)")  # fmt: skip
+    return net.to(torch.device(cfg.job.device))

@@ -2,18 +2,37 @@
 
 ResNet-18 follows torchvision's layout and parameter names, so an ImageNet state dict saved by torchvision loads
 from a local file (``model.pretrained``); the cut falls after residual stage ``split.cut`` (the paper cuts after the
-2nd). BatchNorm is frozen (App. B.2): its statistics and affine parameters never change, which also makes batching
-the K clients' activations on the server exactly equal to processing them one by one.
+2nd). BatchNorm follows ``model.freeze_bn``:
+
+- ``all`` (the paper's text, App. B.2): :class:`FrozenBatchNorm` everywhere, statistics and affine parameters never
+  change, which also makes batching the K clients' activations on the server exactly equal to processing them one
+  by one;
+- ``client`` (the authors' published code): the client part keeps :class:`FrozenBatchNorm`; the server part gets
+  :class:`BatchStatsNorm` with frozen affine parameters: batch statistics in train mode (running statistics
+  updated), running statistics in eval mode. The servers then run each client's batch in its own pass;
+- ``none``: as ``client`` with the affine parameters trainable on both sides. The client part still normalises with
+  its running statistics: they are data-dependent state outside θc, which neither HO-SFL's seed replay nor the
+  baselines' model exchange carries, so batch statistics on the client would leave replicas disagreeing.
+
+Both models also exist whole (:class:`ResNet18`, :class:`SmallCNN`): ``python -m hosfl_dist.experiments.pretrain``
+trains them centrally and saves the state dict ``model.pretrained`` loads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosfl_dist.errors import ConfigError
+
+BN_MODES = ("all", "client", "none")
+"""``model.freeze_bn`` values (see the module docstring)."""
 
 
 class FrozenBatchNorm(nn.BatchNorm2d):
@@ -28,8 +47,100 @@ class FrozenBatchNorm(nn.BatchNorm2d):
         return super().train(False)
 
 
+class BatchStatsNorm(nn.BatchNorm2d):
+    """BatchNorm of a server part under ``model.freeze_bn=client|none``: batch statistics in train mode (running
+    statistics updated), running statistics in eval mode; affine parameters trainable or frozen.
+
+    ``updates_left`` (set by :func:`running_stat_updates`): how many more train-mode forwards may update the running
+    statistics; the rest normalise with their batch statistics and leave them as they are. None: every forward.
+    """
+
+    def __init__(self, num_features: int, trainable_affine: bool) -> None:
+        super().__init__(num_features)
+        for p in self.parameters():
+            p.requires_grad_(trainable_affine)
+        self.updates_left: int | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and self.updates_left is not None:
+            if self.updates_left <= 0:  # a probe forward (zeroth-order ±μ, alignment): statistics stay as they are
+                return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            self.updates_left -= 1
+        return super().forward(x)
+
+
 def _norm(c: int, frozen: bool) -> nn.Module:
     return FrozenBatchNorm(c) if frozen else nn.BatchNorm2d(c)
+
+
+def bn_mode(freeze_bn: bool | str) -> str:
+    """``model.freeze_bn`` as one of :data:`BN_MODES` (booleans of older callers: True = all, False = none)."""
+    mode = ("all" if freeze_bn else "none") if isinstance(freeze_bn, bool) else freeze_bn
+    if mode not in BN_MODES:
+        raise ConfigError(f"invalid value for model.freeze_bn: {freeze_bn!r} (choose one of {list(BN_MODES)})")
+    return mode
+
+
+def _replace_bn(module: nn.Module, make: type[nn.Module], trainable_affine: bool) -> None:
+    """Swap every BatchNorm below ``module`` for a ``make`` layer holding the same parameters and statistics."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            new = make(child.num_features, trainable_affine).to(child.weight.device)
+            new.load_state_dict(child.state_dict())
+            setattr(module, name, new)
+        else:
+            _replace_bn(child, make, trainable_affine)
+
+
+def apply_bn_mode(client: nn.Module, server: nn.Module, mode: str) -> None:
+    """Set the BatchNorm layers of a frozen-BN split to ``model.freeze_bn=mode`` (``all``: nothing to do)."""
+    if mode == "all":
+        return
+    _replace_bn(server, BatchStatsNorm, trainable_affine=mode == "none")
+    if mode == "none":  # the client's γ, β join θc; its statistics stay frozen (FrozenBatchNorm's eval mode)
+        for m in client.modules():
+            if isinstance(m, FrozenBatchNorm):
+                for p in m.parameters():
+                    p.requires_grad_(True)
+
+
+def uses_batch_stats(module: nn.Module) -> bool:
+    """Whether a forward of ``module`` in train mode depends on its batch (then clients are run one by one)."""
+    return any(isinstance(m, BatchStatsNorm) for m in module.modules())
+
+
+def running_stat_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(layer, buffer name) of the running statistics that train-mode forwards of ``module`` update."""
+    return [(m, name) for m in module.modules() if isinstance(m, BatchStatsNorm)
+            for name in ("running_mean", "running_var")]  # fmt: skip
+
+
+@contextlib.contextmanager
+def bound_running_stats(slots: Sequence[tuple[nn.Module, str]], stats: Sequence[Tensor]) -> Iterator[None]:
+    """Run a block with ``stats`` as the running statistics (a server copy θs_m's own), then put the module's back."""
+    saved = [mod._buffers[name] for mod, name in slots]
+    for (mod, name), t in zip(slots, stats, strict=True):
+        mod._buffers[name] = t
+    try:
+        yield
+    finally:
+        for (mod, name), t in zip(slots, saved):
+            mod._buffers[name] = t
+
+
+@contextlib.contextmanager
+def running_stat_updates(module: nn.Module, limit: int) -> Iterator[None]:
+    """Within the block, the batch-statistics BatchNorm layers of ``module`` update their running statistics on the
+    first ``limit`` forwards only; later forwards use their batch statistics without updating. A zeroth-order step
+    runs several forwards of one batch at perturbed weights: counting each would weigh that batch several times."""
+    layers = [m for m in module.modules() if isinstance(m, BatchStatsNorm)]
+    for m in layers:
+        m.updates_left = limit
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.updates_left = None
 
 
 class BasicBlock(nn.Module):
@@ -70,6 +181,11 @@ class ResNet18(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(512, num_classes)
 
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, classes); the whole model, for pretraining
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
 
 class ResNetClient(nn.Module):
     """Stem + residual stages 1..cut: z = f_c(x; θc)."""
@@ -95,7 +211,12 @@ class ResNetServer(nn.Module):
         return self.fc(torch.flatten(self.avgpool(self.layers(z)), 1))
 
 
-def load_pretrained(net: nn.Module, path: str, num_classes: int) -> None:
+def load_pretrained(
+    net: nn.Module, path: str, num_classes: int, head: str = "fc", what: str = "ResNet-18", reset_head: bool = False
+) -> None:
+    """Load a state dict of the whole model from a local file into ``net``; a classifier ``head`` of another number
+    of classes (an ImageNet head, or a pretraining run on other classes), or any head with ``reset_head``, is dropped
+    and ``net``'s new head kept."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"model.pretrained: weights file not found: {path}")
@@ -105,21 +226,63 @@ def load_pretrained(net: nn.Module, path: str, num_classes: int) -> None:
         raise ConfigError(f"model.pretrained: cannot read {path}: {exc}") from None
     if isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
-    if state.get("fc.weight") is not None and state["fc.weight"].shape[0] != num_classes:
-        state = {k: v for k, v in state.items() if not k.startswith("fc.")}  # new head for our classes
-    missing, unexpected = net.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("fc.")]
+    if not isinstance(state, dict):
+        raise ConfigError(f"model.pretrained: {path} holds a {type(state).__name__}, not a state dict")
+    head_w = state.get(f"{head}.weight")
+    if isinstance(head_w, Tensor) and (head_w.shape[0] != num_classes or reset_head):
+        state = {k: v for k, v in state.items() if not k.startswith(f"{head}.")}
+        why = "model.reset_head" if head_w.shape[0] == num_classes else f"{num_classes} classes here"
+        print(f"note: model.pretrained: {path} has a {head_w.shape[0]}-class head ({head}); it is dropped ({why}) and "
+              f"a new {num_classes}-class head initialised", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # tensors of other shapes: another width, input size or architecture
+        why = str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else str(exc)
+        raise ConfigError(f"model.pretrained: {path} does not match {what} ({why})") from None
+    missing = [k for k in missing if not k.startswith(f"{head}.")]
     if missing or unexpected:
         raise ConfigError(
-            f"model.pretrained: {path} does not match ResNet-18 (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"model.pretrained: {path} does not match {what} (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
 
 
-def resnet18_split(num_classes: int, in_channels: int, cut: int, frozen_bn: bool, pretrained: str = "") -> tuple:
-    net = ResNet18(num_classes, in_channels, frozen_bn)
+def resnet18_split(
+    num_classes: int,
+    in_channels: int,
+    cut: int,
+    frozen_bn: bool | str = True,
+    pretrained: str = "",
+    reset_head: bool = False,
+) -> tuple:
+    """(f_c, f_s) of ResNet-18 cut after stage ``cut``; ``frozen_bn``: ``model.freeze_bn`` (or a boolean)."""
+    mode = bn_mode(frozen_bn)
+    net = ResNet18(num_classes, in_channels, frozen_bn=True)  # other modes are derived from the frozen split
     if pretrained:
-        load_pretrained(net, pretrained, num_classes)
-    return ResNetClient(net, cut), ResNetServer(net, cut)
+        load_pretrained(net, pretrained, num_classes, reset_head=reset_head)
+    client, server = ResNetClient(net, cut), ResNetServer(net, cut)
+    apply_bn_mode(client, server, mode)
+    return client, server
+
+
+class SmallCNN(nn.Module):
+    """Two conv blocks (conv3x3-ReLU-maxpool) and a linear head: the whole model that :func:`small_cnn_split` cuts,
+    and the layout of its pretrained state dict (``blocks.i.*``, ``head.*``)."""
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], width: int) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        blocks = []
+        for i in range(2):
+            c_out = width * 2**i
+            blocks.append(nn.Sequential(nn.Conv2d(c, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)))
+            c, h, w = c_out, h // 2, w // 2
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(c * h * w, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, classes)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(torch.flatten(x, 1))
 
 
 class SmallCNNClient(nn.Module):
@@ -145,13 +308,17 @@ class SmallCNNServer(nn.Module):
         return self.head(torch.flatten(z, 1))
 
 
-def small_cnn_split(num_classes: int, input_shape: tuple[int, int, int], cut: int, width: int) -> tuple:
+def small_cnn_split(
+    num_classes: int,
+    input_shape: tuple[int, int, int],
+    cut: int,
+    width: int,
+    pretrained: str = "",
+    reset_head: bool = False,
+) -> tuple:
     """Two conv blocks (conv3x3-ReLU-maxpool) and a linear head; the client keeps the first ``cut`` blocks."""
-    c, h, w = input_shape
-    blocks = []
-    for i in range(2):
-        c_out = width * 2**i
-        blocks.append(nn.Sequential(nn.Conv2d(c, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)))
-        c, h, w = c_out, h // 2, w // 2
-    head = nn.Linear(c * h * w, num_classes)
-    return SmallCNNClient(nn.ModuleList(blocks[:cut])), SmallCNNServer(nn.ModuleList(blocks[cut:]), head)
+    net = SmallCNN(num_classes, input_shape, width)
+    if pretrained:
+        load_pretrained(net, pretrained, num_classes, "head", f"small_cnn of width {width}", reset_head)
+    blocks = list(net.blocks)
+    return SmallCNNClient(nn.ModuleList(blocks[:cut])), SmallCNNServer(nn.ModuleList(blocks[cut:]), net.head)

@@ -219,6 +219,15 @@ class Distributed:
         """Set ``key`` in the job's store, for the peers that :meth:`wait_for` it."""
         self._kv().set(key, b"1")
 
+    def put(self, key: str, value: str) -> None:
+        """Set ``key`` to ``value`` in the job's store (read by the peers with :meth:`get`)."""
+        self._kv().set(key, value.encode())
+
+    def get(self, key: str, timeout_s: float) -> str:
+        """The value a peer :meth:`put` under ``key``, waiting for it at most ``timeout_s``."""
+        self.wait_for(key, timeout_s)
+        return self._kv().get(key).decode()
+
     def wait_for(self, key: str, timeout_s: float) -> None:
         """Block until a peer has posted ``key``, at most ``timeout_s``. A store wait sleeps in a socket read and has
         a bound of its own; a collective would wait with its group's timeout, which is for collectives."""
@@ -471,3 +480,37 @@ def check_devices(cfg: Config) -> None:
             index = torch.device(value).index
             if index is not None and index >= torch.cuda.device_count():
                 raise ConfigError(f"{key}={value} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+SMALL_MODEL_PARAMS = 10_000_000
+"""Below this many parameters a process runs on one intra-op thread (``job.threads=0``): the work per kernel is too
+small to split, and threads that wait for cores other processes hold cost more than they save. In one process on a
+2-core machine under load (bench/threads.py, bench/results/threads.json) the quickstart CNN took 0.18 s per round
+with one thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s, so under load one thread wins there too,
+while on an idle machine a model that size gains from every core (the auto rule's other branch)."""
+
+
+def slurm_job_id(environ: Mapping[str, str] | None = None) -> str:
+    """SLURM_JOB_ID, or "" outside a Slurm job."""
+    return (os.environ if environ is None else environ).get("SLURM_JOB_ID", "")
+
+
+def set_threads(cfg: Config, params: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Set this process's intra-op threads from ``job.threads`` (see its docstring); (threads, why) for the log.
+
+    ``params``: the parameters of the model this process runs (both parts in one process)."""
+    import torch
+
+    environ = os.environ if environ is None else environ
+    if cfg.job.threads:
+        n, why = cfg.job.threads, "job.threads"
+    elif environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        n = int(environ["OMP_NUM_THREADS"])
+        why = f"job.threads=0 (auto): OMP_NUM_THREADS={n} from the environment (torchrun sets 1)"
+    elif params < SMALL_MODEL_PARAMS:
+        n, why = 1, f"job.threads=0 (auto): a model of {params / 1e6:.2g}M parameters runs fastest on one"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n, why = cores, f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters, every core"
+    torch.set_num_threads(n)
+    return n, why

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.config import Config
@@ -16,14 +18,23 @@ from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
 from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState
-from hosfl_dist.runtime.env import StopRequest, check_devices
+from hosfl_dist.runtime.env import StopRequest, check_devices, set_threads
 from hosfl_dist.runtime.loop import train_loop
 from hosfl_dist.measure.tracker import process_memory
-from hosfl_dist.runtime.outputs import RunWriter, metrics_row, prepare_out_dir, progress_bar, run_summary
+from hosfl_dist.runtime.outputs import (
+    RunWriter,
+    announce,
+    metrics_row,
+    prepare_out_dir,
+    progress_bar,
+    run_summary,
+    show_eval,
+)
+from hosfl_dist.runtime.run_dir import chosen, resolve_out_dir
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
-from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
+from hosfl_dist.transport.link import DelayedCollective, DelayedTransport, describe_link, describe_traffic
 from hosfl_dist.transport.metered import MeteredTransport
 from hosfl_dist.transport.wire import CommMeter
 
@@ -40,10 +51,13 @@ class InProcessRunner:
         self.bar: Any = None
         self.rounds: int | None = None
         self.stop = StopRequest()
+        self.threads_before: int | None = None
 
     def setup(self) -> InProcessRunner:
+        check_devices(self.cfg)
+        if not chosen(self.cfg):  # runs/<job.name>/<start time>, and latest -> it
+            self.cfg = resolve_out_dir(self.cfg)
         cfg = self.cfg
-        check_devices(cfg)
         self.data: FederatedData = build_data(cfg)
         self.split: SplitModel = build_split_model(cfg, self.data.info, self.spec.zeroth_order_client)
         self.server: ServerBase = self.spec.server(cfg, self.split)
@@ -85,11 +99,22 @@ class InProcessRunner:
         self.writer = writer = RunWriter(
             cfg, "in_process", start.round if start else None, start.wall_s if start else 0.0, str(ckpt or "")
         )
+        params = sum(p.numel() for m in (self.split.client, self.split.server) for p in m.parameters())
+        self.threads_before = torch.get_num_threads()  # restored by cleanup: a library call leaves the process as is
+        threads, why = set_threads(cfg, params)
+        c = cfg.clients
+        announce([
+            f"{cfg.job.name}: {cfg.algorithm.name} in one process, {c.total} clients ({c.per_round} per round), "
+            f"budget {cfg.train.budget_samples} samples; run folder {cfg.job.out_dir}",
+            f"threads: {threads} intra-op ({why})",
+            *([describe_link(cfg.comm)] if self.link is not None else []),
+        ])  # fmt: skip
         self.bar = progress_bar(cfg)
         every, last = cfg.checkpoint.interval_samples, [start.processed if start else 0]
 
         def on_eval(t: int, processed: int) -> None:
-            writer.log(self.endpoint.locked(lambda: metrics_row(self.server, t, processed, self.meter.snapshot())))
+            row = self.endpoint.locked(lambda: metrics_row(self.server, t, processed, self.meter.snapshot()))
+            show_eval(self.bar, writer.log(row))
 
         def after_round(t: int, processed: int) -> bool:
             if (every and processed // every > last[0] // every) or self.stop.signal:
@@ -104,6 +129,10 @@ class InProcessRunner:
             writer.interrupt(f"{self.stop.signal} after round {self.rounds}", self.rounds, str(self.saved))
             raise Interrupted(f"{self.stop.signal}: stopped after round {self.rounds}; checkpoint {self.saved} "
                               "(resume with job.resume=auto)")  # fmt: skip
+        if self.bar is not None:
+            self.bar.close()
+        announce([f"budget reached after {self.rounds} rounds: bringing the {cfg.clients.total} client replicas up to "
+                  "date (Algorithm 3), checking them against the server, writing summary.json"])  # fmt: skip
         self.worker.sync_all(self.rounds)
         digests = {"worker_0": self.worker.client_digest()}
         problem = self.server.audit(self.rounds, digests)
@@ -121,12 +150,15 @@ class InProcessRunner:
         )
         if self.link is not None:
             summary["link"] = self.link.summary()
+            announce([describe_traffic(summary["link"])])
         summary["memory"] = [process_memory(0, "in-process", self.split.client, self.split.server)]
         return writer.complete(summary)
 
     def cleanup(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
         if self.link is not None:
             self.link.close()
 

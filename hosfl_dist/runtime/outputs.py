@@ -31,8 +31,11 @@ from hosfl_dist.runtime.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+BEST_KEYS = ("best_eval_accuracy", "best_round")
+EVAL_SHOWN = ("eval_accuracy", "eval_f1", "eval_exact_match", "eval_loss")
+"""The evaluation statistics the progress bar shows (those a task reports)."""
 CHECKPOINTS = "checkpoints"
-VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface", "loggers")}
+VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface", "loggers", "threads")}
 """Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
 
 
@@ -214,12 +217,23 @@ class RunWriter:
     def wall_s(self) -> float:
         return time.perf_counter() - self.start
 
-    def log(self, row: dict[str, Any]) -> None:
-        row = {**row, "wall_time_s": round(self.wall_s, 3)}
+    def log(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Write one metrics row (adding wall time and the best evaluation so far); returns it as written."""
+        row = {**row, **self._best(row), "wall_time_s": round(self.wall_s, 3)}
         self.history.append(row)
         self._metrics.write(strict_dumps(row) + "\n")
         self._metrics.flush()
         self.trackers.log(row)
+        return row
+
+    def _best(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``best_eval_accuracy`` and ``best_round``: the highest evaluation accuracy up to this row (the first round
+        that reached it), beside the last one (the authors' code reports the best over evaluations)."""
+        scored = [r for r in [*self.history, row] if r.get("eval_accuracy") is not None]
+        if "eval_accuracy" not in row or not scored:
+            return {}
+        best = max(scored, key=lambda r: (r["eval_accuracy"], -r["round"]))
+        return {"best_eval_accuracy": best["eval_accuracy"], "best_round": best["round"]}
 
     def _dump(self, summary: dict[str, Any]) -> None:
         tmp = self.dir / "summary.json.tmp"
@@ -239,9 +253,16 @@ class RunWriter:
         """Write a completed run's summary and say so in one line."""
         summary = self._write(summary)
         last = summary["final"]
+        best = (
+            ""
+            if last.get("best_eval_accuracy") is None
+            else (f" (best {last['best_eval_accuracy']} at round {last['best_round']})")
+        )
         print(
             f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
-            f"eval_accuracy={last.get('eval_accuracy')}, wall {summary['wall_time_s']} s -> {self.cfg.job.out_dir}",
+            f"eval_accuracy={last.get('eval_accuracy')}{best}, wall {summary['wall_time_s']} s -> {self.dir}\n"
+            "      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; plots and tables of "
+            "several runs: python -m hosfl_dist.experiments.compare",
             flush=True,
         )
         return summary
@@ -293,11 +314,29 @@ def run_summary(
         "algorithm": cfg.algorithm.name,
         "rounds": rounds,
         "processed_samples": processed,
-        "final": {k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
+        "final": {
+            **{k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
+            **{k: last[k] for k in BEST_KEYS if k in last},
+        },
         "comm": {"bytes": comm, "training_total_bytes": sum(comm[c] for c in PAPER_CATEGORIES)},
         "client_digests": client_digests,
         "server_digest": server_digest,
     }
+
+
+def show_eval(bar: Any, row: dict[str, Any] | None) -> None:
+    """The last evaluation beside the progress bar (e.g. ``round 120: eval_accuracy 85.3%, eval_loss 0.412``)."""
+    if bar is None or not row:
+        return
+    shown = [f"{k} {row[k]:.1%}" if k.endswith(("accuracy", "f1", "exact_match")) else f"{k} {row[k]:.3g}"
+             for k in EVAL_SHOWN if isinstance(row.get(k), (int, float))]  # fmt: skip
+    bar.set_postfix_str(f"round {row['round']}: " + ", ".join(shown), refresh=True)
+
+
+def announce(lines: list[str]) -> None:
+    """What the run is about to do, before the progress bar (one line each, flushed)."""
+    for line in lines:
+        print(line, flush=True)
 
 
 def progress_bar(cfg: Config) -> Any:

@@ -38,13 +38,30 @@ from hosfl_dist.errors import ConfigError, HosflError, Interrupted, ProtocolErro
 from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.checkpoint import Checkpointer, LoopState, rng_state, set_rng_state
-from hosfl_dist.runtime.env import Distributed, LaunchEnv, StopRequest, check_devices, init_distributed, role_map
+from hosfl_dist.runtime.env import (
+    Distributed,
+    LaunchEnv,
+    StopRequest,
+    check_devices,
+    init_distributed,
+    role_map,
+    set_threads,
+)
 from hosfl_dist.runtime.fsdp import CallBroadcast, follow, shard_server_model
 from hosfl_dist.runtime.loop import train_loop
-from hosfl_dist.runtime.outputs import RunWriter, metrics_row, prepare_out_dir, progress_bar, run_summary
+from hosfl_dist.runtime.outputs import (
+    EVAL_SHOWN,
+    RunWriter,
+    metrics_row,
+    prepare_out_dir,
+    progress_bar,
+    run_summary,
+    show_eval,
+)
+from hosfl_dist.runtime.run_dir import chosen, resolve_out_dir, with_out_dir
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.endpoint import ServerEndpoint
-from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
+from hosfl_dist.transport.link import DelayedCollective, DelayedTransport, describe_link, describe_traffic
 from hosfl_dist.transport.metered import MeteredTransport
 from hosfl_dist.transport.server_group import ServerGroup
 from hosfl_dist.transport.rpc import (
@@ -72,6 +89,7 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> int:
     state: dict[str, Any] = {}
     ok = False
     try:
+        cfg = _agree_out_dir(cfg, d)
         with StopRequest() as stop:
             state["stop"] = stop
             if env.rank == 0:
@@ -124,7 +142,8 @@ class ServerFront:
         server = self.endpoint.server
         if kind == "eval":  # between executions: the row pops the server's train loss / eval statistics
             row = self.endpoint.locked(lambda: metrics_row(server, payload["t"], payload["processed"], payload["comm"]))
-            self.writer.log(row)
+            row = self.writer.log(row)
+            return {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
         elif kind == "resume":  # a worker starting: its own part of the checkpoint and what the server adds to it
             if self.resume is None:
                 return None
@@ -180,6 +199,7 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
         lean = tuple(name for name, w in wire_specs(spec.server).items() if w.gather)
     mirror = CallBroadcast(d.server_group, lean) if d.server_group is not None else None
     server = _server(cfg, spec, d)
+    _log(d, f"run folder {cfg.job.out_dir}")
     checkpointer = Checkpointer(cfg.job.out_dir, cfg.checkpoint.keep, d.server_group)
     resume = None
     if ckpt is not None:
@@ -230,7 +250,20 @@ def _server_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, state: dict[s
     summary["transport"] = {"workers": final["transport"], "server": endpoint.stats()}
     if final.get("link"):
         summary["link"] = final["link"]
+        _log(d, describe_traffic(final["link"]))
     writer.complete(summary)
+
+
+def _agree_out_dir(cfg: Config, d: Distributed) -> Config:
+    """Every rank's ``job.out_dir``: the user's, or the folder rank 0 makes for this run (runs/<job.name>/<start
+    time>, see :mod:`hosfl_dist.runtime.run_dir`), handed to the others through the store."""
+    if chosen(cfg):
+        return cfg
+    if d.rank == 0:
+        cfg = resolve_out_dir(cfg, restarted=d.env.restart > 0)
+        d.put("hosfl/out_dir", cfg.job.out_dir)
+        return cfg
+    return with_out_dir(cfg, d.get("hosfl/out_dir", cfg.server.rpc_timeout_s))
 
 
 def _shard_main(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> None:
@@ -247,6 +280,7 @@ def _server(cfg: Config, spec: AlgorithmSpec, d: Distributed) -> Any:
     data_parallel = bool(getattr(spec.server, "data_parallel", False))
     shard = (lambda module: shard_server_model(module, group, d.device)) if group is not None else None
     split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
+    _log(d, "threads: {} intra-op ({})".format(*set_threads(cfg, sum(p.numel() for p in split.server.parameters()))))
     server = spec.server(cfg, split)  # after sharding: the optimizer must see the sharded parameters
     if group is not None and data_parallel:
         server.group = ServerGroup(group)  # submit spreads each round's rows over the group
@@ -260,6 +294,12 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
     data = build_data(cfg, clients=roles.hosted[rank], evaluation=leader)  # its clients' shards (+ evaluation)
     split = build_split_model(cfg, data.info, spec.zeroth_order_client, parts=spec.worker_parts)
     split.keep(spec.worker_parts)
+    parts = [m for m in (split.client, split.server) if m is not None]  # the parts this worker holds
+    threads, why = set_threads(cfg, sum(p.numel() for m in parts for p in m.parameters()))
+    if leader:
+        _log(d, f"threads: {threads} intra-op per worker ({why})")
+        if cfg.comm.inject_delay:
+            _log(d, describe_link(cfg.comm))
     meter, stats = CommMeter(), TransportStats()
     group = ProcessGroupCollective(d.worker_group, leader, d.device, meter, stats)
     rpc = RPCTransport(fetch_front(cfg.server.rpc_timeout_s), cfg.server.rpc_timeout_s, stats)
@@ -296,7 +336,7 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
                                    f"train.eval_timeout_s={cfg.train.eval_timeout_s:g} s") from None  # fmt: skip
         comm = group.sum_counts(meter.snapshot())
         if leader:
-            rpc.report("eval", t=t, processed=processed, comm=comm)
+            show_eval(bar, rpc.report("eval", t=t, processed=processed, comm=comm))
         group.barrier()  # no worker starts the next round before the row is written
 
     def after_round(t: int, processed: int) -> bool:
@@ -324,6 +364,10 @@ def _worker_main(cfg: Config, spec: AlgorithmSpec, d: Distributed, stop: StopReq
             if leader:
                 rpc.report("interrupted", t=t, why=f"{stop.signal or 'SIGTERM'} after round {t}")
             raise Interrupted(f"{stop.signal or 'a signal to another worker'}: stopped after round {t}")
+        if bar is not None:
+            bar.close()
+            _log(d, f"budget reached after {t} rounds: bringing every worker's client replicas up to date "
+                    "(Algorithm 3), checking them against the server, writing summary.json")  # fmt: skip
         worker.sync_all(t)  # Algorithm 3 up to round t for every hosted replica, so the digests are comparable
     finally:
         if bar is not None:

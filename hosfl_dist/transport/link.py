@@ -256,3 +256,21 @@ class DelayedCollective:
 
     def coordinate(self, t: Any) -> Any:
         return self.inner.coordinate(t)
+
+
+def describe_link(link: LinkConfig) -> str:
+    """One line for the start of a run with ``comm.inject_delay=true``: the link every message now waits for."""
+    return (
+        f"emulated link (comm.inject_delay=true, App. C.1): per client uplink {link.uplink_mbps:g} Mb/s, downlink "
+        f"{link.downlink_mbps:g} Mb/s, RTT {link.rtt_ms:g} ms; each message waits bytes*8/bandwidth + RTT/2, so "
+        "round times include it (summary.json: link)"
+    )
+
+
+def describe_traffic(summary: Mapping[str, Any]) -> str:
+    """One line for the end of a run: what the emulated link carried and the delay it injected (:meth:`summary`)."""
+    return (
+        f"emulated link carried {summary['messages']} messages: {summary['uplink_bytes'] / 1e6:.3g} MB up "
+        f"({summary['delay_uplink_s']:.3g} s of delay), {summary['downlink_bytes'] / 1e6:.3g} MB down "
+        f"({summary['delay_downlink_s']:.3g} s)"
+    )

@@ -1,0 +1,110 @@
+"""A newcomer's first runs: a folder per run unless one is chosen, threads chosen and said, the last evaluation and
+the best one in the rows, the emulated link announced."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosfl_dist.config import load_config
+from hosfl_dist.runtime.env import SMALL_MODEL_PARAMS, set_threads
+from hosfl_dist.runtime.outputs import show_eval
+from hosfl_dist.runtime.run_dir import deterministic_out_dir, resolve_out_dir
+from hosfl_dist.transport.link import describe_link, describe_traffic
+from tiny import TINY_OVERRIDES, run_in_process
+
+
+def test_runs_without_a_chosen_folder_get_their_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    first = run_in_process([*TINY_OVERRIDES, "job.name=mine"])[0].job.out_dir
+    second = run_in_process([*TINY_OVERRIDES, "job.name=mine"])[0].job.out_dir
+    assert first != second and Path(first).parent == Path(second).parent == Path("runs/mine")
+    for d in (first, second):  # the second run replaced nothing of the first
+        assert json.loads(Path(d, "summary.json").read_text())["status"] == "completed"
+    assert os.readlink("runs/mine/latest") == Path(second).name
+    out = capsys.readouterr().out
+    assert f"run folder {first}" in out and f"-> {second}" in out
+
+
+def test_a_chosen_folder_is_used_exactly(tmp_path):
+    d = tmp_path / "exactly here"
+    cfg = run_in_process([*TINY_OVERRIDES, f"job.out_dir={d}"])[0]
+    assert Path(cfg.job.out_dir) == d
+    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"]
+
+
+def test_slurm_and_resume_find_their_folder_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["job.name=x"])
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert deterministic_out_dir(cfg) == Path("runs/x/slurm-4242")  # a requeued job continues it
+    assert resolve_out_dir(cfg).job.out_dir == "runs/x/slurm-4242" and os.readlink("runs/x/latest") == "slurm-4242"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert deterministic_out_dir(cfg) is None  # a new run: a new folder
+    made = resolve_out_dir(cfg).job.out_dir
+    assert Path(made).is_dir() and os.readlink("runs/x/latest") == Path(made).name
+    resumed = load_config(None, ["job.name=x", "job.resume=auto"])
+    assert deterministic_out_dir(resumed) == Path(made)  # job.resume=auto continues latest
+
+
+def test_best_evaluation_beside_the_last(tmp_path):
+    _, _, summary, rows = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}"])
+    for i, row in enumerate(rows):
+        seen = rows[: i + 1]
+        best = max(r["eval_accuracy"] for r in seen)
+        assert row["best_eval_accuracy"] == best
+        assert row["best_round"] == next(r["round"] for r in seen if r["eval_accuracy"] == best)
+    assert summary["final"]["best_eval_accuracy"] == rows[-1]["best_eval_accuracy"]
+    assert summary["final"]["eval_accuracy"] == rows[-1]["eval_accuracy"]
+
+
+def test_threads_auto_follows_the_environment_then_the_model_size():
+    before = torch.get_num_threads()
+    try:
+        cfg = load_config(None, [])
+        assert set_threads(cfg, 10**9, {"OMP_NUM_THREADS": "3"})[0] == 3 == torch.get_num_threads()
+        n, why = set_threads(cfg, SMALL_MODEL_PARAMS - 1, {})
+        assert n == 1 and "one" in why
+        assert set_threads(cfg, SMALL_MODEL_PARAMS, {})[0] == len(os.sched_getaffinity(0))
+        assert set_threads(load_config(None, ["job.threads=2"]), 10, {"OMP_NUM_THREADS": "1"})[0] == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_in_process_run_leaves_the_thread_count_as_it_found_it(tmp_path, capsys):
+    before = torch.get_num_threads()
+    run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}", "job.threads=1"])
+    assert torch.get_num_threads() == before
+    assert "threads: 1 intra-op (job.threads)" in capsys.readouterr().out
+
+
+class Bar:
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.text = text
+
+
+def test_the_progress_bar_shows_the_last_evaluation():
+    bar = Bar()
+    show_eval(bar, {"round": 7, "eval_accuracy": 0.8531, "eval_loss": 0.41234, "train_loss": 1.0})
+    assert bar.text == "round 7: eval_accuracy 85.3%, eval_loss 0.412"
+    show_eval(None, {"round": 1})  # no bar (job.progress=false): nothing to do
+
+
+def test_the_emulated_link_is_announced_and_summed_up():
+    cfg = load_config(None, ["comm.inject_delay=true", "comm.uplink_mbps=10", "comm.rtt_ms=40"])
+    line = describe_link(cfg.comm)
+    assert "uplink 10 Mb/s" in line and "RTT 40 ms" in line
+    stats = {"messages": 3, "uplink_bytes": 2_000_000, "downlink_bytes": 10, "delay_uplink_s": 1.6,
+             "delay_downlink_s": 0.02}  # fmt: skip
+    assert describe_traffic(stats).startswith("emulated link carried 3 messages: 2 MB up (1.6 s of delay)")
+
+
+@pytest.mark.parametrize("bad", ["job.threads=-1", "job.out_dir=' '"])
+def test_bad_job_keys_are_refused(bad):
+    with pytest.raises(Exception, match=bad.split("=")[0]):
+        load_config(None, [bad])
