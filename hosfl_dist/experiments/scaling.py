@@ -99,7 +99,9 @@ def power_fit(xs: list[float], ys: list[float]) -> dict[str, float] | None:
     return {"a": float(math.exp(log_a)), "b": float(b), "r2": r2, "points": len(pts)}
 
 
-def write_scaling(out: Path, points: dict[str, dict[str, Any]], metric: str, command: str) -> str:
+def write_scaling(
+    out: Path, points: dict[str, dict[str, Any]], metric: str, command: str, title: str = "Scaling study"
+) -> str:
     xs = [p["client_params"] for p in points.values()]
     fits = {q: power_fit(xs, [p[q] for p in points.values()]) for q in QUANTITIES}
     (out / "scaling.json").write_text(json.dumps({"points": points, "fits": fits, "command": command}, indent=1))
@@ -125,25 +127,54 @@ def write_scaling(out: Path, points: dict[str, dict[str, Any]], metric: str, com
             lines.append(f"- {q}: a = {f['a']:.4g}, b = {f['b']:.3f}, R² = {f['r2']:.3f} over {f['points']} points")
     text = "\n".join(lines) + "\n"
     (out / "scaling.md").write_text(text)
-    _plot(out / "scaling.png", points)
+    _plot(out / "scaling.png", points, fits, metric, title)
     return text
 
 
-def _plot(path: Path, points: dict[str, dict[str, Any]]) -> None:
+PANELS = (
+    ("traffic_bytes_per_round", "training traffic per round [MB]", 1e-6),
+    ("wall_s_per_round", "wall time per round [s] (in-process)", 1.0),
+    ("peak_rss_bytes", "peak RSS of the run [GB]", 1e-9),
+)
+"""Plotted quantities: key, axis label, unit scale."""
+
+
+def _plot(path: Path, points: dict[str, dict[str, Any]], fits: dict[str, Any], metric: str, title: str) -> None:
+    """One panel per quantity (and the final metric) against f_c's parameters, log x; the fitted power law dashed,
+    its exponent in the panel's title; a log y axis only where values span more than 10x."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, (q, label) in zip(axes, [("traffic_bytes_per_round", "training bytes / round"),
-                                     ("wall_s_per_round", "s / round (in-process)"),
-                                     ("client_param_bytes", "f_c bytes")]):  # fmt: skip
-        for name, p in points.items():
-            ax.scatter(p["client_params"], p[q], label=name)
-        ax.set(xscale="log", yscale="log", xlabel="f_c parameters", ylabel=label)
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
+    panels = [*PANELS, *([(metric, f"final {metric}", 1.0)] if any(p.get(metric) is not None for p in points.values())
+                         else [])]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), layout="constrained", squeeze=False)
+    xs = np.array([p["client_params"] for p in points.values()], dtype=float)
+    for ax, (q, label, scale) in zip(axes[0], panels):
+        ys = [p.get(q) for p in points.values()]
+        for (name, p), y in zip(points.items(), ys):
+            if y is not None:
+                ax.scatter(p["client_params"], y * scale, label=name, s=36)
+        fit = fits.get(q)
+        head = label.split(" [")[0]
+        if fit is not None:
+            grid = np.geomspace(xs.min(), xs.max(), 50)
+            ax.plot(grid, fit["a"] * grid ** fit["b"] * scale, "k--", lw=1, label="fit")
+            head += f"\nfit ∝ x^{fit['b']:.2f}, R² = {fit['r2']:.2f}"
+        known = [y * scale for y in ys if y]
+        log_y = bool(known) and min(known) > 0 and max(known) / min(known) > 10
+        ax.set(xscale="log", yscale="log" if log_y else "linear", xlabel="f_c parameters (x)", ylabel=label)
+        ax.set_title(head, fontsize=9)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 50k, 100k, 200k, ...: labels never crowd
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(alpha=0.3, which="both")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -156,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
 
-        specs, _, _ = build(args)
+        specs, title, _ = build(args)
         points = {name: point(args.config, [load(s) for s in runs], args.metric) for name, runs in specs.items()}
         words = argv if argv is not None else sys.argv[1:]
-        print(write_scaling(Path(args.out), points, args.metric, f"python -m {PROG} " + " ".join(words)))
+        command = f"python -m {PROG} " + " ".join(words)
+        print(write_scaling(Path(args.out), points, args.metric, command, f"Scaling: {title}"))
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

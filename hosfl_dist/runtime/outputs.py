@@ -256,11 +256,12 @@ class RunWriter:
         best = (
             ""
             if last.get("best_eval_accuracy") is None
-            else (f" (best {last['best_eval_accuracy']} at round {last['best_round']})")
+            else f" (best {_fraction(last['best_eval_accuracy'])} at round {last['best_round']})"
         )
         print(
             f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
-            f"eval_accuracy={last.get('eval_accuracy')}{best}, wall {summary['wall_time_s']} s -> {self.dir}\n"
+            f"eval_accuracy={_fraction(last.get('eval_accuracy'))}{best}, wall {summary['wall_time_s']} s -> "
+            f"{self.dir}\n"
             "      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; plots and tables of "
             "several runs: python -m hosfl_dist.experiments.compare",
             flush=True,
@@ -322,6 +323,11 @@ def run_summary(
         "client_digests": client_digests,
         "server_digest": server_digest,
     }
+
+
+def _fraction(value: Any) -> str:
+    """An accuracy for the console: 4 decimals (metrics.jsonl and summary.json keep every digit)."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def show_eval(bar: Any, row: dict[str, Any] | None) -> None:
