@@ -102,6 +102,11 @@ def test_an_unusable_out_dir_is_one_line(tmp_path, capsys, out_dir, needle):
         ("fsl_sage", ["algorithm.server_update_interval=2"]),
         ("zo_sfl", []),
         ("mu_splitfed", []),
+        # frozen parameters (BatchNorm's affine ones), which checkpoints leave out, and running statistics that
+        # training updates (freeze_bn=client): five rounds, evaluated every second
+        *[pytest.param("hosfl", ["model.name=resnet18", f"model.freeze_bn={bn}", "train.budget_samples=120",
+                                 "train.eval_every_samples=48"], marks=pytest.mark.slow)  # ~30 s each
+          for bn in ("all", "client")],  # fmt: skip
     ],
 )
 def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, alg, extra):
@@ -120,6 +125,33 @@ def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, alg, extra)
     assert rows_of(out) == rows_of(tmp_path / "ref")
     assert got["client_digests"] == ref["client_digests"] and got["server_digest"] == ref["server_digest"]
     assert got["comm"] == ref["comm"] and got["resumed_from"].endswith("round-00000002")
+
+
+def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):
+    """Checkpoints leave frozen parameters out (they come from the model's source): loading one fills every other
+    tensor — trainable ones, running statistics, optimizer state — and leaves the frozen ones as built."""
+    cfg = load_config(None, [*SMALL, "model.name=resnet18", "model.freeze_bn=client"])
+    spec = get_algorithm("hosfl")
+    build = lambda: spec.server(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))  # noqa: E731
+    saved = build()
+    for p in saved.model.parameters():
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    saved.opt.step()
+    for m in saved.model.modules():  # statistics a training round would have moved
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.add_(1.0)
+    path = ckpt_mod.Checkpointer(tmp_path, 2).save(saved, ckpt_mod.LoopState(3, 72), {}, {})
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(path / "model")).read_metadata().state_dict_metadata)
+    frozen = [n for n, p in saved.model.named_parameters() if not p.requires_grad]
+    assert frozen and not {f"model.{n}" for n in frozen} & stored  # BatchNorm's γ, β are not in the checkpoint
+    loaded = build()
+    ckpt_mod.Checkpointer(tmp_path, 2).load(loaded, path)
+    want, got = saved.model.state_dict(), loaded.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    a, b = saved.opt.state_dict()["state"], loaded.opt.state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):

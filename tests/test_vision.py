@@ -79,6 +79,18 @@ def test_frozen_bn_never_trains():
     before = bn.running_mean.clone()
     client(torch.randn(4, 3, 32, 32))
     assert torch.equal(before, bn.running_mean)
+    # as built, before any .train() / .eval() (a resumed run trains before its first evaluation), and even with the
+    # flag forced: running statistics, never batch statistics
+    fresh = resnet18_split(10, 3, 2, frozen_bn=True)[1]
+    stats = [m.running_var.clone() for m in fresh.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert not any(m.training for m in fresh.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    x = torch.randn(4, 128, 8, 8)
+    out = fresh(x)
+    for m in fresh.modules():
+        m.training = True
+    assert torch.equal(fresh(x), out)
+    assert all(torch.equal(a, m.running_var) for a, m in
+               zip(stats, [m for m in fresh.modules() if isinstance(m, torch.nn.BatchNorm2d)]))  # fmt: skip
 
 
 def test_pretrained_weights_load_from_a_local_file(tmp_path):

@@ -42,9 +42,14 @@ class FrozenBatchNorm(nn.BatchNorm2d):
         super().__init__(num_features)
         for p in self.parameters():
             p.requires_grad_(False)
+        self.training = False  # a module starts in train mode; this one never is (a resumed run trains before any
+        # evaluation has called .train() / .eval() on it)
 
     def train(self, mode: bool = True) -> FrozenBatchNorm:
         return super().train(False)
+
+    def forward(self, x: Tensor) -> Tensor:  # running statistics, whatever the training flag says
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
 
 
 class BatchStatsNorm(nn.BatchNorm2d):

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hosfl_dist.errors import ConfigError
+
 CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"
 
@@ -163,7 +165,14 @@ class Checkpointer:
             state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
         with _no_dist_quiet():
             dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
-        set_model_state_dict(server.model, state["model"], options=opts)
+        # frozen parameters were left out of the checkpoint (they never change; they come from the model's source),
+        # so they are the one kind of key allowed to be missing here
+        loaded = set_model_state_dict(server.model, state["model"], options=dataclasses.replace(opts, strict=False))
+        frozen = {name for name, p in server.model.named_parameters() if not p.requires_grad}
+        missing = [k for k in loaded.missing_keys if k not in frozen]
+        if missing or loaded.unexpected_keys:
+            raise ConfigError(f"checkpoint {path} does not fit the server model (missing {missing[:3]}, "
+                                  f"unexpected {list(loaded.unexpected_keys)[:3]})")  # fmt: skip
         if "optim" in state:
             set_optimizer_state_dict(server.model, server.optimizer, state["optim"], options=opts)
         extra = torch.load(path / "state.pt", weights_only=False)
