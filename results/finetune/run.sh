@@ -83,3 +83,4 @@ case "$what" in
   all) pretrain; table; settings; pmu; depth; depth_lm; gemma ;;
   *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]" >&2; exit 2 ;;
 esac
+"$PY" results/finetune/summarize.py > /dev/null  # summary.md and the depth figures from what has finished

@@ -1,0 +1,206 @@
+"""Collects what results/finetune/run.sh measured into summary.md and the client-depth figures.
+
+    python results/finetune/summarize.py          (run.sh calls it last; reads only finished folders)
+
+It reads each experiment's table.json (written by hosfl_dist.experiments.compare / sweep) and, for the curves, the
+runs' metrics.jsonl; it computes nothing the tables do not already hold except the mean accuracy over a run's
+evaluations (a convergence-speed figure: the area under the accuracy curve divided by the budget) and the per-depth
+means. A folder that does not exist yet is left out and said so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hosfl_dist.experiments.runs import safe_name
+
+HERE = Path(__file__).resolve().parent
+NAMES = {"hosfl": "HO-SFL", "sfl": "SFL", "fsl_sage": "FSL-SAGE", "zo_sfl": "ZO-SFL", "mu_splitfed": "MU-SplitFed",
+         "splitlora": "SplitLoRA"}  # fmt: skip
+ORDER = ["sfl", "fsl_sage", "zo_sfl", "mu_splitfed", "hosfl"]
+# the paper's Table 3 (App. "More results on vision tasks"): CIFAR-10 test accuracy (%), mean (std) over seeds
+PAPER = {
+    "iid": {"sfl": (77.5, 0.5), "fsl_sage": (62.1, 1.5), "zo_sfl": (12.3, 1.0), "mu_splitfed": (14.0, 0.9),
+            "hosfl": (75.0, 0.3)},
+    "dirichlet": {"sfl": (69.3, 2.6), "fsl_sage": (37.9, 2.9), "zo_sfl": (11.8, 1.2), "mu_splitfed": (13.6, 1.0),
+                  "hosfl": (69.6, 0.8)},
+}  # fmt: skip
+D_C = {1: 156_864, 2: 681_152, 3: 2_778_304}
+"""ResNet-18 client parameters that train (BatchNorm's affine ones frozen) at cut 1 / 2 / 3 (--dry-run)."""
+LM_BLOCK_LORA = 15_360
+"""SmolLM2-135M: LoRA r=8 on q_proj (576->576) and v_proj (576->192) of one decoder block."""
+
+
+def table(folder: Path) -> dict[str, Any] | None:
+    path = HERE / folder / "table.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def pct(mean: float, std: float, n: int) -> str:
+    return f"{100 * mean:.1f}" if n == 1 else f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+
+def rows_by_variant(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["variant"]: r for r in t["rows"]}
+
+
+def curves(folder: Path, variant_dir: str) -> list[list[dict[str, Any]]]:
+    """The metrics rows of every seed of one variant."""
+    out = []
+    for run in sorted((HERE / folder / "runs" / variant_dir).glob("seed*")):  # the folders compare / sweep write
+        f = run / "metrics.jsonl"
+        if f.is_file():
+            out.append([json.loads(line) for line in f.read_text().splitlines()])
+    return out
+
+
+def mean_accuracy(rows: list[dict[str, Any]]) -> float:
+    """Area under accuracy vs processed samples (trapezoids) over the budget: higher = faster convergence."""
+    x = np.array([r["processed_samples"] for r in rows], dtype=float)
+    y = np.array([r["eval_accuracy"] for r in rows], dtype=float)
+    return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0])) if len(x) > 1 else float(y[0])
+
+
+def method_table(lines: list[str]) -> None:
+    parts = {p: table(Path(p)) for p in ("iid", "dirichlet")}
+    lines += ["## Methods in the fine-tuning regime (beside the paper's Table 3)", ""]
+    if not all(parts.values()):
+        lines += [f"(not run yet: {', '.join(p for p, t in parts.items() if t is None)})", ""]
+    head = "| | " + " | ".join(NAMES[m] for m in ORDER) + " |"
+    lines += [head, "|---" * (len(ORDER) + 1) + "|"]
+    for p, t in parts.items():
+        if t is None:
+            continue
+        by = rows_by_variant(t)
+        for what, mean_key, std_key in (("final", "mean", "std"), ("best", "best_mean", "best_std")):
+            cells = [pct(by[m][mean_key], by[m][std_key], len(by[m]["seeds"])) if m in by else "–" for m in ORDER]
+            lines.append(f"| here, {p}, {what} (%) | " + " | ".join(cells) + " |")
+        lines.append(f"| paper CIFAR-10 {'IID' if p == 'iid' else 'Non-IID'} (%) | "
+                     + " | ".join(f"{PAPER[p][m][0]} ± {PAPER[p][m][1]}" for m in ORDER) + " |")  # fmt: skip
+    lines += ["", "Here: ResNet-18 pretrained on CIFAR-10 classes 0-4, fine-tuned on classes 5-9 (5 classes: chance is "
+              "20%), cut after stage 2 (d_c = 681,152), 32k processed samples, mean ± sample std over 3 seeds; "
+              "final = the last evaluation, best = the best evaluation of each run. Paper: ImageNet-pretrained "
+              "ResNet-18 on CIFAR-10 (10 classes: chance 10%), 160k samples.", ""]  # fmt: skip
+
+
+def settings_table(lines: list[str]) -> None:
+    sets = [("text", "paper text: lr 1e-5, wd 5e-4, BatchNorm frozen (all)"),
+            ("../iid", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
+            ("bn_client", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
+            ("code", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)")]  # fmt: skip
+    lines += ["## The paper text's settings beside the authors' code's (IID, 3 seeds)", "",
+              "| setting | HO-SFL final | HO-SFL best | SFL final | SFL best |", "|---|---|---|---|---|"]  # fmt: skip
+    for folder, label in sets:
+        t = table(Path("settings") / folder)
+        if t is None:
+            lines.append(f"| {label} | (not run yet) | | | |")
+            continue
+        by = rows_by_variant(t)
+        cells = []
+        for m in ("hosfl", "sfl"):
+            r = by.get(m)
+            cells += ["–", "–"] if r is None else [pct(r["mean"], r["std"], len(r["seeds"])),
+                                                    pct(r["best_mean"], r["best_std"], len(r["seeds"]))]  # fmt: skip
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
+def ablation_table(lines: list[str], folder: str, key: str, symbol: str) -> None:
+    t = table(Path(folder))
+    lines += [f"## HO-SFL: {symbol} (16k samples, IID, 3 seeds)", ""]
+    if t is None:
+        lines += ["(not run yet)", ""]
+        return
+    lines += [f"| {symbol} | final (%) | best (%) | mean over the run (%) | final train loss |", "|---" * 5 + "|"]
+    for r in t["rows"]:
+        runs = curves(Path(folder), safe_name(r["variant"]))
+        auc = [mean_accuracy(c) for c in runs]
+        loss = [c[-1]["train_loss"] for c in runs if c and c[-1].get("train_loss") is not None]
+        n = len(r["seeds"])
+        lines.append(f"| {r['variant'].split('=', 1)[1]} | {pct(r['mean'], r['std'], n)} | "
+                     f"{pct(r['best_mean'], r['best_std'], n)} | "
+                     f"{pct(float(np.mean(auc)), float(np.std(auc, ddof=1)) if n > 1 else 0.0, n) if auc else '–'} | "
+                     f"{np.mean(loss):.4f} |")  # fmt: skip
+    lines += ["", f"Plot: `{folder}/accuracy.png` (mean ± std band over seeds).", ""]
+
+
+def depth(lines: list[str], folder: str, methods: list[str], what: str, d_c: dict[int, int]) -> None:
+    t = table(Path(folder))
+    lines += [f"## Client depth: {what}", ""]
+    if t is None:
+        lines += ["(not run yet)", ""]
+        return
+    by = rows_by_variant(t)
+    cuts = sorted(d_c)
+    lines += ["| method | " + " | ".join(f"cut {c} (d_c {d_c[c]:,})" for c in cuts) + " |", "|---" * (len(cuts) + 1)
+              + "|"]  # fmt: skip
+    series: dict[str, dict[int, list[list[dict[str, Any]]]]] = {}
+    for m in methods:
+        cells = []
+        for c in cuts:
+            name = f"algorithm.name={m},split.cut={c}"
+            r = by.get(name)
+            runs = curves(Path(folder), safe_name(name))
+            series.setdefault(m, {})[c] = runs
+            if r is None or not runs:
+                cells.append("–")
+                continue
+            auc = float(np.mean([mean_accuracy(x) for x in runs]))
+            cells.append(f"{pct(r['mean'], r['std'], len(r['seeds']))} (run mean {100 * auc:.1f})")
+        lines.append(f"| {NAMES[m]} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: final accuracy (%, mean ± std over seeds where there are several) and, in brackets, the "
+              "mean accuracy over the run's evaluations (area under the curve over the budget: the convergence "
+              f"speed). Plot: `{folder}/depth.png`.", ""]  # fmt: skip
+    plot_depth(HERE / folder / "depth.png", series, what, d_c)
+
+
+def plot_depth(path: Path, series: dict[str, dict[int, list[list[dict[str, Any]]]]], what: str,
+               d_c: dict[int, int]) -> None:  # fmt: skip
+    """One panel per method, one curve per cut (mean over seeds, band = min-max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(4.3 * len(series), 3.9), sharey=True, layout="constrained")
+    for ax, (m, by_cut) in zip(np.atleast_1d(axes), series.items()):
+        for c, runs in by_cut.items():
+            if not runs:
+                continue
+            n = min(len(r) for r in runs)
+            x = np.array([r["processed_samples"] for r in runs[0][:n]])
+            y = np.array([[r["eval_accuracy"] for r in run[:n]] for run in runs]) * 100
+            ax.plot(x, y.mean(0), label=f"cut {c} (d_c {d_c[c] / 1e3:,.0f}k)")
+            if len(runs) > 1:
+                ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
+        ax.set(title=NAMES[m], xlabel="processed samples")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    np.atleast_1d(axes)[0].set_ylabel("held-out accuracy (%)")
+    fig.suptitle(f"Client depth: {what}", fontsize=10)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main() -> int:
+    lines = ["# Fine-tuning regime: collected results", "", "Written by `python results/finetune/summarize.py` from "
+             "the experiment folders beside it (`bash results/finetune/run.sh` makes them).", ""]  # fmt: skip
+    method_table(lines)
+    settings_table(lines)
+    ablation_table(lines, "ablation_P", "zo.num_perturbations", "P")
+    ablation_table(lines, "ablation_mu", "zo.mu", "μ")
+    depth(lines, "depth_resnet18", ["hosfl", "zo_sfl", "sfl"], "ResNet-18 cut after stage 1 / 2 / 3", D_C)
+    depth(lines, "depth_smollm2", ["hosfl", "zo_sfl", "splitlora"], "SmolLM2-135M, 2 / 4 / 6 / 8 client blocks",
+          {c: c * LM_BLOCK_LORA for c in (2, 4, 6, 8)})  # fmt: skip
+    (HERE / "summary.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
