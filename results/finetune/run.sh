@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
-#   bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]   (default: all, in that order)
+#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|pmu|gemma|all]   (default: all, in that order)
 # Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
 # picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each.
 set -euo pipefail
@@ -33,7 +33,7 @@ table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~
     --out "$OUT/mu_splitfed_paper_sgd" || true
 }
 
-settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 3 seeds (~1 h)
+settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 3 seeds (~1.5 h)
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 \
     clients.optim.lr=1e-5 server.optim.lr=1e-5 \
     --title "Paper text: AdamW lr 1e-5 wd 5e-4, BatchNorm frozen on both sides" --out "$OUT/settings/text"
@@ -41,21 +41,22 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
     model.freeze_bn=client clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 \
     server.optim.lr=1e-3 server.optim.weight_decay=1e-4 \
     --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 model.freeze_bn=client \
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 model.freeze_bn=client \
     --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
 }
 
-pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 3 seeds, 16k samples (~1 h)
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1,2 \
+pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 2 seeds, 16k samples (~1 h)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-3)" --out "$OUT/ablation_P"
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1,2 \
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 5)" --out "$OUT/ablation_mu"
 }
 
-depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 2 seeds (~1.5 h)
+depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 2 seeds, 16k (~1 h)
   "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid algorithm.name=hosfl,zo_sfl,sfl \
-    --grid split.cut=1,2,3 --seeds 0,1 \
-    --title "Client depth: ResNet-18 cut 1 / 2 / 3 (d_c = 157k / 681k / 2.78M)" --out "$OUT/depth_resnet18"
+    --grid split.cut=1,2,3 --seeds 0,1 train.budget_samples=16000 \
+    --title "Client depth: ResNet-18 cut 1 / 2 / 3 (d_c = 157k / 681k / 2.78M), 16k samples" \
+    --out "$OUT/depth_resnet18"
 }
 
 depth_lm() {  # client depth: SmolLM2-135M with 2 / 4 / 6 / 8 client blocks, HO-SFL, ZO-SFL and SplitLoRA, 1 seed
@@ -80,7 +81,7 @@ case "$what" in
   depth) pretrain; depth ;;
   depth_lm) depth_lm ;;
   gemma) gemma ;;
-  all) pretrain; table; settings; pmu; depth; depth_lm; gemma ;;
+  all) pretrain; table; settings; depth; depth_lm; pmu; gemma ;;
   *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]" >&2; exit 2 ;;
 esac
 "$PY" results/finetune/summarize.py > /dev/null  # summary.md and the depth figures from what has finished
