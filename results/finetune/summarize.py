@@ -112,7 +112,7 @@ def settings_table(lines: list[str]) -> None:
 
 def ablation_table(lines: list[str], folder: str, key: str, symbol: str) -> None:
     t = table(Path(folder))
-    lines += [f"## HO-SFL: {symbol} (16k samples, IID, 3 seeds)", ""]
+    lines += [f"## HO-SFL: {symbol} (16k samples, IID, 2 seeds)", ""]
     if t is None:
         lines += ["(not run yet)", ""]
         return
