@@ -19,7 +19,7 @@ pretrain() {  # step 1: ResNet-18 trained centrally on CIFAR-10 classes 0-4 (~15
   cp "${WEIGHTS%.pt}.json" "$OUT/pretrain.json"
 }
 
-table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~2 h)
+table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~3 h)
   for part in iid dirichlet; do
     # MU-SplitFed with the AdamW of the others: its paper SGD (App. B.4) diverges at this d_c (mu_splitfed_paper_sgd)
     "${COMPARE[@]}" --config "configs/finetune/hosfl_${part}.yaml" --methods "$METHODS" --seeds 0,1,2 \
@@ -33,28 +33,28 @@ table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~
     --out "$OUT/mu_splitfed_paper_sgd" || true
 }
 
-settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 3 seeds (~1.5 h)
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 \
+settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 2 seeds (~40 min)
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 \
     clients.optim.lr=1e-5 server.optim.lr=1e-5 \
     --title "Paper text: AdamW lr 1e-5 wd 5e-4, BatchNorm frozen on both sides" --out "$OUT/settings/text"
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1,2 \
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 \
     model.freeze_bn=client clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 \
     server.optim.lr=1e-3 server.optim.weight_decay=1e-4 \
     --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 model.freeze_bn=client \
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 model.freeze_bn=client \
     --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
 }
 
-pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 2 seeds, 16k samples (~1 h)
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1 \
+pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 1 seed, 16k samples (~20 min)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-3)" --out "$OUT/ablation_P"
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1 \
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 5)" --out "$OUT/ablation_mu"
 }
 
-depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 2 seeds, 16k (~1 h)
+depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 1 seed, 16k (~30 min)
   "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid algorithm.name=hosfl,zo_sfl,sfl \
-    --grid split.cut=1,2,3 --seeds 0,1 train.budget_samples=16000 \
+    --grid split.cut=1,2,3 --seeds 0 train.budget_samples=16000 \
     --title "Client depth: ResNet-18 cut 1 / 2 / 3 (d_c = 157k / 681k / 2.78M), 16k samples" \
     --out "$OUT/depth_resnet18"
 }
