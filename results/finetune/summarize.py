@@ -89,16 +89,17 @@ def method_table(lines: list[str]) -> None:
 
 
 def settings_table(lines: list[str]) -> None:
-    sets = [("text", "paper text: lr 1e-5, wd 5e-4, BatchNorm frozen (all)"),
-            ("../iid", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
-            ("bn_client", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
-            ("code", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)")]  # fmt: skip
-    lines += ["## The paper text's settings beside the authors' code's (IID, 3 seeds)", "",
-              "| setting | HO-SFL final | HO-SFL best | SFL final | SFL best |", "|---|---|---|---|---|"]  # fmt: skip
+    sets = [("settings/text", "paper text: lr 1e-5, wd 5e-4, BatchNorm frozen (all)"),
+            ("iid", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
+            ("settings/bn_client", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
+            ("settings/code", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)"),
+            ]  # fmt: skip
+    head = "| setting | n seeds | HO-SFL final | HO-SFL best | SFL final | SFL best |"
+    lines += ["## The paper text's settings beside the authors' code's (IID, 32k samples)", "", head, "|---" * 6 + "|"]
     for folder, label in sets:
-        t = table(Path("settings") / folder)
+        t = table(Path(folder))
         if t is None:
-            lines.append(f"| {label} | (not run yet) | | | |")
+            lines.append(f"| {label} | | (not run yet) | | | |")
             continue
         by = rows_by_variant(t)
         cells = []
@@ -106,23 +107,26 @@ def settings_table(lines: list[str]) -> None:
             r = by.get(m)
             cells += ["–", "–"] if r is None else [pct(r["mean"], r["std"], len(r["seeds"])),
                                                     pct(r["best_mean"], r["best_std"], len(r["seeds"]))]  # fmt: skip
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("")
+        n = max(len(r["seeds"]) for r in t["rows"])
+        lines.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: accuracy (%) on classes 5-9, mean ± sample std over the seeds; final = the last evaluation, "
+              "best = the best evaluation of each run (what the authors' code logs).", ""]  # fmt: skip
 
 
 def ablation_table(lines: list[str], folder: str, key: str, symbol: str) -> None:
     t = table(Path(folder))
-    lines += [f"## HO-SFL: {symbol} (16k samples, IID, 2 seeds)", ""]
+    lines += [f"## HO-SFL: {symbol} (16k samples, IID)", ""]
     if t is None:
         lines += ["(not run yet)", ""]
         return
-    lines += [f"| {symbol} | final (%) | best (%) | mean over the run (%) | final train loss |", "|---" * 5 + "|"]
+    lines += [f"| {symbol} | n seeds | final (%) | best (%) | mean over the run (%) | final train loss |",
+              "|---" * 6 + "|"]  # fmt: skip
     for r in t["rows"]:
         runs = curves(Path(folder), safe_name(r["variant"]))
         auc = [mean_accuracy(c) for c in runs]
         loss = [c[-1]["train_loss"] for c in runs if c and c[-1].get("train_loss") is not None]
         n = len(r["seeds"])
-        lines.append(f"| {r['variant'].split('=', 1)[1]} | {pct(r['mean'], r['std'], n)} | "
+        lines.append(f"| {r['variant'].split('=', 1)[1]} | {n} | {pct(r['mean'], r['std'], n)} | "
                      f"{pct(r['best_mean'], r['best_std'], n)} | "
                      f"{pct(float(np.mean(auc)), float(np.std(auc, ddof=1)) if n > 1 else 0.0, n) if auc else '–'} | "
                      f"{np.mean(loss):.4f} |")  # fmt: skip
@@ -187,6 +191,20 @@ def plot_depth(path: Path, series: dict[str, dict[int, list[list[dict[str, Any]]
     plt.close(fig)
 
 
+def gemma(lines: list[str]) -> None:
+    t = table(Path("gemma3_270m"))
+    lines += ["## Gemma-3-270M (LoRA, offline sentiment reviews, 960 samples, 1 seed)", ""]
+    if t is None:
+        lines += ["(not run yet)", ""]
+        return
+    lines += ["| method | final accuracy (%) | best (%) | wall s / run |", "|---|---|---|---|"]
+    for r in t["rows"]:
+        wall = r.get("wall_time_s")
+        lines.append(f"| {NAMES.get(r['variant'], r['variant'])} | {100 * r['mean']:.1f} | "
+                     f"{100 * r['best_mean']:.1f} | {'–' if wall is None else f'{wall:.0f}'} |")  # fmt: skip
+    lines += ["", "Plot: `gemma3_270m/accuracy.png`.", ""]
+
+
 def main() -> int:
     lines = ["# Fine-tuning regime: collected results", "", "Written by `python results/finetune/summarize.py` from "
              "the experiment folders beside it (`bash results/finetune/run.sh` makes them).", ""]  # fmt: skip
@@ -197,6 +215,7 @@ def main() -> int:
     depth(lines, "depth_resnet18", ["hosfl", "zo_sfl", "sfl"], "ResNet-18 cut after stage 1 / 2 / 3", D_C)
     depth(lines, "depth_smollm2", ["hosfl", "zo_sfl", "splitlora"], "SmolLM2-135M, 2 / 4 / 6 / 8 client blocks",
           {c: c * LM_BLOCK_LORA for c in (2, 4, 6, 8)})  # fmt: skip
+    gemma(lines)
     (HERE / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
