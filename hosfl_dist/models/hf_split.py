@@ -24,6 +24,7 @@ the positions and masks the unsplit forward derives from a cache (``past_key_val
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,10 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.hf_load import SUPPORTED_MODEL_TYPES
+
+_CACHE = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+"""The keyword the masks and decoder layers take the KV cache by: transformers renamed ``past_key_values`` to ``cache``
+during 5.x (the old name warns, and goes in 5.40); older releases know only ``past_key_values``."""
 
 
 @dataclass
@@ -146,11 +151,11 @@ class _Blocks(nn.Module):
                 config=self.config,
                 inputs_embeds=h,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 layer_idx=self.cache_slot["full_attention"],
+                **{_CACHE: past_key_values},
             )
             for layer in self.layers:
-                h = layer(h, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values)
+                h = layer(h, attention_mask=mask, position_ids=position_ids, **{_CACHE: past_key_values})
             return h
 
         position_ids = torch.arange(past, past + h.shape[1], device=h.device).unsqueeze(0)  # (1, q), padding included
@@ -158,7 +163,7 @@ class _Blocks(nn.Module):
             "config": self.config,
             "inputs_embeds": h,
             "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
+            _CACHE: past_key_values,
             "position_ids": position_ids,
         }
         needed = set(self.layer_types)
@@ -180,7 +185,7 @@ class _Blocks(nn.Module):
                 attention_mask=masks[layer_type],
                 position_embeddings=rope[layer_type],
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                **{_CACHE: past_key_values},
             )
         return h
 
