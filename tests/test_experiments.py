@@ -18,6 +18,7 @@ from hosfl_dist.experiments.report import (
     best_metric,
     curve,
     mean_std,
+    metric_figure,
     row_labels,
     summarize,
     traffic_figure,
@@ -188,6 +189,16 @@ def test_traffic_totals_stay_inside_the_axes_below_the_title():
     for text in ax.texts:
         ext = text.get_window_extent(renderer)
         assert ext.y1 <= box.y1 and not ext.overlaps(title), text.get_text()
+
+
+def test_a_long_title_is_wrapped_inside_the_figure():
+    title = "Fine-tuning ResNet-18 (CIFAR-10 0-4 -> 5-9), cut 2 (d_c = 681k), dirichlet, 32k samples, seeds 0-2"
+    fig = metric_figure({"hosfl": [fake_run(0, [0.2, 0.5])]}, "eval_accuracy", title)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    ext = ax.title.get_window_extent(fig.canvas.get_renderer())
+    assert "\n" in ax.title.get_text() and ax.title.get_text().replace("\n", " ") == title
+    assert 0 <= ext.x0 and ext.x1 <= fig.bbox.width and ext.y1 <= fig.bbox.height
 
 
 def test_positional_overrides_reach_the_runs_like_set(tmp_path, capsys):

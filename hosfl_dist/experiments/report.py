@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -223,24 +224,36 @@ def curve(runs: list[RunData], metric: str) -> tuple[np.ndarray, np.ndarray, np.
     return grid, ys_arr.mean(axis=0), std
 
 
-def plot_metric(path: Path, variants: dict[str, list[RunData]], metric: str, title: str) -> None:
+def wrap_title(title: str, width: int = 75) -> str:
+    """A figure title on as many lines as it needs at ``width`` characters, so a long one is never cut off."""
+    return "\n".join(textwrap.wrap(title, width)) or title
+
+
+def metric_figure(variants: dict[str, list[RunData]], metric: str, title: str) -> Figure:
+    """The metric against processed samples, one line per variant with a band of ± one std over its seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scale = 100.0 if _pct(metric) else 1.0
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
     for name, runs in variants.items():
         x, mean, std = curve(runs, metric)
         (line,) = ax.plot(x, mean * scale, label=f"{label(name)} (n={len(runs)})")
         ax.fill_between(x, (mean - std) * scale, (mean + std) * scale, color=line.get_color(), alpha=0.2, lw=0)
     ax.set_xlabel("processed samples")
     ax.set_ylabel(metric + (" (%)" if scale == 100 else ""))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    return fig
+
+
+def plot_metric(path: Path, variants: dict[str, list[RunData]], metric: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = metric_figure(variants, metric, title)
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -278,7 +291,7 @@ def traffic_figure(rows: list[VariantSummary], title: str) -> Figure:
             ax.set_ylim(0, bottom.max() * 1.15)
     ax.set_xticks(x, [label(r.variant) for r in rows], rotation=20)
     ax.set_ylabel(f"training traffic [{unit}]" + (" (log)" if log else ""))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title), fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
     return fig
