@@ -33,7 +33,7 @@ table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~
     --out "$OUT/mu_splitfed_paper_sgd" || true
 }
 
-settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 2 seeds (~40 min)
+settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 2 seeds (~70 min)
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 \
     clients.optim.lr=1e-5 server.optim.lr=1e-5 \
     --title "Paper text: AdamW lr 1e-5 wd 5e-4, BatchNorm frozen on both sides" --out "$OUT/settings/text"
@@ -43,6 +43,10 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
     --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 model.freeze_bn=client \
     --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
+  # diagnostic: how much of HO-SFL's accuracy is the server's alone (the client kept at its pretrained weights)
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl --seeds 0,1 clients.optim.lr=1e-12 \
+    --title "HO-SFL with the client part held at its pretrained weights (client lr 1e-12)" \
+    --out "$OUT/settings/client_frozen"
 }
 
 pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 1 seed, 16k samples (~20 min)

@@ -93,6 +93,8 @@ def settings_table(lines: list[str]) -> None:
             ("iid", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
             ("settings/bn_client", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
             ("settings/code", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)"),
+            ("settings/client_frozen", "diagnostic: this table's HO-SFL with the client held at its pretrained "
+             "weights (client lr 1e-12)"),
             ]  # fmt: skip
     head = "| setting | n seeds | HO-SFL final | HO-SFL best | SFL final | SFL best |"
     lines += ["## The paper text's settings beside the authors' code's (IID, 32k samples)", "", head, "|---" * 6 + "|"]
