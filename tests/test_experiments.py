@@ -198,7 +198,7 @@ def test_a_long_title_is_wrapped_inside_the_figure():
     (ax,) = fig.axes
     ext = ax.title.get_window_extent(fig.canvas.get_renderer())
     assert "\n" in ax.title.get_text() and ax.title.get_text().replace("\n", " ") == title
-    assert 0 <= ext.x0 and ext.x1 <= fig.bbox.width and ext.y1 <= fig.bbox.height
+    assert ext.x0 >= 0 and ext.x1 <= fig.bbox.width and ext.y1 <= fig.bbox.height
 
 
 def test_positional_overrides_reach_the_runs_like_set(tmp_path, capsys):
