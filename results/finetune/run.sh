@@ -49,10 +49,10 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
     --out "$OUT/settings/client_frozen"
 }
 
-pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 1 seed, 16k samples (~20 min)
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0 \
+pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 2 seeds (bands), 16k samples (~35 min)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-3)" --out "$OUT/ablation_P"
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0 \
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1 \
     train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 5)" --out "$OUT/ablation_mu"
 }
 
