@@ -3,6 +3,7 @@ statistics, and what it saves loads back through ``model.pretrained``, a head of
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_resnet18_round_trip_with_real_statistics(tmp_path, mode):
     assert not torch.equal(saved["layer3.0.bn1.running_var"], torch.ones(256))  # trained in train mode
     assert record["epochs"] == 1 and 0.0 <= record["final_eval_accuracy"] <= 1.0 and record["wall_time_s"] > 0
     assert record["config"]["job"]["seed"] == 3 and "--epochs 1" in record["command"]
+    assert record["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     got = split_state(["model.name=resnet18", f"model.pretrained={path}", f"model.freeze_bn={mode}"])
     assert set(got) == set(saved)
     for k, v in saved.items():

@@ -12,13 +12,16 @@ loss and the accuracy on the held-out split (``data.eval_max_samples``), in eval
 
 ``--out`` gets the whole model's state dict (ResNet-18 in torchvision's layout, fc included; small_cnn as
 ``blocks.i.*`` / ``head.*``); beside it, the same name with ``.json``: the command, the config, the epochs and their
-metrics, the final held-out accuracy and the wall time. A federated run on other classes loads it with a new head
+metrics, the final held-out accuracy, the wall time and the saved file's SHA-256 (the same command on a machine with
+another CPU can give other weights: kernels differ by instruction set, so the digest says which weights a result
+used). A federated run on other classes loads it with a new head
 (``model.pretrained`` drops a head of another size).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -134,11 +137,21 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "history": history,
         "threads": torch.get_num_threads(),
         "wall_time_s": round(time.perf_counter() - start, 2),
+        "sha256": file_sha256(out),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"saved {out} and {record_path} (held-out accuracy {record['final_eval_accuracy']:.4f}, "
           f"{record['wall_time_s']:.1f} s)", flush=True)  # fmt: skip
     return record
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def evaluate(net: Any, data: Any, device: Any, batch_size: int) -> float:

