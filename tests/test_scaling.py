@@ -9,30 +9,54 @@ import pytest
 
 from tiny import lm_overrides, write_text_files
 
-from hosfl_dist.experiments.scaling import main, power_fit, write_scaling
+from hosfl_dist.experiments.scaling import axes_of, loglinear_fit, main, write_scaling
 
 
-def test_power_fit_recovers_an_exponent_and_needs_two_sizes():
-    xs = [1e3, 1e4, 1e5, 1e6]
-    fit = power_fit(xs, [3.0 * x**0.5 for x in xs])
-    assert fit["b"] == pytest.approx(0.5) and fit["a"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
-    assert power_fit([10, 10], [1.0, 2.0]) is None and power_fit([1, 2], [0.0, 0.0]) is None
+def test_the_fit_recovers_one_exponent_per_axis_and_needs_enough_points():
+    size, cut = [1e8, 1e8, 1e9, 1e9, 4e9], [2.0, 4.0, 2.0, 4.0, 8.0]
+    fit = loglinear_fit({"size": size, "cut": cut}, [3.0 * s**0.5 * c**1.0 for s, c in zip(size, cut)])
+    assert fit["exponents"]["size"] == pytest.approx(0.5) and fit["exponents"]["cut"] == pytest.approx(1.0)
+    assert fit["a"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0) and fit["points"] == 5
+    assert loglinear_fit({"x": [1e3, 1e4]}, [2.0, 20.0])["exponents"]["x"] == pytest.approx(1.0)
+    assert loglinear_fit({"x": [10, 10]}, [1.0, 2.0]) is None  # one value of the axis
+    assert loglinear_fit({"x": [1, 2]}, [0.0, None]) is None  # no positive value
+    assert loglinear_fit({"a": [1, 2, 3], "b": [1, 2, 4]}, [1.0, 2.0, 3.0]) is None  # 3 points, 2 exponents + 1
 
 
-def test_the_report_lists_every_point_and_the_fits(tmp_path):
-    points = {
-        f"split.cut={k}": {
-            "client_params": 1000 * k, "client_trainable_params": 10 * k, "client_param_bytes": 4000 * k,
-            "server_params": 5000, "traffic_bytes_per_round": 100.0, "wall_s_per_round": 0.1 * k,
-            "peak_rss_bytes": 4e8, "eval_accuracy": None,
-        }
-        for k in (1, 2, 4)
+def point(size: float, cut: int, p: int) -> dict:
+    return {
+        "model_params": size, "client_blocks": cut, "client_params": int(size / 10 * cut),
+        "client_trainable_params": 10 * cut, "client_param_bytes": 4e5 * cut, "server_params": int(size),
+        "traffic_bytes_per_round": 100.0 * size / 1e6, "traffic/uplink_activations": 60.0 * size / 1e6,
+        "traffic/downlink_gradients": 40.0 * size / 1e6, "traffic/eval": 5.0, "wall_s_per_round": 0.1 * cut,
+        "server_s_per_round": 0.05 * size / 1e6, "client_step_s": 0.01 * cut * p, "client_peak_bytes": 2**20 * cut,
+        "client_rss_bytes": 2**29, "peak_rss_bytes": 4e8, "eval_accuracy": None, "P": p, "seeds": 1,
     }  # fmt: skip
-    text = write_scaling(tmp_path, points, "eval_accuracy", "python -m hosfl_dist.experiments.scaling …")
-    assert text.count("| split.cut=") == 3 and "wall_s_per_round: a = 0.0001, b = 1.000" in text
+
+
+def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
+    points = {
+        f"model.source=arch:{name},split.cut={cut},zo.num_perturbations={p}": point(size, cut, p)
+        for name, size in (("small", 1e6), ("big", 4e6)) for cut in (1, 2) for p in (2, 4)
+    }  # fmt: skip
+    axes = axes_of(points)
+    assert list(axes) == ["model size", "split.cut", "zo.num_perturbations"]
+    assert axes["model size"]["model.source=arch:big,split.cut=2,zo.num_perturbations=4"] == 4e6
+    text = write_scaling(tmp_path, points, "eval_accuracy", "python -m hosfl_dist.experiments.scaling …", "T")
+    assert text.count("| model.source=") == 8 and "uplink_activations / round" in text and "eval / round" not in text
     saved = json.loads((tmp_path / "scaling.json").read_text())
-    assert saved["fits"]["traffic_bytes_per_round"]["b"] == pytest.approx(0.0, abs=1e-9)
+    traffic, step = saved["fits"]["traffic_bytes_per_round"], saved["fits"]["client_step_s"]
+    assert traffic["exponents"]["model size"] == pytest.approx(1.0)
+    assert traffic["exponents"]["split.cut"] == pytest.approx(0.0, abs=1e-9)
+    assert step["exponents"]["split.cut"] == pytest.approx(1.0)
+    assert step["exponents"]["zo.num_perturbations"] == pytest.approx(1.0)
+    assert "b(model size) = +1.00" in text and "eval_accuracy: not fitted" not in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_a_key_that_is_not_a_number_or_a_model_is_no_axis():
+    points = {f"algorithm.name={m},split.cut={c}": point(1e6, c, 2) for m in ("hosfl", "sfl") for c in (1, 2)}
+    assert list(axes_of(points)) == ["split.cut"]
 
 
 @pytest.mark.slow
@@ -46,7 +70,12 @@ def test_a_grid_over_client_depth_runs_reports_and_reuses_its_runs(tmp_path, cap
     saved = json.loads((tmp_path / "out" / "scaling.json").read_text())
     a, b = saved["points"]["split.cut=1"], saved["points"]["split.cut=2"]
     assert b["client_params"] > a["client_params"] and b["server_params"] < a["server_params"]
-    assert a["traffic_bytes_per_round"] > 0 and math.isfinite(saved["fits"]["client_param_bytes"]["b"])
+    assert a["traffic_bytes_per_round"] > 0
+    assert math.isfinite(saved["fits"]["client_param_bytes"]["exponents"]["split.cut"])
+    # per role: the profiler's client (one more block costs more) and the server's training calls
+    assert b["client_peak_bytes"] > a["client_peak_bytes"] > 0 and a["client_step_s"] > 0
+    assert a["server_s_per_round"] > 0 and a["model_params"] == b["model_params"]
+    assert len(list((tmp_path / "out" / "profiles").glob("*.json"))) == 2
     capsys.readouterr()
     assert main(argv) == 0  # the second invocation reuses the finished runs
     assert "[ok]" not in capsys.readouterr().out

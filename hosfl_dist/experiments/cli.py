@@ -104,7 +104,7 @@ def run_experiment(
         words = argv if argv is not None else sys.argv[1:]
         extra = {
             "config": args.config,
-            "command": f"python -m {prog} " + " ".join(_quote(a) for a in words),
+            "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words),
             **extra,
             "this_invocation": record,
         }
@@ -117,5 +117,5 @@ def run_experiment(
     return 0
 
 
-def _quote(arg: str) -> str:
+def quote_arg(arg: str) -> str:
     return arg if all(c.isalnum() or c in "-_./=:,@+" for c in arg) else repr(arg)

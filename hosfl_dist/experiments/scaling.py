@@ -5,17 +5,27 @@
         model.dtype=bfloat16 train.budget_samples=96 --out results/scaling/qwen3
 
 The runs are the sweep's (``hosfl_dist.experiments.sweep``: one in-process run per grid point and seed under
---out/runs/, finished ones reused, unfinished ones resumed; the sweep's accuracy table and curves are written too).
-Then, per grid point (mean over seeds), ``scaling.md`` / ``scaling.json`` give the split's sizes — f_c's parameters
-(all, trainable) and bytes, f_s's parameters, from a meta-device build (nothing allocated) — the training traffic
-per round by category, the wall time per round (the in-process run: client and server in one process), the peak
-RSS of that process, and the final metric where the weights are real. ``scaling.png`` plots traffic per round, time
-per round and f_c's bytes against f_c's parameters (log-log), one marker per P.
+--out/runs/, finished ones reused, unfinished ones resumed; the sweep's table and accuracy-vs-processed-samples
+curves are written too). Then, per grid point (mean over seeds), ``scaling.md`` / ``scaling.json`` give:
 
-Fitted: for each quantity, a power law y ≈ a·x^b in f_c's parameter count x, by least squares on log y against
-log x over the grid points (R² given), for quantities that vary; with fewer than two sizes nothing is fitted. The
-traffic per round of HO-SFL depends on the activation (B·T·D) and P, not on f_c's size: a flat fit (b ≈ 0) is the
-result, not a failure.
+- sizes, from a meta-device build of the point's config (nothing allocated, free at 8B): the model's parameters
+  (f_c + f_s as split, LoRA included; a tied head is counted on both sides), the client depth (``split.cut``), f_c's
+  parameters (all, trainable = d_c) and bytes;
+- per role, per round: the client's peak memory and step time, measured by the memory profiler
+  (:mod:`hosfl_dist.measure.memory`: the method's own client code for one sampled client, one batch of
+  ``clients.batch_size`` × ``data.max_length`` tokens, the server a stand-in; tensor bytes counted, process RSS
+  beside) in its own process, kept under --out/profiles/ and reused; the server's compute per round (its training
+  calls' time in the in-process run, ``transport.server.compute_s`` without evaluation calls); training traffic per
+  round by category (bytes counted on the wire);
+- of the in-process run: wall time per round and the process's peak RSS (client and server together);
+- the final metric, except for ``arch:`` sources (random weights: their accuracy means nothing).
+
+Fitted: for each quantity, a power law in every swept axis at once, log y = log a + Σ_k b_k log x_k, by least
+squares over the grid points (R² given), where x_k is the model's parameter count for a model key
+(``model.source``, ``model.name``, ``model.width``) and the value itself for a numeric key (``split.cut``, P, …); an
+axis with one value is left out, and a quantity is fitted only with more points than exponents + 1. So the exponent
+of model size says how a cost grows with the model at a fixed cut and P. ``scaling.png`` plots each quantity
+against each swept axis, one line per value of the other axes.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,153 +41,322 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.cli import parse, parser, run_experiment
+from hosfl_dist.experiments.cli import parse, parser, quote_arg, run_experiment
 from hosfl_dist.experiments.sweep import build, plan
 
 if TYPE_CHECKING:
+    from hosfl_dist.config import Config
     from hosfl_dist.experiments.runs import RunData
 
 PROG = "hosfl_dist.experiments.scaling"
-QUANTITIES = ("traffic_bytes_per_round", "wall_s_per_round", "client_param_bytes", "peak_rss_bytes")
+MODEL_KEYS = ("model.source", "model.name", "model.width", "model.gguf_file")
+"""Grid keys that change the model: their axis is the model's parameter count."""
+PROFILE_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl"}
+"""The memory profiler's mode that runs each method's client (FSL-SAGE and MU-SplitFed have none)."""
+QUANTITIES = {
+    "client_peak_bytes": ("client peak memory [MiB] (profiler)", 1 / 2**20),
+    "client_step_s": ("client step [s] (one client, profiler)", 1.0),
+    "server_s_per_round": ("server compute per round [s]", 1.0),
+    "traffic_bytes_per_round": ("training traffic per round [MB]", 1e-6),
+    "wall_s_per_round": ("wall time per round [s] (in-process)", 1.0),
+    "peak_rss_bytes": ("peak RSS of the in-process run [GB]", 1e-9),
+    "client_param_bytes": ("f_c bytes [MB]", 1e-6),
+}
+"""Fitted (and, but for the last two, plotted) quantities: key -> (label with unit, scale to that unit)."""
+PLOTTED = ("client_peak_bytes", "client_step_s", "server_s_per_round", "traffic_bytes_per_round")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(PROG, __doc__)
     p.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="a swept key and its values (repeatable: the product of all grids is run)")  # fmt: skip
+    p.add_argument("--client-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the client's peak memory and step time per grid point with the memory profiler "
+                        "(a process per point, reused from --out/profiles/; default on)")  # fmt: skip
     return parse(p, argv)  # options and positional key=value overrides, as compare and sweep take them
 
 
-def sizes(config: str, run: RunData) -> dict[str, int]:
-    """f_c's and f_s's parameter counts and f_c's bytes, from a meta-device build of the run's config."""
+def sizes(cfg: Config) -> dict[str, int]:
+    """The model's, f_c's and f_s's parameter counts and f_c's bytes, from a meta-device build of ``cfg``."""
     from hosfl_dist.data import data_info
-    from hosfl_dist.experiments.runs import resolve
     from hosfl_dist.models import build_split_model
 
-    cfg = resolve(config, run.spec)
     split = build_split_model(cfg, data_info(cfg), parts=())
     client = list(split.client.parameters())
+    server = sum(p.numel() for p in split.server.parameters())
     return {
+        "model_params": sum(p.numel() for p in client) + server,
+        "client_blocks": cfg.split.cut,
         "client_params": sum(p.numel() for p in client),
         "client_trainable_params": sum(p.numel() for p in client if p.requires_grad),
         "client_param_bytes": sum(p.numel() * p.element_size() for p in client),
-        "server_params": sum(p.numel() for p in split.server.parameters()),
+        "server_params": server,
     }
 
 
-def point(config: str, runs: list[RunData], metric: str) -> dict[str, Any]:
-    """One grid point's row: sizes, and per-round costs and the final metric averaged over its seeds."""
-    out: dict[str, Any] = sizes(config, runs[0])
+def real_weights(cfg: Config) -> bool:
+    """False for an architecture without weights (``arch:``), whose metrics mean nothing."""
+    return not (cfg.model.name == "hf" and cfg.model.source.startswith("arch:"))
+
+
+def server_seconds(summary: dict[str, Any], algorithm: str) -> float | None:
+    """The server's compute in the run's training calls (evaluation-only calls left out); None for a run whose
+    summary has no ``transport.server`` (written before it was recorded in one process)."""
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.transport.wire import EVAL, wire_spec
+
+    compute = ((summary.get("transport") or {}).get("server") or {}).get("compute_s")
+    if compute is None:
+        return None
+    server_cls = get_algorithm(algorithm).server
+    return sum(s for method, s in compute.items() if not wire_spec(server_cls, method).categories() <= {EVAL})
+
+
+def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str, Any] | None:
+    """Peak memory and step time of one sampled client (the memory profiler, its own process), cached in ``out``."""
+    from hosfl_dist.experiments.runs import safe_name
+    from hosfl_dist.measure.memory import profile
+    from hosfl_dist.measure.modes import ProfileSpec
+
+    mode = PROFILE_MODE.get(cfg.algorithm.name)
+    if mode is None:
+        return None
+    path = out / f"{safe_name(name)}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    spec = ProfileSpec(
+        model=cfg.model.source if cfg.model.name == "hf" else cfg.model.name,
+        cut=cfg.split.cut,
+        batch=cfg.clients.batch_size,
+        seq=cfg.data.max_length,
+        num_perturbations=cfg.zo.num_perturbations,
+        mu=cfg.zo.mu,
+        dtype=cfg.model.dtype,
+        device=cfg.job.device,
+        gguf_file=cfg.model.gguf_file,
+        seed=cfg.job.seed,
+        overlap=cfg.zo.overlap,
+    )
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the profiler's process: the runs' thread count
+    try:
+        result = profile(spec, [mode])["modes"][mode]
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+    record = {"mode": mode, "spec": {k: v for k, v in vars(spec).items()}, **result}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def point(
+    config: str, name: str, runs: list[RunData], metric: str, profiles: Path | None, threads: int = 1
+) -> dict[str, Any]:
+    """One grid point's row: sizes, per-role and per-round costs and the final metric (mean over its seeds)."""
+    from hosfl_dist.experiments.runs import resolve
+
+    cfg = resolve(config, runs[0].spec)
+    out: dict[str, Any] = sizes(cfg)
     per_run = []
     for r in runs:
         s, rounds = r.summary, max(1, r.summary.get("rounds") or 1)
-        per_run.append(
-            {
-                "traffic_bytes_per_round": s["comm"]["training_total_bytes"] / rounds,
-                "wall_s_per_round": s["wall_time_s"] / rounds,
-                "peak_rss_bytes": max((m.get("peak_rss_bytes") or 0 for m in s.get("memory", [])), default=0),
-                metric: (s.get("final") or {}).get(metric),
-                **{f"traffic/{c}": v / rounds for c, v in s["comm"]["bytes"].items()},
-            }
-        )
+        server_s = server_seconds(s, cfg.algorithm.name)
+        per_run.append({
+            "traffic_bytes_per_round": s["comm"]["training_total_bytes"] / rounds,
+            "wall_s_per_round": s["wall_time_s"] / rounds,
+            "server_s_per_round": None if server_s is None else server_s / rounds,
+            "peak_rss_bytes": max((m.get("peak_rss_bytes") or 0 for m in s.get("memory", [])), default=0),
+            metric: (s.get("final") or {}).get(metric) if real_weights(cfg) else None,
+            **{f"traffic/{c}": v / rounds for c, v in s["comm"]["bytes"].items()},
+        })  # fmt: skip
     for key in per_run[0]:
         values = [p[key] for p in per_run if p[key] is not None]
         out[key] = float(np.mean(values)) if values else None
+    prof = client_profile(cfg, profiles, name, threads) if profiles is not None else None
+    out["client_peak_bytes"] = None if prof is None else prof["peak_bytes"]
+    out["client_rss_bytes"] = None if prof is None else prof.get("rss_peak_bytes")
+    out["client_step_s"] = None if prof is None else prof["step_s"]
+    out["P"] = cfg.zo.num_perturbations
     out["seeds"] = len(runs)
     return out
 
 
-def power_fit(xs: list[float], ys: list[float]) -> dict[str, float] | None:
-    """y ≈ a·x^b by least squares on (log x, log y); None with fewer than two distinct positive x."""
-    pts = [(x, y) for x, y in zip(xs, ys) if x and y and x > 0 and y > 0]
-    if len({x for x, _ in pts}) < 2:
+def axes_of(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Swept axis -> {point: x}: the model's parameter count for a model key, the number itself for a numeric key;
+    only axes with more than one value (a non-numeric key that is not a model key is not an axis)."""
+    keys: list[str] = []
+    for name in points:
+        for item in name.split(","):
+            key = item.split("=", 1)[0]
+            if key not in keys:
+                keys.append(key)
+    out: dict[str, dict[str, float]] = {}
+    model_axis = False
+    for key in keys:
+        if key in MODEL_KEYS:
+            if not model_axis:
+                out["model size"] = {n: float(p["model_params"]) for n, p in points.items()}
+                model_axis = True
+            continue
+        values = {}
+        for n in points:
+            raw = dict(item.split("=", 1) for item in n.split(",")).get(key)
+            try:
+                values[n] = float(raw)
+            except (TypeError, ValueError):
+                values = {}
+                break
+        if values:
+            out[key] = values
+    return {k: v for k, v in out.items() if len(set(v.values())) > 1}
+
+
+def loglinear_fit(axes: dict[str, list[float]], ys: list[float | None]) -> dict[str, Any] | None:
+    """y ≈ a·Π_k x_k^b_k by least squares on log y = log a + Σ_k b_k log x_k, over the points where y > 0.
+
+    None when there are fewer points than exponents + 1 (nothing left to check the fit against), or with an axis
+    of one value. A single axis needs only two points (the line through them: R² = 1 says nothing then)."""
+    names = list(axes)
+    rows = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0 and all(axes[k][i] > 0 for k in names)]
+    if not names or len(rows) < (2 if len(names) == 1 else len(names) + 2):
         return None
-    lx, ly = np.log([x for x, _ in pts]), np.log([y for _, y in pts])
-    b, log_a = np.polyfit(lx, ly, 1)
-    resid = ly - (b * lx + log_a)
+    x = np.array([[math.log(axes[k][i]) for k in names] for i, _ in rows])
+    if any(len(set(col)) < 2 for col in x.T):
+        return None
+    ly = np.log([y for _, y in rows])
+    design = np.column_stack([np.ones(len(rows)), x])
+    coef, *_ = np.linalg.lstsq(design, ly, rcond=None)
+    resid = ly - design @ coef
     total = float(((ly - ly.mean()) ** 2).sum())
     r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
-    return {"a": float(math.exp(log_a)), "b": float(b), "r2": r2, "points": len(pts)}
+    return {"a": float(math.exp(coef[0])), "exponents": dict(zip(names, map(float, coef[1:]))), "r2": r2,
+            "points": len(rows)}  # fmt: skip
+
+
+def _mib(b: float | None) -> str:
+    return "–" if b is None else f"{b / 2**20:,.0f}"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
 
 
 def write_scaling(
     out: Path, points: dict[str, dict[str, Any]], metric: str, command: str, title: str = "Scaling study"
 ) -> str:
-    xs = [p["client_params"] for p in points.values()]
-    fits = {q: power_fit(xs, [p[q] for p in points.values()]) for q in QUANTITIES}
-    (out / "scaling.json").write_text(json.dumps({"points": points, "fits": fits, "command": command}, indent=1))
-    lines = [
-        f"`{command}`",
-        "",
-        "| grid point | f_c params | f_c trainable | f_c MB | f_s params | traffic / round | s / round | peak RSS MB "
-        f"| {metric} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    """scaling.json, scaling.md (returned) and scaling.png."""
+    axes = axes_of(points)
+    names = list(points)
+    fits = {q: loglinear_fit({a: [axes[a][n] for n in names] for a in axes}, [points[n].get(q) for n in names])
+            for q in QUANTITIES}  # fmt: skip
+    (out / "scaling.json").write_text(json.dumps({"points": points, "axes": axes, "fits": fits, "command": command},
+                                                 indent=1))  # fmt: skip
+    categories = [c for c in sorted({k for p in points.values() for k in p if k.startswith("traffic/")})
+                  if any(p.get(c) for p in points.values()) and c != "traffic/eval"]  # fmt: skip
+    lines = [f"# {title}", "", f"`{command}`", "",
+             "| grid point | model params | client blocks | f_c params | d_c (trainable) | f_c MB | P | "
+             + " | ".join(f"{c.split('/', 1)[1]} / round" for c in categories)
+             + " | server s / round | client step s | client peak MiB | client RSS MiB | wall s / round | run peak "
+               f"RSS GB | {metric} |",
+             "|---" + "|---:" * (12 + len(categories)) + "|"]  # fmt: skip
     for name, p in points.items():
-        final = "–" if p.get(metric) is None else f"{p[metric]:.4f}"
         lines.append(
-            f"| {name} | {p['client_params']:,} | {p['client_trainable_params']:,} | "
-            f"{p['client_param_bytes'] / 1e6:.1f} | {p['server_params']:,} | {p['traffic_bytes_per_round']:,.0f} B | "
-            f"{p['wall_s_per_round']:.3f} | {p['peak_rss_bytes'] / 1e6:.0f} | {final} |"
+            f"| {name} | {p['model_params'] / 1e6:,.1f}M | {p['client_blocks']} | {p['client_params']:,} | "
+            f"{p['client_trainable_params']:,} | {p['client_param_bytes'] / 1e6:,.1f} | {p['P']} | "
+            + " | ".join(f"{p[c]:,.0f} B" for c in categories)
+            + f" | {_num(p.get('server_s_per_round'), '.3f')} | {_num(p.get('client_step_s'), '.3f')} | "
+            f"{_mib(p.get('client_peak_bytes'))} | {_mib(p.get('client_rss_bytes'))} | "
+            f"{p['wall_s_per_round']:.3f} | {p['peak_rss_bytes'] / 1e9:.2f} | {_num(p.get(metric), '.4f')} |"
         )
-    lines += ["", "Fitted y ≈ a·x^b against f_c's parameter count x (least squares in log-log):", ""]
-    for q, f in fits.items():
-        if f is None:
-            lines.append(f"- {q}: not fitted (fewer than two sizes)")
-        else:
-            lines.append(f"- {q}: a = {f['a']:.4g}, b = {f['b']:.3f}, R² = {f['r2']:.3f} over {f['points']} points")
+    lines += ["", "Per round and mean over seeds. Client peak MiB: live tensor bytes of one client step (the memory "
+              "profiler's count); client RSS: that profiling process's peak; client step: one sampled client's "
+              "compute (clients run in parallel); server s: its training calls in the in-process run; wall s and run "
+              "peak RSS: the in-process run (every client and the server in one process). "
+              f"{metric}: final, none for architectures without weights.", ""]  # fmt: skip
+    if axes:
+        lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b" for a in axes) + " (least squares in log-log over "
+                  "the grid; the model size axis is its parameter count):", ""]  # fmt: skip
+        for q, f in fits.items():
+            label = QUANTITIES[q][0].split(" [")[0]
+            if f is None:
+                lines.append(f"- {label}: not fitted (too few points with a value)")
+                continue
+            exps = ", ".join(f"b({a}) = {b:+.2f}" for a, b in f["exponents"].items())
+            lines.append(f"- {label}: {exps}; a = {f['a']:.3g}, R² = {f['r2']:.3f} over {f['points']} points")
+    else:
+        lines.append("No axis with several numeric values (or model sizes): nothing fitted.")
     text = "\n".join(lines) + "\n"
     (out / "scaling.md").write_text(text)
-    _plot(out / "scaling.png", points, fits, metric, title)
+    _plot(out / "scaling.png", points, axes, fits, metric, title)
     return text
 
 
-PANELS = (
-    ("traffic_bytes_per_round", "training traffic per round [MB]", 1e-6),
-    ("wall_s_per_round", "wall time per round [s] (in-process)", 1.0),
-    ("peak_rss_bytes", "peak RSS of the run [GB]", 1e-9),
-)
-"""Plotted quantities: key, axis label, unit scale."""
-
-
-def _plot(path: Path, points: dict[str, dict[str, Any]], fits: dict[str, Any], metric: str, title: str) -> None:
-    """One panel per quantity (and the final metric) against f_c's parameters, log x; the fitted power law dashed,
-    its exponent in the panel's title; a log y axis only where values span more than 10x."""
+def _plot(path: Path, points: dict[str, dict[str, Any]], axes: dict[str, dict[str, float]], fits: dict[str, Any],
+          metric: str, title: str) -> None:  # fmt: skip
+    """A row per quantity, a column per swept axis; in a panel one line per value of the other axes (legend under
+    the column), the fitted exponent of that axis in the row's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import EngFormatter
 
-    panels = [*PANELS, *([(metric, f"final {metric}", 1.0)] if any(p.get(metric) is not None for p in points.values())
-                         else [])]  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), layout="constrained", squeeze=False)
-    xs = np.array([p["client_params"] for p in points.values()], dtype=float)
-    for ax, (q, label, scale) in zip(axes[0], panels):
-        ys = [p.get(q) for p in points.values()]
-        for (name, p), y in zip(points.items(), ys):
-            if y is not None:
-                ax.scatter(p["client_params"], y * scale, label=name, s=36)
-        fit = fits.get(q)
-        head = label.split(" [")[0]
-        if fit is not None:
-            grid = np.geomspace(xs.min(), xs.max(), 50)
-            ax.plot(grid, fit["a"] * grid ** fit["b"] * scale, "k--", lw=1, label="fit")
-            head += f"\nfit ∝ x^{fit['b']:.2f}, R² = {fit['r2']:.2f}"
-        known = [y * scale for y in ys if y]
-        log_y = bool(known) and min(known) > 0 and max(known) / min(known) > 10
-        ax.set(xscale="log", yscale="log" if log_y else "linear", xlabel="f_c parameters (x)", ylabel=label)
-        ax.set_title(head, fontsize=9)
-        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 50k, 100k, 200k, ...: labels never crowd
-        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.tick_params(axis="x", labelsize=8)
-        ax.grid(alpha=0.3, which="both")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=7)
+    rows = [(q, *QUANTITIES[q]) for q in PLOTTED if any(p.get(q) is not None for p in points.values())]
+    if any(p.get(metric) is not None for p in points.values()):
+        rows.append((metric, f"final {metric}", 1.0))
+    cols = list(axes) or ["point"]
+    fig, grid = plt.subplots(len(rows), len(cols), figsize=(4.6 * len(cols), 2.7 * len(rows) + 0.9),
+                             layout="constrained", squeeze=False)  # fmt: skip
+    names = list(points)
+    for j, axis in enumerate(cols):
+        xs = axes.get(axis, {n: float(i) for i, n in enumerate(names)})
+        others = [a for a in cols if a != axis]
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            label = ", ".join(f"{_short(o)} {_tick(o, axes[o][n])}" for o in others) if others else "all points"
+            groups.setdefault(label, []).append(n)
+        for i, (q, label, scale) in enumerate(rows):
+            ax = grid[i][j]
+            for g, members in groups.items():
+                members = sorted(members, key=lambda n: xs[n])
+                pts = [(xs[n], points[n][q] * scale) for n in members if points[n].get(q) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=4, label=g)
+            fit = fits.get(q)
+            b = None if fit is None else fit["exponents"].get(axis)
+            ax.set_title(label.split(" [")[0] + ("" if b is None else f"   (fit: ∝ x^{b:.2f}, R² {fit['r2']:.2f})"),
+                         fontsize=8.5)  # fmt: skip
+            ax.set_ylabel(label.split(" (")[0] if " [" in label else label, fontsize=8)
+            if axis == "model size":
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+                ax.xaxis.set_minor_formatter(EngFormatter(sep=""))
+            else:
+                ax.set_xticks(sorted(set(xs.values())))
+            ax.tick_params(labelsize=7.5, which="both")
+            ax.grid(alpha=0.3, which="both")
+            if i == len(rows) - 1:
+                ax.set_xlabel("model parameters" if axis == "model size" else axis, fontsize=8.5)
+        handles, labels = grid[0][j].get_legend_handles_labels()
+        if len(labels) > 1:
+            grid[-1][j].legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncols=2,
+                               frameon=False)  # fmt: skip
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _short(axis: str) -> str:
+    return {"model size": "model", "split.cut": "cut", "zo.num_perturbations": "P", "zo.mu": "μ"}.get(axis, axis)
+
+
+def _tick(axis: str, x: float) -> str:
+    if axis == "model size":
+        return f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.0f}M"
+    return f"{x:g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,10 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
 
         specs, title, _ = build(args)
-        points = {name: point(args.config, [load(s) for s in runs], args.metric) for name, runs in specs.items()}
+        out = Path(args.out)
+        profiles = out / "profiles" if args.client_profile else None
+        points = {
+            name: point(args.config, name, [load(s) for s in runs], args.metric, profiles, args.threads)
+            for name, runs in specs.items()
+        }
         words = argv if argv is not None else sys.argv[1:]
-        command = f"python -m {PROG} " + " ".join(words)
-        print(write_scaling(Path(args.out), points, args.metric, command, f"Scaling: {title}"))
+        command = f"python -m {PROG} " + " ".join(quote_arg(a) for a in words)
+        print(write_scaling(out, points, args.metric, command, title if args.title else f"Scaling: {title}"))
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

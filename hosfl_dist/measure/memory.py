@@ -170,7 +170,7 @@ def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = Tru
                 proc = subprocess.run(_child_command(spec, mode, steps, path), capture_output=True, text=True)
                 if proc.returncode != 0:
                     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                    raise RuntimeError(f"profiling mode {mode} failed: {tail}")
+                    raise HosflError(f"profiling mode {mode} failed: {tail}")
                 results[mode] = json.loads(path.read_text())
         else:
             results[mode] = profile_mode(spec, mode, steps)

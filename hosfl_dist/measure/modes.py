@@ -139,6 +139,8 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
         split = SplitModel(client.to(device), server.to(device) if whole else None, ClassificationTask())
         return Setup(split, x, y)
 
+    if spec.lora and not whole:  # the worker's own build: f_c alone materialised (arch: sources included)
+        return _client_setup(spec, gen, device)
     from hosfl_dist.config import LoraConfig
     from hosfl_dist.models.hf_split import apply_lora, num_decoder_layers, split_causal_lm
     from hosfl_dist.models.sources import load_model, resolve
@@ -163,6 +165,19 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
     return Setup(SplitModel(client.to(device), server.to(device), NextTokenTask()), inputs, ids)
 
 
+def _client_setup(spec: ProfileSpec, gen: torch.Generator, device: torch.device) -> Setup:
+    """An LM's f_c with the paper's LoRA as a client worker builds it (``models.lm.build`` with parts=("client",):
+    a meta-device model of which only f_c gets values), and one batch of random token ids."""
+    from hosfl_dist.data import data_info
+    from hosfl_dist.models import build_split_model
+
+    cfg = worker_config(spec, "hosfl")
+    split = build_split_model(cfg, data_info(cfg), zeroth_order_client=True, parts=("client",))
+    ids = torch.randint(0, split.spec.vocab, (spec.batch, spec.seq), generator=gen).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return Setup(SplitModel(split.client, None, NextTokenTask()), inputs, ids)
+
+
 def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
     """The run config a profiled worker sees: the zo and clients sections, and model.dtype (what a zeroth-order
     client computes in and uploads follows from it)."""
@@ -170,7 +185,9 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
         {
             "algorithm": {"name": algorithm},
             # model and data just have to be a valid pair
-            "model": {"name": "hf", "source": spec.model, "dtype": spec.dtype} if spec.is_lm else {"name": spec.model},
+            "model": {"name": "hf", "source": spec.model, "dtype": spec.dtype, "gguf_file": spec.gguf_file}
+            if spec.is_lm
+            else {"name": spec.model},
             "data": {"name": "sst2" if spec.is_lm else "synthetic"},
             "split": {"cut": spec.cut},
             "zo": {

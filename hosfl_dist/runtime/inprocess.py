@@ -125,6 +125,7 @@ class InProcessRunner:
         self.saved: Path | None = None
         with self.stop:
             self.rounds, processed = train_loop(cfg, self.worker, on_eval, self.bar, start, after_round)
+        server_stats = self.endpoint.stats()  # the rounds and their evaluations, not the final catch-up below
         if self.stop.signal is not None:
             writer.interrupt(f"{self.stop.signal} after round {self.rounds}", self.rounds, str(self.saved))
             raise Interrupted(f"{self.stop.signal}: stopped after round {self.rounds}; checkpoint {self.saved} "
@@ -152,6 +153,7 @@ class InProcessRunner:
             summary["link"] = self.link.summary()
             announce([describe_traffic(summary["link"])])
         summary["memory"] = [process_memory(0, "in-process", self.split.client, self.split.server)]
+        summary["transport"] = {"server": server_stats}
         return writer.complete(summary)
 
     def cleanup(self) -> None:
