@@ -250,8 +250,11 @@ def figure(report: dict[str, Any]) -> Figure:
     for i, (name, values) in enumerate(shown.items()):
         parts.bar(x + (i - (len(shown) - 1) / 2) * width, values, width, label=name)
     smallest = min((v for values in shown.values() for v in values if v > 0), default=1.0)
+    largest = max((v for values in shown.values() for v in values), default=1.0)
     parts.set_yscale("log")
-    parts.set_ylim(bottom=smallest / 3)  # the smallest non-zero part is a visible bar, not a sliver at the axis
+    # the smallest non-zero part is a visible bar, not a sliver at the axis; headroom above the tallest bar (two
+    # decades) keeps the legend off the bars
+    parts.set_ylim(bottom=smallest / 3, top=max(largest, smallest) * 100)
     parts.set(ylabel="memory [MiB] (log)", title="What the counted peak holds")
     parts.set_xticks(x, modes, rotation=15)
     parts.legend(fontsize=8, loc="upper left", title="0 in every mode: " + ", ".join(absent) if absent else None,
