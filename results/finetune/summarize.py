@@ -239,6 +239,26 @@ def lm_client_frozen(lines: list[str]) -> None:
               "result, and accuracy cannot show how HO-SFL's speed depends on d_c here.", ""]  # fmt: skip
 
 
+def zo_dimension(lines: list[str], name: str, what: str) -> None:
+    """bench/zo_dimension.py's cosines per cut and P, HO-SFL (over θc) beside ZO-SFL (over the whole model)."""
+    path = HERE / f"{name}.json"
+    lines += [f"## The zeroth-order estimate against the true gradient per cut: {what}", ""]
+    if not path.is_file():
+        lines += ["(not run yet)", ""]
+        return
+    results = json.loads(path.read_text())["results"]
+    ps = sorted({r["P"] for res in results for r in res["rows"]})
+    head = " | ".join(f"{m} P={p}" for m in ("HO-SFL", "ZO-SFL") for p in ps)
+    lines += [f"| cut | d_c | d (ZO-SFL) | {head} |", "|---" * (3 + 2 * len(ps)) + "|"]
+    for res in results:
+        by = {(r["method"], r["P"]): r for r in res["rows"]}
+        pairs = [by[m, p] for m in ("hosfl", "zo_sfl") for p in ps]
+        cells = [f"{r['cos_mean']:.1e} ({r['cos_gaussian']:.1e})" for r in pairs]
+        lines.append(f"| {res['cut']} | {res['d_c']:,} | {res['d_c'] + res['d_s']:,} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: cos(ĝ, g), mean over the repeats, and in brackets √(P/(d+P+1)), a Gaussian estimator's "
+              f"expectation. Spreads and norms: `{name}.md` (`bench/zo_dimension.py`).", ""]  # fmt: skip
+
+
 def gemma(lines: list[str]) -> None:
     t = table(Path("gemma3_270m"))
     lines += ["## Gemma-3-270M (LoRA, offline sentiment reviews, 960 samples, 1 seed)", ""]
@@ -265,6 +285,8 @@ def main() -> int:
     depth(lines, "depth_smollm2", ["hosfl", "zo_sfl", "splitlora"], "SmolLM2-135M, 2 / 4 / 6 / 8 client blocks",
           {c: c * LM_BLOCK_LORA for c in (2, 4, 6, 8)})  # fmt: skip
     lm_client_frozen(lines)
+    zo_dimension(lines, "zo_dimension_resnet18", "ResNet-18 (the fine-tuning setting)")
+    zo_dimension(lines, "zo_dimension_smollm2", "SmolLM2-135M (the depth setting)")
     gemma(lines)
     (HERE / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
