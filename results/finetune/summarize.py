@@ -209,6 +209,9 @@ def plot_depth(path: Path, series: dict[str, dict[int, list[list[dict[str, Any]]
             ax.plot(x, y.mean(0), label=f"cut {c} (d_c {d_c[c] / 1e3:,.0f}k)")
             if len(runs) > 1:
                 ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
+        finals = {tuple(r["eval_accuracy"] for r in runs[0]) for runs in by_cut.values() if runs}
+        if len(finals) == 1 and len(by_cut) > 1:  # e.g. SFL: FedAvg of both sides is the same at every cut
+            ax.text(0.5, 0.5, "every cut gives the same curve", transform=ax.transAxes, ha="center", fontsize=8)
         ax.set(title=NAMES[m], xlabel="processed samples")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
