@@ -277,8 +277,8 @@ def write_scaling(
               "peak RSS: the in-process run (every client and the server in one process). "
               f"{metric}: final, none for architectures without weights.", ""]  # fmt: skip
     if axes:
-        lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b" for a in axes) + " (least squares in log-log over "
-                  "the grid; the model size axis is its parameter count):", ""]  # fmt: skip
+        lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b({a})" for a in axes) + " (least squares in log-log "
+                  "over the grid; the model size axis is its parameter count):", ""]  # fmt: skip
         for q, f in fits.items():
             label = QUANTITIES[q][0].split(" [")[0]
             if f is None:
