@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
-#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|gemma|all]   (default: all, in order)
+#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]   (default: all, in order)
 # Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
 # picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each.
 set -euo pipefail
@@ -64,6 +64,17 @@ pmu() {  # P and mu of HO-SFL (paper App. ablation, its fixed values: mu = 1e-4 
     --out "$OUT/ablation_mu"
 }
 
+pmu_code() {  # P where the client learns: the authors' code's settings (lr 1e-3, wd 1e-4, freeze_bn=client), mu 1e-4,
+  # IID, 2 seeds, 16k samples, with the client frozen beside it (~40 min)
+  local code=(model.freeze_bn=client clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 server.optim.lr=1e-3
+              server.optim.weight_decay=1e-4 zo.mu=1e-4 train.budget_samples=16000)
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid zo.num_perturbations=1,5,20 --seeds 0,1 "${code[@]}" \
+    --title "HO-SFL at the authors' code's settings: P (mu = 1e-4)" --out "$OUT/ablation_P_code"
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl --seeds 0,1 "${code[@]}" \
+    clients.optim.lr=1e-12 --title "HO-SFL at the authors' code's settings, client held (lr 1e-12)" \
+    --out "$OUT/ablation_P_code_client_frozen"
+}
+
 depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 1 seed, 16k (~30 min)
   "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid algorithm.name=hosfl,zo_sfl,sfl \
     --grid split.cut=1,2,3 --seeds 0 train.budget_samples=16000 \
@@ -106,9 +117,10 @@ case "$what" in
   depth) pretrain; depth ;;
   depth_lm) depth_lm; depth_lm_frozen ;;
   zo_dim) pretrain; zo_dim ;;
+  pmu_code) pretrain; pmu_code ;;
   gemma) gemma ;;
-  all) pretrain; table; settings; depth; depth_lm; depth_lm_frozen; zo_dim; pmu; gemma ;;
-  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|gemma|all]" >&2
+  all) pretrain; table; settings; depth; depth_lm; depth_lm_frozen; zo_dim; pmu; pmu_code; gemma ;;
+  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]" >&2
      exit 2 ;;
 esac
 "$PY" results/finetune/summarize.py > /dev/null  # summary.md and the depth figures from what has finished

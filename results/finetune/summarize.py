@@ -158,6 +158,13 @@ def ablation_table(lines: list[str], folder: str, symbol: str, fixed: str) -> No
                      f"{pct(float(np.mean(auc)), float(np.std(auc, ddof=1)) if n > 1 else 0.0, n) if auc else '–'} | "
                      f"{np.mean(loss):.4f} |")  # fmt: skip
     lines += ["", f"Plot: `{folder}/accuracy.png` (mean ± std band over seeds).", ""]
+    held = table(Path(f"{folder}_client_frozen"))
+    if held is not None:
+        r = held["rows"][0]
+        n = len(r["seeds"])
+        lines += [f"The same setting with the client held at its pretrained weights (client lr 1e-12, P = 5): final "
+                  f"{pct(r['mean'], r['std'], n)} %, best {pct(r['best_mean'], r['best_std'], n)} % "
+                  f"(`{folder}_client_frozen/`).", ""]  # fmt: skip
 
 
 def depth(lines: list[str], folder: str, methods: list[str], what: str, d_c: dict[int, int]) -> None:
@@ -284,6 +291,8 @@ def main() -> int:
     settings_table(lines)
     ablation_table(lines, "ablation_P", "P", "μ = 1e-4 as the paper's P ablation")
     ablation_table(lines, "ablation_mu", "μ", "P = 10 as the paper's μ ablation")
+    ablation_table(lines, "ablation_P_code", "P", "the authors' code's settings: lr 1e-3, wd 1e-4, freeze_bn=client, "
+                   "μ = 1e-4")  # fmt: skip
     depth(lines, "depth_resnet18", ["hosfl", "zo_sfl", "sfl"], "ResNet-18 cut after stage 1 / 2 / 3", D_C)
     depth(lines, "depth_smollm2", ["hosfl", "zo_sfl", "splitlora"], "SmolLM2-135M, 2 / 4 / 6 / 8 client blocks",
           {c: c * LM_BLOCK_LORA for c in (2, 4, 6, 8)})  # fmt: skip
