@@ -50,7 +50,7 @@ def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
     assert traffic["exponents"]["split.cut"] == pytest.approx(0.0, abs=1e-9)
     assert step["exponents"]["split.cut"] == pytest.approx(1.0)
     assert step["exponents"]["zo.num_perturbations"] == pytest.approx(1.0)
-    assert "b(model size) = +1.00" in text and "eval_accuracy: not fitted" not in text
+    assert "client peak memory: b(model size) = +0.00, b(split.cut) = +1.00, b(zo.num_perturbations) = +0.00" in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
 

@@ -31,6 +31,7 @@ against each swept axis, one line per value of the other axes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,6 +64,8 @@ QUANTITIES = {
     "client_param_bytes": ("f_c bytes [MB]", 1e-6),
 }
 """Fitted (and, but for the last two, plotted) quantities: key -> (label with unit, scale to that unit)."""
+SMALL_CNN_PROFILED_WIDTH = 16
+"""The memory profiler builds small_cnn at this width only: other widths get no client profile."""
 PLOTTED = ("client_peak_bytes", "client_step_s", "server_s_per_round", "traffic_bytes_per_round")
 
 
@@ -119,8 +122,8 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     from hosfl_dist.measure.modes import ProfileSpec
 
     mode = PROFILE_MODE.get(cfg.algorithm.name)
-    if mode is None:
-        return None
+    if mode is None or (cfg.model.name == "small_cnn" and cfg.model.width != SMALL_CNN_PROFILED_WIDTH):
+        return None  # no profiler mode for the method, or a small_cnn the profiler does not build
     path = out / f"{safe_name(name)}.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -146,7 +149,7 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = before
-    record = {"mode": mode, "spec": {k: v for k, v in vars(spec).items()}, **result}
+    record = {"mode": mode, "spec": dataclasses.asdict(spec), **result}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -217,8 +220,8 @@ def axes_of(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
 def loglinear_fit(axes: dict[str, list[float]], ys: list[float | None]) -> dict[str, Any] | None:
     """y ≈ a·Π_k x_k^b_k by least squares on log y = log a + Σ_k b_k log x_k, over the points where y > 0.
 
-    None when there are fewer points than exponents + 1 (nothing left to check the fit against), or with an axis
-    of one value. A single axis needs only two points (the line through them: R² = 1 says nothing then)."""
+    None with no more points than coefficients (the exponents and a: nothing left to check the fit against), or
+    with an axis of one value; a single axis needs only two points (the line through them: R² = 1 says nothing)."""
     names = list(axes)
     rows = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0 and all(axes[k][i] > 0 for k in names)]
     if not names or len(rows) < (2 if len(names) == 1 else len(names) + 2):
