@@ -172,7 +172,8 @@ def _client_setup(spec: ProfileSpec, gen: torch.Generator, device: torch.device)
     from hosfl_dist.models import build_split_model
 
     cfg = worker_config(spec, "hosfl")
-    split = build_split_model(cfg, data_info(cfg), zeroth_order_client=True, parts=("client",))
+    # the bare f_c, as before the worker wraps it (a zeroth-order worker only pins it to eval mode: no dropout)
+    split = build_split_model(cfg, data_info(cfg), zeroth_order_client=False, parts=("client",))
     ids = torch.randint(0, split.spec.vocab, (spec.batch, spec.seq), generator=gen).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return Setup(SplitModel(split.client, None, NextTokenTask()), inputs, ids)
