@@ -283,7 +283,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m hosfl_dist.measure.memory",
         description="Client peak memory per training mode, with a stand-in server (paper App. C.5).",
     )
-    p.add_argument("--model", default="tiny:llama", help="tiny:<arch> | pkg:<package> | HF dir | small_cnn | resnet18")
+    p.add_argument(
+        "--model",
+        default="tiny:llama",
+        help="tiny:<arch> | arch:<name> | pkg:<package> | HF dir | small_cnn | resnet18",
+    )
     p.add_argument("--cut", type=int, default=2, help="client depth (decoder blocks / conv blocks / stages)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (LMs)")

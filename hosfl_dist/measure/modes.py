@@ -45,8 +45,8 @@ class ProfileSpec:
     """One client to profile: model, cut and batch shape, and the zeroth-order settings of HO-SFL / ZO-SFL."""
 
     model: str = "tiny:llama"
-    """tiny:<arch> (random tiny LM), pkg:<python package holding a .gguf>, a local HF directory or .gguf path,
-    small_cnn (Fashion-MNIST input) or resnet18 (CIFAR-10 input)."""
+    """tiny:<arch> (random tiny LM), arch:<name> (a published shape, random weights), pkg:<python package holding a
+    .gguf>, a local HF directory or .gguf path, small_cnn (Fashion-MNIST input) or resnet18 (CIFAR-10 input)."""
     cut: int = 2
     """Client depth: decoder blocks (LMs), conv blocks (small_cnn), residual stages (resnet18)."""
     batch: int = 32
