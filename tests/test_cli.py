@@ -56,6 +56,9 @@ def test_short_run_writes_outputs(tmp_path, tiny_overrides):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["processed_samples"] == 240
     assert (out / "config.yaml").is_file()
+    server = summary["transport"]["server"]  # in one process too: the server's calls and compute per method
+    assert server["calls"]["submit"] == summary["rounds"] and server["compute_s"]["submit"] > 0
+    assert server["threads"] == 1
 
 
 def test_a_bad_config_fails_before_torch_is_imported():
