@@ -229,3 +229,25 @@ def test_a_mistyped_key_is_one_line_before_torch_is_imported(tmp_path, command):
     imported = [line.split("|")[-1].strip() for line in lines if line.startswith("import time:")]
     assert imported and not [m for m in imported if m == "torch" or m.startswith("torch.")]
     assert not (tmp_path / "x").exists()
+
+
+def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp_path):
+    from hosfl_dist.core.digest import file_sha256
+    from hosfl_dist.experiments import pretrain
+    from hosfl_dist.experiments.runs import command, is_finished
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    weights = tmp_path / "w.pt"
+    make = ["--config", str(cfg), "--out", str(weights), "--epochs", "1", "--batch-size", "32"]
+    assert pretrain.main(make) == 0
+    spec = RunSpec("hosfl", 0, [f"model.pretrained={weights}"], tmp_path / "run")
+    finish_in_process(cfg, [spec])
+    summary = json.loads((spec.out_dir / "summary.json").read_text())
+    assert summary["inputs"]["model.pretrained"] == {"path": str(weights), "sha256": file_sha256(weights)}
+    run_cfg = resolve(str(cfg), spec)
+    assert is_finished(spec, run_cfg) and command(str(cfg), spec, run_cfg)[-1] == "job.resume=auto"
+
+    assert pretrain.main([*make, "job.seed=1"]) == 0  # other weights under the same path: the config is unchanged
+    assert not is_finished(spec, run_cfg)
+    assert command(str(cfg), spec, run_cfg)[-1] == "job.overwrite=true"

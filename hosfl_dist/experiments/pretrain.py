@@ -21,7 +21,6 @@ used). A federated run on other classes loads it with a new head
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
@@ -64,6 +63,7 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Train, print one line per epoch, save the weights and the record; returns the record."""
     import torch
 
+    from hosfl_dist.core.digest import file_sha256
     from hosfl_dist.core.seeding import Stream, generator
     from hosfl_dist.data import load_vision_data
     from hosfl_dist.models import build_whole_vision_model
@@ -143,15 +143,6 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     print(f"saved {out} and {record_path} (held-out accuracy {record['final_eval_accuracy']:.4f}, "
           f"{record['wall_time_s']:.1f} s)", flush=True)  # fmt: skip
     return record
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def evaluate(net: Any, data: Any, device: Any, batch_size: int) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
-from hosfl_dist.runtime.outputs import config_differences, run_status
+from hosfl_dist.runtime.outputs import config_differences, input_differences, run_status
 
 
 @dataclass
@@ -54,8 +54,12 @@ def resolve(config: str | None, spec: RunSpec) -> Config:
 
 
 def is_finished(spec: RunSpec, cfg: Config) -> bool:
-    """A completed run of exactly this config."""
-    return run_status(spec.out_dir) == "completed" and config_differences(spec.out_dir, cfg) == []
+    """A completed run of exactly this config, from the same input files (``model.pretrained``'s SHA-256)."""
+    return (
+        run_status(spec.out_dir) == "completed"
+        and config_differences(spec.out_dir, cfg) == []
+        and not input_differences(spec.out_dir, cfg)
+    )
 
 
 def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> list[str]:
@@ -64,6 +68,8 @@ def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> lis
     if config:
         cmd += ["--config", str(config)]
     diff = config_differences(spec.out_dir, cfg) if cfg is not None else None
+    if diff == [] and cfg is not None and input_differences(spec.out_dir, cfg):
+        diff = ["model.pretrained (another file)"]  # the same config over other weights: a new run
     start = [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
     return cmd + spec.all_overrides() + start
 

@@ -26,6 +26,7 @@ import yaml
 
 from hosfl_dist.algorithms.base import ServerBase
 from hosfl_dist.config import Config, config_to_dict, dump_config
+from hosfl_dist.core.digest import file_sha256
 from hosfl_dist.errors import ConfigError, NonFiniteError
 from hosfl_dist.runtime.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
@@ -74,6 +75,26 @@ def config_differences(folder: Path, cfg: Config) -> list[str] | None:
     except yaml.YAMLError:
         return ["config.yaml (unreadable)"]
     return _differences(_comparable(theirs), _comparable(config_to_dict(cfg)))
+
+
+def input_files(cfg: Config) -> dict[str, dict[str, str]]:
+    """The files a run reads that its config names only by path, with their SHA-256 (``model.pretrained``), so a
+    result says which weights it started from, and a finished run is reused only while the file is the same."""
+    path = cfg.model.pretrained
+    if not path or not Path(path).is_file():
+        return {}
+    return {"model.pretrained": {"path": str(path), "sha256": file_sha256(path)}}
+
+
+def input_differences(folder: Path, cfg: Config) -> list[str]:
+    """The inputs the run in ``folder`` recorded with another SHA-256 than the files have now (none for a summary
+    written before inputs were recorded)."""
+    try:
+        recorded = json.loads((folder / "summary.json").read_text()).get("inputs") or {}
+    except (OSError, ValueError):
+        return []
+    now = input_files(cfg) if recorded else {}
+    return [key for key, rec in recorded.items() if key in now and now[key]["sha256"] != rec.get("sha256")]
 
 
 def run_status(folder: Path) -> str | None:
@@ -206,9 +227,11 @@ class RunWriter:
             self.trackers.log(row)
         self.start = time.perf_counter() - wall_s
         self.finished = False
+        inputs = input_files(cfg)
         self.base = {
             "engine": engine,
             "algorithm": cfg.algorithm.name,
+            **({"inputs": inputs} if inputs else {}),
             **({"resumed_from": resumed} if resumed else {}),
         }
         self._dump({"status": "running", **self.base, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
