@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,15 +139,7 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
         seed=cfg.job.seed,
         overlap=cfg.zo.overlap,
     )
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the profiler's process: the runs' thread count
-    try:
-        result = profile(spec, [mode])["modes"][mode]
-    finally:
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
+    result = profile(spec, [mode], threads=threads)["modes"][mode]  # its own process, the runs' thread count
     record = {"mode": mode, "spec": dataclasses.asdict(spec), **result}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -53,7 +53,7 @@ def profile_mode(spec: ProfileSpec, mode: str, steps: int = 1) -> dict[str, Any]
     return {"mode": mode, **measure(make_step(mode, spec), spec.device, steps)}
 
 
-def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path) -> list[str]:
+def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path, threads: int = 0) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -86,6 +86,8 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path) -> list[
         mode,
         "--single-mode-json",
         str(out),
+        "--threads",
+        str(threads),
     ]
 
 
@@ -157,8 +159,11 @@ def check_modes(modes: Sequence[str]) -> None:
             raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
 
 
-def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1) -> dict[str, Any]:
-    """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios."""
+def profile(
+    spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1, threads: int = 0
+) -> dict[str, Any]:
+    """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios;
+    ``threads``: the torch threads of each mode's process (0: torch's default)."""
     check_modes(modes)
     results = {}
     for i, mode in enumerate(modes, 1):
@@ -167,7 +172,7 @@ def profile(spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = Tru
         if isolate:
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "mode.json"
-                proc = subprocess.run(_child_command(spec, mode, steps, path), capture_output=True, text=True)
+                proc = subprocess.run(_child_command(spec, mode, steps, path, threads), capture_output=True, text=True)
                 if proc.returncode != 0:
                     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
                     raise HosflError(f"profiling mode {mode} failed: {tail}")
@@ -340,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_modes(modes)  # before the plan, which builds the model's costs
         for line in plan(spec, modes, args.isolate, args.steps):
             say(line)
-        report = profile(spec, modes, isolate=args.isolate, steps=args.steps)
+        report = profile(spec, modes, isolate=args.isolate, steps=args.steps, threads=args.threads)
     except HosflError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
