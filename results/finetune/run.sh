@@ -41,12 +41,12 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
     model.freeze_bn=client clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 \
     server.optim.lr=1e-3 server.optim.weight_decay=1e-4 \
     --title "Authors' code: AdamW lr 1e-3 wd 1e-4, server BatchNorm on batch statistics" --out "$OUT/settings/code"
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 model.freeze_bn=client \
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 model.freeze_bn=client \
     --title "This table's lr 1e-4 with the code's BatchNorm (server on batch statistics)" --out "$OUT/settings/bn_client"
   # this table's settings again, seed 0, on this run's pretrained weights: the rows above and below compare against
   # it (pretraining is deterministic on one machine, but another CPU's kernels give other weights: pretrain.json's
   # sha256 names them; the method table of results/finetune/README.md was run on pretrain_table.json's)
-  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0 \
+  "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 \
     --title "This table's settings (lr 1e-4, BatchNorm frozen on both sides) on this pretraining" \
     --out "$OUT/settings/anchor"
   # diagnostic: how much of HO-SFL's accuracy is the server's alone (the client kept at its pretrained weights)
@@ -75,9 +75,9 @@ pmu_code() {  # P where the client learns: the authors' code's settings (lr 1e-3
     --out "$OUT/ablation_P_code_client_frozen"
 }
 
-depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 1 seed, 16k (~30 min)
+depth() {  # client depth: the ResNet-18 cut after stage 1 / 2 / 3, HO-SFL, ZO-SFL and SFL, IID, 2 seeds, 16k (~1 h)
   "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid algorithm.name=hosfl,zo_sfl,sfl \
-    --grid split.cut=1,2,3 --seeds 0 train.budget_samples=16000 \
+    --grid split.cut=1,2,3 --seeds 0,1 train.budget_samples=16000 \
     --title "Client depth: ResNet-18 cut 1 / 2 / 3 (d_c = 157k / 681k / 2.78M), 16k samples" \
     --out "$OUT/depth_resnet18"
 }
