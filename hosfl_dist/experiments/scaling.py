@@ -123,9 +123,6 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     mode = PROFILE_MODE.get(cfg.algorithm.name)
     if mode is None or (cfg.model.name == "small_cnn" and cfg.model.width != SMALL_CNN_PROFILED_WIDTH):
         return None  # no profiler mode for the method, or a small_cnn the profiler does not build
-    path = out / f"{safe_name(name)}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
     spec = ProfileSpec(
         model=cfg.model.source if cfg.model.name == "hf" else cfg.model.name,
         cut=cfg.split.cut,
@@ -139,6 +136,11 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
         seed=cfg.job.seed,
         overlap=cfg.zo.overlap,
     )
+    path = out / f"{safe_name(name)}.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("mode") == mode and cached.get("spec") == dataclasses.asdict(spec):
+            return cached  # measured before for exactly this client; another setting is measured again
     result = profile(spec, [mode], threads=threads)["modes"][mode]  # its own process, the runs' thread count
     record = {"mode": mode, "spec": dataclasses.asdict(spec), **result}
     out.mkdir(parents=True, exist_ok=True)
