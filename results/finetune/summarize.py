@@ -95,7 +95,8 @@ def pretraining(lines: list[str]) -> None:
     for name, used_by in (("pretrain_table.json", "the method tables (`iid/`, `dirichlet/`), `settings/text`, "
                            "`settings/code`"),
                           ("pretrain.json", "`settings/anchor`, `settings/bn_client`, `settings/client_frozen`, "
-                           "`ablation_P`, `ablation_mu`, `depth_resnet18`")):  # fmt: skip
+                           "`ablation_P`, `ablation_mu`, `ablation_P_code*`, `depth_resnet18`, "
+                           "`zo_dimension_resnet18`")):  # fmt: skip
         path = HERE / name
         if not path.is_file():
             continue
