@@ -14,6 +14,7 @@ A folder that holds another run is refused unless ``job.resume=auto`` (continue 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -83,7 +84,14 @@ def input_files(cfg: Config) -> dict[str, dict[str, str]]:
     path = cfg.model.pretrained
     if not path or not Path(path).is_file():
         return {}
-    return {"model.pretrained": {"path": str(path), "sha256": file_sha256(path)}}
+    st = Path(path).stat()
+    return {"model.pretrained": {"path": str(path), "sha256": _file_sha256(str(path), st.st_mtime_ns, st.st_size)}}
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    """file_sha256 once per version of a file: compare / sweep check every run of a grid against the same one."""
+    return file_sha256(path)
 
 
 def input_differences(folder: Path, cfg: Config) -> list[str]:
