@@ -102,9 +102,9 @@ def shipped_configs() -> list[Path]:
 def test_every_shipped_config_loads(path):
     """Every YAML under configs/ builds: training configs into Config, latency-model configs into theirs."""
     if "latency" in path.parts:
-        from hosfl_dist.measure.latency import load_config as load_latency
+        from hosfl_dist.measure.latency.cli import load_latency_setup
 
-        load_latency(str(path))
+        load_latency_setup(path)
         return
     load_config(path)
     first = path.read_text().splitlines()[0]

@@ -1,4 +1,5 @@
-"""Known-answer tests of the App. C.1 latency model (hosfl_dist.measure.latency), all worked out by hand."""
+"""Known-answer tests of the App. C.1 latency model (hosfl_dist.measure.latency), all worked out by hand, and of its
+command line."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ import pytest
 
 from hosfl_dist.config import LinkConfig, link_delay_s
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.measure.latency import (
-    TABLE_COLUMNS,
+from hosfl_dist.measure.latency.cli import TABLE_COLUMNS, load_latency_setup, main
+from hosfl_dist.measure.latency.model import (
     DecoderShape,
     Hardware,
     LatencyModel,
     Workload,
-    load_config,
-    main,
     simulate,
     simulate_round_time,
 )
@@ -154,7 +153,7 @@ def test_invalid_settings_are_rejected() -> None:
 
 
 def test_shipped_yaml_is_the_paper_default() -> None:
-    model, sim = load_config(REPO / "configs" / "latency" / "llama32_1b_5g.yaml")
+    model, sim = load_latency_setup(REPO / "configs" / "latency" / "llama32_1b_5g.yaml")
     assert model == LatencyModel()
     assert sim == {"noise": 0.1, "trials": 1000, "seed": 0, "max_client_layers": 8, "round_layers": 4}
 
@@ -163,10 +162,10 @@ def test_yaml_unknown_key_names_key_and_section(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("link:\n  uplink_mbs: 30\n")
     with pytest.raises(ConfigError, match=r"unknown key link.uplink_mbs in section link"):
-        load_config(path)
+        load_latency_setup(path)
     path.write_text("link:\n  rtt_ms: -1\n")
     with pytest.raises(ConfigError, match=r"invalid value for link.rtt_ms: -1.0 \(must be >= 0\)"):
-        load_config(path)
+        load_latency_setup(path)
 
 
 def test_cli_writes_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +186,28 @@ def test_cli_reports_bad_values_in_one_line(tmp_path: Path, capsys: pytest.Captu
     assert main(["--out", str(tmp_path), "--noise", "1.5"]) == 2
     assert capsys.readouterr().err.startswith("error: noise must be in [0, 1)")
     assert not (tmp_path / "latency.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "latency config not found: "),
+        ("link: [\n", "is not valid YAML at line 2, column 1"),
+        ("link:\n  uplink_mbs: 30\n", "unknown key link.uplink_mbs in section link"),
+        ("link:\n  uplink_mbps: -5\n", "invalid value for link.uplink_mbps: -5.0 (must be > 0)"),
+        ("sim: 3\n", "section 'sim' must be a mapping, got int"),
+    ],
+)
+def test_cli_reports_bad_setup_files_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, message: str
+) -> None:
+    path = tmp_path / "setup.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert main(["--out", str(tmp_path / "out"), "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_help_shows_the_default_of_every_option(capsys: pytest.CaptureFixture[str]) -> None:
