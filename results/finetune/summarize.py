@@ -5,7 +5,10 @@
 It reads each experiment's table.json (written by hosfl_dist.experiments.compare / sweep) and, for the curves, the
 runs' metrics.jsonl; it computes nothing the tables do not already hold except the mean accuracy over a run's
 evaluations (a convergence-speed figure: the area under the accuracy curve divided by the budget) and the per-depth
-means. A folder that does not exist yet is left out and said so.
+means. A folder that does not exist yet is left out and said so. The committed runs are in runs.tar.xz: unpack them
+first (``tar xJf results/finetune/runs.tar.xz -C results/finetune``); a table whose run folders are missing stops
+it before it writes anything (exit code 2), so the committed summary.md and figures are never rewritten from half
+the inputs.
 """
 
 from __future__ import annotations
@@ -284,7 +287,18 @@ def gemma(lines: list[str]) -> None:
     lines += ["", "Plot: `gemma3_270m/accuracy.png`.", ""]
 
 
+def tables_without_runs() -> list[str]:
+    """Experiment folders with a table.json but no run folders beside it (the archive not unpacked)."""
+    tables = HERE.glob("**/table.json")
+    return sorted(str(t.parent.relative_to(HERE)) for t in tables if not (t.parent / "runs").is_dir())
+
+
 def main() -> int:
+    if missing := tables_without_runs():
+        print(f"error: {len(missing)} experiment folder(s) have a table but no runs/ ({', '.join(missing[:3])}, ...): "
+              f"unpack the committed runs first: tar xJf results/finetune/runs.tar.xz -C results/finetune",
+              file=sys.stderr)  # fmt: skip
+        return 2
     lines = ["# Fine-tuning regime: collected results", "", "Written by `python results/finetune/summarize.py` from "
              "the experiment folders beside it (`bash results/finetune/run.sh` makes them).", ""]  # fmt: skip
     pretraining(lines)
