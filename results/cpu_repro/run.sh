@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates results/cpu_repro/{iid,dirichlet}/ (tables, plots, per-run files) from the repository root:
+# Regenerates results/cpu_repro/{iid,dirichlet}/ from the repository root (tables, plots; the run folders land in
+# <part>/runs/, which git ignores):
 #   bash results/cpu_repro/run.sh
 # Finished runs are reused (delete a run folder to redo it). Two runs at a time, one torch thread each.
 set -euo pipefail
