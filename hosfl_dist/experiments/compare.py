@@ -1,10 +1,11 @@
 """Compare methods on one setting over seeds: runs (or reuses) every (method, seed) and writes the report.
 
     python -m hosfl_dist.experiments.compare --config configs/paper/table3/cifar10_iid.yaml \\
-        --methods hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed --seeds 0,1,2 --out results/table3_cifar10_iid
+        --methods hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed --seeds 0,1,2 --out runs/table3_cifar10_iid
 
 Outputs in --out: runs/<method>/seed<k>/ (each run's files), table.md, table.json, accuracy.png (metric vs processed
-samples, mean ± std band over seeds), traffic.png (training traffic by category, paper Table 5).
+samples, mean ± std band over seeds), traffic.png (training traffic by category, paper Table 5). Under results/ git
+tracks the report and ignores runs/ (results/README.md: an experiment's runs are packed into its runs.tar.xz).
 
 Every method runs with the config plus ``algorithm.name=<method>``, then the paper's per-method optimizer where it
 differs (App. B.4: MU-SplitFed uses plain SGD with client lr 0.005, server lr 0.01, global lr 0.3; unless

@@ -4,9 +4,10 @@
         --grid model.source=arch:qwen3-0.6b,arch:qwen3-1.7b --grid split.cut=2,5 --grid zo.num_perturbations=2,5 \\
         model.dtype=bfloat16 train.budget_samples=96 --out results/scaling/qwen3
 
-The runs are the sweep's (``hosfl_dist.experiments.sweep``: one in-process run per grid point and seed under
---out/runs/, finished ones reused, unfinished ones resumed; the sweep's table and accuracy-vs-processed-samples
-curves are written too). Then, per grid point (mean over seeds), ``scaling.md`` / ``scaling.json`` give:
+(the committed study, its exact command and findings: results/scaling/README.md). The runs are the sweep's
+(``hosfl_dist.experiments.sweep``: one in-process run per grid point and seed under --out/runs/, finished ones
+reused, unfinished ones resumed; the sweep's table and accuracy-vs-processed-samples curves are written too). Then,
+per grid point (mean over seeds), ``scaling.md`` / ``scaling.json`` give:
 
 - sizes, from a meta-device build of the point's config (nothing allocated, free at 8B): the model's parameters
   (f_c + f_s as split, LoRA included; a tied head is counted on both sides), the client depth (``split.cut``), f_c's

@@ -1,7 +1,7 @@
 """Sweep a grid of overrides over seeds (ablations: P, μ, cut layer, ...) and report it like a comparison.
 
     python -m hosfl_dist.experiments.sweep --config configs/paper/table3/cifar10_iid.yaml \\
-        --grid zo.num_perturbations=1,5,10 --seeds 0,1,2 --out results/ablation_P
+        --grid zo.num_perturbations=1,5,10 --seeds 0,1,2 --out runs/ablation_P
 
 Several --grid options make their cartesian product (e.g. --grid zo.mu=1e-4,1e-3 --grid split.cut=1,2). Each grid
 point is one row of table.md / table.json (the first column is headed by the swept keys) and one curve of the plot,

@@ -15,7 +15,9 @@ Before the first mode the CLI says which modes will run and what each should rou
 compute time, from the model's shape: :func:`hosfl_dist.measure.modes.expected_costs`), then one line as each mode
 starts and ends (its elapsed time and peak), on stderr.
 
-    python -m hosfl_dist.measure.memory --model tiny:llama --cut 2 --batch 32 --seq 128 --out results/memory/tiny
+    python -m hosfl_dist.measure.memory --model tiny:llama --cut 2 --batch 32 --seq 128 --out out/memory
+
+The committed measurements, their commands and what they show: results/memory/README.md.
 """
 
 from __future__ import annotations
