@@ -1,6 +1,6 @@
 """Aggregation traffic per client per round, HO-SFL vs SFL, as the client model grows (d_c × 1, 2, 4, 8).
 
-    python bench/agg_traffic.py [--widths 16 32 64 128] [--out bench/results/agg_traffic.json]
+    python -m bench.agg_traffic [--widths 16 32 64 128] [--out bench/out]
 
 Runs one round of each method through the in-process runtime (small CNN cut after its first conv block on the
 synthetic task; d_c = 10·width, so widths 16, 32, 64, 128 give d_c = 160, 320, 640, 1280) and reads the bytes the
@@ -13,19 +13,16 @@ P seeds (``downlink_scalars_seeds``); SFL uploads and downloads θc (``uplink_mo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
+from bench.common import Recorder, options
+from bench.suite import BENCHMARKS
+from hosfl_dist.config import load_config
+from hosfl_dist.runtime.inprocess import InProcessRunner
 
 K, M, B, P = 4, 40, 32, 5
 
@@ -66,11 +63,17 @@ def one_round(algorithm: str, width: int, out_dir: Path) -> dict:
     }
 
 
+def figures(data: dict) -> tuple[dict, dict]:
+    """Uplink aggregation bytes per client per round, per method and d_c (the declared widths; others: data only)."""
+    values = {f"{r['algorithm']}_dc{r['d_c']}": r["uplink_aggregation_bytes"] for r in data["rows"]}
+    return {k: v for k, v in values.items() if k in BENCHMARKS["agg_traffic"].names}, {}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", type=int, nargs="*", default=[16, 32, 64, 128])
-    p.add_argument("--out", default="bench/out/agg_traffic.json")
-    args = p.parse_args(argv)
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["agg_traffic"], argv, args.via)
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="agg_") as tmp:
@@ -87,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['algorithm']:6s} {r['d_c']:6d} {r['d_c_factor']:5.0f} {r['uplink_aggregation_bytes']:18.0f} "
             f"{r['uplink_factor']:6.2f} {r['downlink_aggregation_bytes']:20.0f}"
         )
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"K": K, "M": M, "batch": B, "P": P, "rows": rows}, indent=2) + "\n")
-    print(f"-> {out}")
+    data = {"K": K, "M": M, "batch": B, "P": P, "rows": rows}
+    rec.write(args.out, data, *figures(data))
     return 0
 
 

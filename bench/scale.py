@@ -1,9 +1,9 @@
 """HO-SFL rounds of the paper's architectures at their real shapes on this machine: memory per rank and round time.
 
-    python bench/scale.py --arch qwen3-8b --ranks 2                      # the 8B shape, one worker + 2 server ranks
-    python bench/scale.py --arch qwen3-0.6b qwen3-1.7b qwen3-4b --ranks 1 2
-    python bench/scale.py --arch qwen3-0.6b --ranks 1 --batch 16 --seq 256 --micro-batch-tokens 1024 --checkpointing
-    python bench/scale.py --table                                        # print results/scale/scale.json as a table
+    python -m bench.scale --arch qwen3-8b --ranks 2                      # the 8B shape, one worker + 2 server ranks
+    python -m bench.scale --arch qwen3-0.6b qwen3-1.7b qwen3-4b --ranks 1 2 --keep results/scale/scale.json
+    python -m bench.scale --arch qwen3-0.6b --ranks 1 --batch 16 --seq 256 --micro-batch-tokens 1024 --checkpointing
+    python -m bench.scale --table results/scale/scale.json                # print a kept file as a table
 
 Each run is ``torchrun`` with S server ranks and one client worker on ``model.source=arch:<name>`` (the published
 config, weights drawn from ``job.seed``; no download), bf16 base weights, cut 5, LoRA r=8 on q/v on both sides, the
@@ -12,8 +12,10 @@ materialised (summary.json ``memory``), its peak RSS (the kernel's VmHWM, from s
 while the job runs), and the analytic budget of parameters (:func:`analytic`) — activations are reported separately
 (K·B·T·D·2 bytes of z per round) and the interpreter with torch's libraries adds ~0.4 GB per process; and the round
 time (the worker's
-``run_round``, first round excluded when there is more than one) and the server's compute time per round. Results
-are appended to ``results/scale/scale.json`` keyed by the run's settings.
+``run_round``, first round excluded when there is more than one) and the server's compute time per round. The runs
+go into the record ``<out>/scale.json`` (its figures: the suite's setting, Qwen3-0.6B with S = 1 and 2); ``--keep
+FILE`` also adds them to FILE, a list of runs keyed by their settings (a later run of the same settings replaces
+the earlier one), which ``--table FILE`` prints.
 """
 
 from __future__ import annotations
@@ -28,13 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from cpu_hygiene import proc_sample  # noqa: E402
-from dist_bench import torchrun_cmd  # noqa: E402
-from faults import ranks  # noqa: E402
+from bench.common import ROOT, Recorder, options, proc_sample, torchrun_cmd
+from bench.common import ranks as rank_pids
+from bench.suite import BENCHMARKS
 
-OUT = ROOT / "results" / "scale" / "scale.json"
 GB = 1e9
 
 
@@ -104,7 +103,7 @@ def poll_peaks(proc: subprocess.Popen, peaks: dict[int, int], stop: threading.Ev
     """Peak RSS of each rank process (torchrun's children, by rank), polled every 0.5 s; also the machine total."""
     while not stop.is_set():
         total = 0
-        for rank, pid in ranks(proc.pid).items():
+        for rank, pid in rank_pids(proc.pid).items():
             sample = proc_sample(pid)
             rss = sample[1] if sample is not None else 0
             peaks[rank] = max(peaks.get(rank, 0), rss)
@@ -113,7 +112,7 @@ def poll_peaks(proc: subprocess.Popen, peaks: dict[int, int], stop: threading.Ev
         stop.wait(0.5)
 
 
-def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
+def run_one(args: argparse.Namespace, arch: str, ranks: int, command: str) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix=f"scale-{arch}-s{ranks}-"))
     cmd = torchrun_cmd(ranks + 1, ["-m", "hosfl_dist.run", *run_overrides(args, arch, ranks, out_dir)])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -139,7 +138,7 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int) -> dict:
         "P": args.P,
         "micro_batch_tokens": args.micro_batch_tokens,
         "checkpointing": args.checkpointing,
-        "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
+        "command": command,
     }
     if proc.returncode != 0 or summary.get("status") != "completed":
         tail = "\n".join(out.splitlines()[-60:])
@@ -201,7 +200,37 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def figures(data: dict) -> tuple[dict, dict]:
+    """Peak RSS of the largest server rank and of the worker, with their analytic parameter bytes as floors, and the
+    round time, per S, of the suite's setting (Qwen3-0.6B, K=2 B=1 T=16, cut 5, P=2, no micro-batches)."""
+    values, floors = {}, {}
+    suite = {"arch": "qwen3-0.6b", "cut": 5, "clients": 2, "batch": 1, "seq": 16, "P": 2, "micro_batch_tokens": 0}
+    for r in data["runs"]:
+        if r.get("failed") or any(r[k] != v for k, v in suite.items()) or r["checkpointing"]:
+            continue
+        s = r["ranks"]
+        servers = [m for m in r["memory"] if m["role"] != "worker"]
+        worker = next(m for m in r["memory"] if m["role"] == "worker")
+        top = max(servers, key=lambda m: m["peak_rss_bytes"] or 0)
+        values[f"s{s}_server_peak_rss_gb"] = (top["peak_rss_bytes"] or 0) / GB
+        floors[f"s{s}_server_peak_rss_gb"] = top["analytic_bytes"] / GB
+        values[f"s{s}_worker_peak_rss_gb"] = (worker["peak_rss_bytes"] or 0) / GB
+        floors[f"s{s}_worker_peak_rss_gb"] = worker["analytic_bytes"] / GB
+        values[f"s{s}_round_s"] = r["round_s"]
+    names = BENCHMARKS["scale"].names
+    return {k: v for k, v in values.items() if k in names}, {k: v for k, v in floors.items() if k in names}
+
+
+def keep(path: Path, runs: list[dict]) -> None:
+    """Add ``runs`` to the list in ``path``, replacing a run of the same settings."""
+    saved = json.loads(path.read_text()) if path.is_file() else []
+    for res in runs:
+        saved = [r for r in saved if key(r) != key(res)] + [res]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", nargs="+", default=["qwen3-0.6b"])
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="server ranks S")
@@ -215,22 +244,30 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=0)
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--table", action="store_true", help="print the saved results and exit")
-    args = p.parse_args()
-    saved = json.loads(OUT.read_text()) if OUT.is_file() else []
+    p.add_argument("--keep", type=Path, help="also add the runs to this list of runs (e.g. results/scale/scale.json)")
+    p.add_argument("--table", type=Path, metavar="FILE", help="print a list of runs kept with --keep, and exit")
+    args = options(p).parse_args(argv)
     if args.table:
+        saved = json.loads(args.table.read_text())
         reanalyse(saved)
-        OUT.write_text(json.dumps(saved, indent=1) + "\n")
-    else:
-        for arch in args.arch:
-            for ranks in args.ranks:
-                res = run_one(args, arch, ranks)
-                saved = [r for r in saved if key(r) != key(res)] + [res]
-                OUT.parent.mkdir(parents=True, exist_ok=True)
-                OUT.write_text(json.dumps(saved, indent=1) + "\n")
-                print(table([res]) if not res.get("failed") else res["tail"], flush=True)
-    print(table(saved))
+        args.table.write_text(json.dumps(saved, indent=1) + "\n")
+        print(table(saved))
+        return 0
+    rec = Recorder(BENCHMARKS["scale"], argv, args.via)
+    runs = []
+    for arch in args.arch:
+        for ranks in args.ranks:
+            res = run_one(args, arch, ranks, rec.command)
+            runs.append(res)
+            print(table([res]) if not res.get("failed") else res["tail"], flush=True)
+    print(table(runs))
+    if args.keep:
+        keep(args.keep, runs)
+    data = {"runs": runs}
+    failed = [key(r) for r in runs if r.get("failed")]
+    rec.write(args.out, data, *figures(data), error=f"failed: {', '.join(failed)}" if failed else None)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,8 +2,8 @@
 quickstart CNN) and a 135M-parameter LM (SmolLM2 with LoRA), the measurement behind ``job.threads=0`` (auto:
 one thread below 10M parameters, every core above; hosfl_dist/runtime/env.py::set_threads).
 
-    python bench/threads.py --out bench/out/threads.json            # ~4 min on 2 cores
-    python bench/threads.py --only small --threads 1 2 --repeat 3
+    python -m bench.threads                       # ~4 min on 2 cores: bench/out/threads.json
+    python -m bench.threads --only small --threads 1 2 --repeat 3
 
 Each setting is a fresh ``python -m hosfl_dist.run`` process (threads cannot be changed back and forth inside one
 without side effects), evaluated only at the start and the end on a few samples; the time per round is the wall time
@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, Recorder, options
+from bench.suite import BENCHMARKS
+
 MODELS = {
     # rounds, overrides
     "small": (
@@ -65,15 +67,24 @@ def seconds_per_round(model: str, threads: int) -> dict:
     return {"s_per_round": window / rounds, "process_s": total}
 
 
-def main() -> None:
+def figures(data: dict) -> tuple[dict, dict]:
+    """Seconds per round per model and thread count (the declared ones)."""
+    values = {
+        f"{model}_{n}_thread{'s' if int(n) > 1 else ''}": v
+        for model, r in data["models"].items()
+        for n, v in r["s_per_round"].items()
+    }
+    return {k: v for k, v in values.items() if k in BENCHMARKS["threads"].names}, {}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=sorted(MODELS), default=sorted(MODELS), help="models to measure")
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="job.threads values")
     p.add_argument("--repeat", type=int, default=2, help="turns of every setting (the median is kept)")
-    p.add_argument("--out", default="bench/out/threads.json", help="JSON result")
-    args = p.parse_args()
-    load = os.getloadavg()[0]
-    result: dict = {"cores": len(os.sched_getaffinity(0)), "load_1min_at_start": load, "models": {}}
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["threads"], argv, args.via)
+    result: dict = {"cores": len(os.sched_getaffinity(0)), "models": {}}
     for model in args.only:
         runs: dict[int, list[float]] = {n: [] for n in args.threads}
         for turn in range(args.repeat):
@@ -89,16 +100,13 @@ def main() -> None:
             f"ratio_to_{args.threads[0]}_thread": {str(n): med[n] / base for n in args.threads},
             "fastest": min(med, key=med.get),
         }
-    result["load_1min_at_end"] = os.getloadavg()[0]
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'model':<8} " + " ".join(f"{f'{n} thr s/round':>15}" for n in args.threads) + "  fastest")
     for model, r in result["models"].items():
         cells = " ".join(f"{r['s_per_round'][str(n)]:>15.3f}" for n in args.threads)
         print(f"{model:<8} {cells}  {r['fastest']} thread(s)")
-    print(f"cores {result['cores']}, 1-min load {load:.1f} -> {result['load_1min_at_end']:.1f}; written {out}")
+    rec.write(args.out, result, *figures(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

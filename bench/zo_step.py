@@ -1,6 +1,6 @@
 """ZO client step time against its floor: (P+1) no-grad client forwards.
 
-    python bench/zo_step.py [--reps 30] [--out bench/results/zo_step.json]
+    python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--out bench/out]
 
 One HO-SFL client step is what HOSFLWorker.run_round does for a sampled client, with a stand-in server (the memory
 profiler's): z = f_c(x), the P perturbed forwards (zo_activations), the P projections v_p = λᵀ(z̃_p − z), and the
@@ -20,41 +20,32 @@ Allocator: with glibc's defaults a freed block above the (dynamic) mmap threshol
 next forward that needs it pays page faults; whether that happens depends on what else is alive (the step keeps
 z and the P z̃, a lone forward keeps nothing), so it moves both sides of the ratio. ``--tune-malloc`` keeps freed
 memory in the process (mallopt; the same as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_) and measures the compute
-alone; the suite reports both.
+alone; the suite runs both (``zo_step`` and ``zo_step_tuned``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.core.seeding import round_seeds  # noqa: E402
-from hosfl_dist.core.zo import Projector, noise_like  # noqa: E402
-from hosfl_dist.measure.modes import ProfileSpec, build_setup, profiled_worker  # noqa: E402
+from bench.common import Recorder, options
+from bench.suite import BENCHMARKS
+from hosfl_dist.core.seeding import round_seeds
+from hosfl_dist.core.zo import Projector, noise_like
+from hosfl_dist.measure.modes import ProfileSpec, build_setup, profiled_worker
 
 CLIENTS = {
-    # name: (spec, target) -- the quickstart client (configs/quickstart.yaml) and a tiny LM client with LoRA
-    "quickstart small_cnn cut 1, B=32, P=5": (
-        ProfileSpec(model="small_cnn", cut=1, batch=32, num_perturbations=5),
-        1.15,
-    ),
-    "tiny Llama cut 2 + LoRA, B=32 T=128, P=2": (ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128), 1.15),
-    "tiny Llama cut 2 full FT, B=32 T=128, P=2": (
-        ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128, lora=False),
-        None,
-    ),
-    "resnet18 cut 2, B=32 CIFAR, P=5": (ProfileSpec(model="resnet18", cut=2, batch=32, num_perturbations=5), None),
+    # figure name: spec -- the quickstart client (configs/quickstart.yaml), a tiny LM client with LoRA and without,
+    # and the ResNet-18 client of results/finetune
+    "quickstart_cnn": ProfileSpec(model="small_cnn", cut=1, batch=32, num_perturbations=5),
+    "tiny_llama_lora": ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128),
+    "tiny_llama_full": ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128, lora=False),
+    "resnet18_cut2": ProfileSpec(model="resnet18", cut=2, batch=32, num_perturbations=5),
 }
 
 
@@ -127,44 +118,47 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 3) -> dict:
     }
 
 
+def figures(data: dict) -> tuple[dict, dict]:
+    """The ratio of each client measured, and its floor (1 + the noise regeneration measured beside it)."""
+    rows = data["clients"]
+    return {r["client"]: r["ratio"] for r in rows}, {r["client"]: r["floor_with_noise"] for r in rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: on 2 shared cores, 2 threads under load time noise)"
     )
-    p.add_argument("--clients", nargs="*", help="subset of client names (default: all)")
+    p.add_argument("--clients", nargs="*", choices=list(CLIENTS), help="subset of the clients (default: all)")
     p.add_argument(
         "--tune-malloc",
         action="store_true",
         help="glibc: keep freed memory (mmap threshold 32 MiB, trim threshold 2 GiB), see the module docstring",
     )
-    p.add_argument("--out", default="bench/out/zo_step.json")
-    args = p.parse_args(argv)
+    args = options(p).parse_args(argv)
+    rec = Recorder(BENCHMARKS["zo_step_tuned" if args.tune_malloc else "zo_step"], argv, args.via)
     torch.set_num_threads(args.threads)
     if args.tune_malloc:
         tune_malloc()
     rows = []
-    for name, (spec, target) in CLIENTS.items():
+    for name, spec in CLIENTS.items():
         if args.clients and name not in args.clients:
             continue
         r = measure_client(spec, args.reps)
-        rows.append({"client": name, "target": target, **r})
+        rows.append({"client": name, **r})
         m = r["median_s"]
         print(
-            f"{name:44s} ratio {r['ratio']:.3f} (of minima {r['ratio_of_minima']:.3f}; "
-            f"floor+noise {r['floor_with_noise']:.3f}, target {target}) "
+            f"{name:16s} ratio {r['ratio']:.3f} (of minima {r['ratio_of_minima']:.3f}; "
+            f"floor+noise {r['floor_with_noise']:.3f}) "
             f"fwd {m['forward'] * 1e3:.2f} ms, step {m['step'] * 1e3:.2f} ms = z {m['z'] * 1e3:.2f} + perturbed "
             f"{m['perturbed'] * 1e3:.2f} + project {m['project'] * 1e3:.2f} + update {m['update'] * 1e3:.2f}; "
             f"d_c {r['d_c']}",
             flush=True,
         )
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
-    meta["tune_malloc"] = args.tune_malloc
-    out.write_text(json.dumps({**meta, "reps": args.reps, "clients": rows}, indent=2) + "\n")
-    print(f"-> {out}")
+    data = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tune_malloc": args.tune_malloc,
+            "reps": args.reps, "clients": rows}  # fmt: skip
+    rec.write(args.out, data, *figures(data))
     return 0
 
 

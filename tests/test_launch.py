@@ -1,86 +1,112 @@
-"""The launch scripts and the benchmark driver, without running a job or a bench.
+"""The launch scripts and the benchmark suite's command, without running a job or a long benchmark.
 
-- bench/run_all.py writes into bench/out/ (ignored by git) unless told --update-results, the only way to rewrite the
-  committed reference results in bench/results/; a bench it does not run is reused from the folder it writes to;
+- ``python -m bench list`` names every benchmark with its figures, their targets and floors, read from the one
+  declaration (bench/suite.py); ``python -m bench run`` writes ``<out>/<name>.json`` (default bench/out/, ignored by
+  git) with every declared figure, ``met`` computed from the value, the target and its sense, and a record for a
+  benchmark that failed; the benchmarks import bench.common, never edit sys.path;
 - launch/torchrun.sh sets torchrun's own default OMP_NUM_THREADS=1 for NPROC > 1 (so torchrun does not warn about
   it) and keeps a value of the user's.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from bench.common import DEFAULT_OUT, Figure
+from bench.suite import BENCHMARKS
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 
 
-def _run_all():
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "bench" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}
+def test_list_names_every_benchmark_with_its_figures_targets_and_floors():
+    got = bench("list")
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    for b in BENCHMARKS.values():
+        head = next(i for i, line in enumerate(lines) if line.startswith(f"{b.name} ("))
+        assert lines[head + 1].strip() == " ".join(["python", "-m", b.module, *b.options])
+        block = lines[head + 2 : head + 2 + len(b.figures)]
+        for f, line in zip(b.figures, block):
+            assert line.split()[0] == f.name and f.meaning in line
+            assert f"target {f.target_text()}" in line
+            assert ("floor measured" if isinstance(f.floor, str) else f"floor {f.floor_text()}") in line
+        for how in {f.floor for f in b.figures if isinstance(f.floor, str)}:
+            assert f"    floor measured: {how}" in lines
+    assert {"zo_step", "zo_step_tuned", "memory", "agg_traffic", "dist", "overlap", "threads", "cpu_hygiene",
+            "checkpoint_cost", "generation", "scale"} == set(BENCHMARKS)  # fmt: skip
 
 
-def test_run_all_writes_the_committed_results_only_with_update_results(tmp_path):
-    run_all = _run_all()
-    assert run_all.output_dir() == Path("bench/out")
-    assert run_all.output_dir(update_results=True) == Path("bench/results")
-    assert run_all.output_dir(tmp_path) == tmp_path
-    with pytest.raises(ValueError, match="--update-results"):
-        run_all.output_dir(RESULTS)
-    with pytest.raises(ValueError, match="give one"):
-        run_all.output_dir(tmp_path, update_results=True)
-    assert run_all.bench_argv("agg_traffic", Path("bench/out")) == [
-        "bench/agg_traffic.py",
-        "--out",
-        "bench/out/agg_traffic.json",
-    ]
+@pytest.mark.parametrize(
+    ("target", "sense", "value", "met"),
+    [(1.15, "<=", 1.2, False), (1.15, "<=", 1.15, True), (20, "=", 20.0, True), (20, "=", 24, False),
+     (0.9, ">=", 0.95, True), (True, "=", False, False), (None, "<=", 3.0, None), (1.0, "<=", None, None)],
+)  # fmt: skip
+def test_met_compares_the_value_with_the_target_in_its_sense(target, sense, value, met):
+    assert Figure("f", "x", "a figure", target, sense).met(value) is met
+
+
+def test_run_writes_a_record_of_every_declared_figure(tmp_path):
+    """agg_traffic at one width (two one-round runs): its two figures measured, the others null."""
+    got = bench("run", "agg_traffic", "--out", str(tmp_path), "--", "--widths", "16")
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads((tmp_path / "agg_traffic.json").read_text())
+    assert record["command"] == f"python -m bench.agg_traffic --widths 16 --out {tmp_path}"
+    assert record["via"] == f"python -m bench run agg_traffic --out {tmp_path} -- --widths 16"
+    assert record["error"] is None and record["benchmark"] == "agg_traffic"
+    assert len(record["load_average"]["before"]) == len(record["load_average"]["after"]) == 3
+    declared = BENCHMARKS["agg_traffic"].figures
+    assert list(record["figures"]) == [f.name for f in declared]
+    for f in declared:
+        fig = record["figures"][f.name]
+        assert {"value", "unit", "target", "floor", "met"} <= set(fig)
+        assert fig["unit"] == f.unit and fig["target"] == f.target and fig["met"] == f.met(fig["value"])
+    measured = {k: v["value"] for k, v in record["figures"].items() if v["value"] is not None}
+    assert measured == {"hosfl_dc160": 20, "sfl_dc160": 640}  # 4·P and 4·d_c bytes
+    assert record["figures"]["hosfl_dc160"]["met"] is True and record["figures"]["hosfl_dc320"]["met"] is None
+    assert "agg_traffic.hosfl_dc160: 20 B/client/round  target 20 met" in got.stdout
+
+
+def test_a_failed_benchmark_gets_a_record_saying_why_and_the_run_exits_1(tmp_path):
+    got = bench("run", "agg_traffic", "--out", str(tmp_path), "--", "--widths", "wide")
+    assert got.returncode == 1
+    record = json.loads((tmp_path / "agg_traffic.json").read_text())
+    assert record["error"].startswith("exit 2: ") and "invalid int value: 'wide'" in record["error"]
+    assert all(f["value"] is None and f["met"] is None for f in record["figures"].values())
+    assert "FAILED (exit 2" in got.stdout
+
+
+def test_run_refuses_a_name_outside_the_suite_and_names_the_suite():
+    got = bench("run", "nosuch")
+    assert got.returncode == 2 and "no benchmark nosuch: the suite has zo_step, zo_step_tuned" in got.stderr
+
+
+def test_records_go_to_an_untracked_folder_by_default():
+    assert DEFAULT_OUT == ROOT / "bench" / "out"
     if shutil.which("git") and (ROOT / ".git").exists():
-        ignored = subprocess.run(["git", "check-ignore", "-q", "bench/out/bench.md"], cwd=ROOT)
+        ignored = subprocess.run(["git", "check-ignore", "-q", "bench/out/zo_step.json"], cwd=ROOT)
         assert ignored.returncode == 0, "bench/out/ must be ignored by git"
 
 
-def test_run_all_dry_run_names_the_folder_and_writes_nothing(capsys):
-    run_all = _run_all()
-    before = _snapshot(RESULTS)
-    assert run_all.main(["--only", "agg_traffic", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "output folder: bench/out\n" in out
-    assert "run    agg_traffic: python bench/agg_traffic.py --out bench/out/agg_traffic.json" in out
-    assert "reuse  overlap: bench/out/overlap.json" in out
-    assert run_all.main(["--only", "agg_traffic", "--dry-run", "--update-results"]) == 0
-    out = capsys.readouterr().out
-    assert "output folder: bench/results (the committed reference results)" in out
-    assert "--out bench/results/agg_traffic.json" in out
-    assert _snapshot(RESULTS) == before
-
-
-def test_run_all_reuses_from_the_folder_it_writes_to(tmp_path, capsys):
-    """Every bench skipped: the summary is built from the JSON in --out alone, and bench/results is not touched."""
-    run_all = _run_all()
-    before = _snapshot(RESULTS)
-    shutil.copy(RESULTS / "agg_traffic.json", tmp_path / "agg_traffic.json")
-    assert run_all.main(["--out", str(tmp_path), "--skip", *run_all.BENCHES]) == 0
-    report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["benches"]["agg_traffic"] == {"ok": True, "reused": True}
-    assert "no earlier result in " + str(tmp_path) in report["benches"]["overlap"]["why"]
-    agg = [r for r in report["rows"] if r["metric"].startswith("aggregation uplink")]
-    assert agg and {r["verdict"] for r in agg} == {"met"}
-    assert {r["command"] for r in agg} == {f"python bench/agg_traffic.py --out {tmp_path / 'agg_traffic.json'}"}
-    md = (tmp_path / "bench.md").read_text()
-    assert "not a pass/fail of the product" in md and "| vs target |" in md
-    assert _snapshot(RESULTS) == before
+def test_every_declared_module_measures_and_names_its_figures_without_editing_sys_path():
+    """Each benchmark's module exists with main() and figures(); no file of bench/ edits sys.path."""
+    for b in BENCHMARKS.values():
+        path = ROOT / (b.module.replace(".", "/") + ".py")
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert {"main", "figures"} <= defined, path
+    for path in (ROOT / "bench").glob("*.py"):
+        assert "sys.path" not in path.read_text(), path
 
 
 @pytest.mark.parametrize(

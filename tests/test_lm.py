@@ -287,12 +287,13 @@ def test_offline_lm_config_builds(config, package, client_lora, capsys):
 
 
 def test_centralized_lora_reference_trains_the_same_split(tmp_path, text_files, capsys):
-    """bench/centralized_lora.py: first-order LoRA on the same model/data; its metrics rows follow the run's."""
-    spec = importlib.util.spec_from_file_location("centralized_lora", ROOT / "bench" / "centralized_lora.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    """hosfl_dist.experiments.centralized_lora: first-order LoRA on the same model/data; its metrics rows follow the
+    run's."""
+    from hosfl_dist.experiments import centralized_lora
+
     overrides = [o for o in lm_overrides(tmp_path, text_files) if not o.startswith("model.name")]
-    assert bench.main(["--config", str(ROOT / "configs" / "smollm2_sentiment.yaml"), "model.name=hf", *overrides]) == 0
+    config = str(ROOT / "configs" / "smollm2_sentiment.yaml")
+    assert centralized_lora.main(["--config", config, "model.name=hf", *overrides]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["processed_samples"] for r in rows] == [0, 8, 16]
     assert rows[0]["train_loss"] is None and rows[-1]["train_loss"] > 0

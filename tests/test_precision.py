@@ -107,9 +107,9 @@ def _cosine_of_estimates(params, v, v64, seeds, mu):
 
 def test_bf16_zo_estimate_agrees_with_float64_at_the_default_mu(tmp_path, text_files):
     """At μ = 1e-3 (the default) the estimate from float32 forwards over bf16 weights has cosine > 0.999 with the
-    float64 one and its scalars a relative error < 1e-2 (bench/zo_precision.py: cosine 1.0000 and relative error
-    ≤ 5e-4 on tiny Qwen3 / Llama and SmolLM2-135M); bf16 forwards (zo.compute_dtype=model, which the μ floor refuses
-    here) are far off on the same batch."""
+    float64 one and its scalars a relative error < 1e-2 (``python -m hosfl_dist.experiments.zo_precision``: cosine
+    1.0000 and relative error ≤ 5e-4 on tiny Qwen3 / Llama and SmolLM2-135M); bf16 forwards (zo.compute_dtype=model,
+    which the μ floor refuses here) are far off on the same batch."""
     cfg = load_config(None, bf16_overrides(tmp_path, text_files, "zo.num_perturbations=5"))
     assert cfg.zo.mu == 1e-3 and cfg.zo.compute_dtype == "auto"
     worker = InProcessRunner(cfg).setup().worker

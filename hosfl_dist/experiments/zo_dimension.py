@@ -1,8 +1,8 @@
 """How far a zeroth-order estimate points along the true gradient as the zeroth-order part grows: the mechanism
 behind the client-depth ablation (paper App. "Impact of client-side model depth", the d_c of its Corollary).
 
-    python bench/zo_dimension.py [--config configs/finetune/hosfl_iid.yaml] [--cuts 1 2 3] [--ps 1 5 20]
-        [--repeats 8] [--out results/finetune/zo_dimension] [key=value ...]
+    python -m hosfl_dist.experiments.zo_dimension [--config configs/finetune/hosfl_iid.yaml] [--cuts 1 2 3]
+        [--ps 1 5 20] [--repeats 8] [--out results/finetune/zo_dimension] [key=value ...]
 
 For each cut: the config's model (with its ``model.pretrained`` weights), one training batch of client 0, λ = ∂ℓ/∂z
 from a real server backprop (Eq. 11), and two estimates against the exact gradients that backprop gives:
@@ -25,24 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from hosfl_dist.algorithms.exchange import server_seed, spsa_pair
+from hosfl_dist.config import load_config
+from hosfl_dist.core.params import slot_tensors, trainable_slots
+from hosfl_dist.core.seeding import round_seeds
+from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
+from hosfl_dist.data import build_data
+from hosfl_dist.errors import HosflError
+from hosfl_dist.models import build_split_model, server_forward
 
-from hosfl_dist.algorithms.exchange import server_seed, spsa_pair  # noqa: E402
-from hosfl_dist.config import load_config  # noqa: E402
-from hosfl_dist.core.params import slot_tensors, trainable_slots  # noqa: E402
-from hosfl_dist.core.seeding import round_seeds  # noqa: E402
-from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients  # noqa: E402
-from hosfl_dist.data import build_data  # noqa: E402
-from hosfl_dist.errors import HosflError  # noqa: E402
-from hosfl_dist.models import build_split_model, server_forward  # noqa: E402
+PROG = "python -m hosfl_dist.experiments.zo_dimension"
 
 
 def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -127,13 +126,13 @@ def markdown(results: list[dict], command: str) -> str:
                          f"{r['norm_ratio_mean']:.0f} | {r['norm_ratio_gaussian']:.0f} |")  # fmt: skip
     lines += ["", "cos: mean ± std over the repeats (independent seed sets); ĝ of HO-SFL is over θc against "
               "g_c = ∂(λᵀz)/∂θc, ĝ of ZO-SFL over the whole model against ∂ℓ/∂θ; one training batch of client 0 "
-              "per cut (`bench/zo_dimension.py`'s docstring).", ""]  # fmt: skip
+              f"per cut (`{PROG}`; the module's docstring).", ""]  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="bench/zo_dimension.py", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", default="configs/finetune/hosfl_iid.yaml", help="(default: %(default)s)")
     p.add_argument("--cuts", type=int, nargs="+", default=[1, 2, 3], help="split.cut values (default: %(default)s)")
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    command = "python bench/zo_dimension.py " + " ".join(words)
+    command = shlex.join([*PROG.split(), *words])
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

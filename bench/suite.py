@@ -1,0 +1,249 @@
+"""The suite: every benchmark, the options the suite runs it with, and the figures it measures, declared once.
+
+``python -m bench list`` prints this; ``python -m bench run`` and each module's own command write the figures named
+here (``bench.common.Recorder.write``). A target is what an issue set for a figure; a floor what the figure cannot go
+below (a number, or how each run measures it). Figures without either are reported as measured.
+"""
+
+from __future__ import annotations
+
+from bench.common import Benchmark, Figure
+
+X = "×"
+
+
+def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
+    floor = "1 + regenerating the noise (2·P·d_c normal draws) over (P+1) forwards"
+    what = "ZO client step / ((P+1) no-grad client forwards)"
+    return Benchmark(
+        name=name,
+        module="bench.zo_step",
+        options=options,
+        measures=f"the HO-SFL client step against its floor, phase by phase, one thread, {alloc}",
+        takes="~3 min",
+        figures=(
+            Figure("quickstart_cnn", X, f"{what}: quickstart CNN cut 1, B=32, P=5 (d_c = 160)", 1.15, "<=", floor),
+            Figure("tiny_llama_lora", X, f"{what}: tiny Llama cut 2 + LoRA, B=32 T=128, P=2", 1.15, "<=", floor),
+            Figure("tiny_llama_full", X, f"{what}: tiny Llama cut 2 full fine-tuning, P=2 (d_c = 94k)", floor=floor),
+            Figure("resnet18_cut2", X, f"{what}: ResNet-18 cut 2, CIFAR B=32, P=5 (d_c = 681k)", floor=floor),
+        ),
+    )
+
+
+def _memory() -> Benchmark:
+    inf = "client peak / inference peak"
+    figures = []
+    for model, label, target in (("smollm2", "SmolLM2-135M cut 5", 1.05), ("tiny_llama", "tiny Llama cut 2", None)):
+        figures += [
+            Figure(f"{model}_hosfl", X, f"{inf}, HO-SFL (overlap off), {label}, LoRA r=8, B=32 T=128"
+                   + ("; paper 1.03" if target else ""), target, "<=", "1 + |λ|/inference (λ beside one forward)"),
+            Figure(f"{model}_hosfl_overlap", X, f"{inf}, HO-SFL with zo.overlap=true, {label}",
+                   floor="1 + P·|z|/inference (the P z̃ wait for λ)"),
+            Figure(f"{model}_sfl", X, f"{inf}, SFL (client backprop), {label}" + ("; paper 2.19" if target else "")),
+            Figure(f"{model}_zo_sfl", X, f"{inf}, ZO-SFL, {label}"),
+            Figure(f"{model}_full_local", X, f"{inf}, the whole model trained on the client, {label}"
+                   + ("; paper 5.19" if target else "")),
+        ]  # fmt: skip
+    return Benchmark(
+        name="memory",
+        module="bench.memory_ratio",
+        measures="client peak memory of one step of each method over inference (the memory profiler's tracker)",
+        takes="~2 min",
+        figures=tuple(figures),
+    )
+
+
+def _agg_traffic() -> Benchmark:
+    figures = []
+    for method, per in (("hosfl", "4·P, whatever d_c"), ("sfl", "4·d_c")):
+        for width in (16, 32, 64, 128):
+            d_c = 10 * width
+            figures.append(
+                Figure(
+                    f"{method}_dc{d_c}",
+                    "B/client/round",
+                    f"aggregation uplink bytes per client per round, {method.upper().replace('HOSFL', 'HO-SFL')}, "
+                    f"small CNN width {width} (d_c = {d_c}): {per}",
+                    20 if method == "hosfl" else 4 * d_c,
+                    "=",
+                )
+            )
+    return Benchmark(
+        name="agg_traffic",
+        module="bench.agg_traffic",
+        measures="aggregation traffic per client per round of HO-SFL and SFL as d_c doubles (one in-process round)",
+        takes="~15 s",
+        figures=tuple(figures),
+    )
+
+
+def _dist() -> Benchmark:
+    floor = "one loopback RPC round trip carrying a submit + one all_reduce of K×P, same layout (bench/rpc_floor.py)"
+    figures = [
+        Figure("in_process_samples_per_s", "samples/s", "in-process runtime, 1 thread, quickstart, 6400 samples")
+    ]
+    for w in (1, 2):
+        layout = f"torchrun 1 server + {w} worker{'s' if w > 1 else ''}"
+        figures += [
+            Figure(f"torchrun_w{w}_vs_in_process", X, f"samples/s of {layout} over the 1-thread in-process run"),
+            Figure(f"torchrun_w{w}_transport_ms", "ms/worker-round",
+                   f"{layout}: time a worker is blocked in RPC waits + all_reduce per round", floor=floor),
+            Figure(f"torchrun_w{w}_blocking_waits", "waits/worker-round",
+                   f"{layout}: RPC answers not there yet when asked for, per worker-round"),
+        ]  # fmt: skip
+    figures.append(
+        Figure("same_final_metrics", "bool", "torchrun's final metrics equal the 1-thread in-process run's", True, "=")
+    )
+    return Benchmark(
+        name="dist",
+        module="bench.dist_bench",
+        options=("--workers", "1", "2"),
+        measures="the torchrun runtime against the in-process one, and its transport against the floor beside it",
+        takes="~4 min",
+        figures=tuple(figures),
+    )
+
+
+def _overlap() -> Benchmark:
+    figures = []
+    runs = [("quickstart", "scaled", 1.10), ("quickstart", "paper", None), ("resnet18", "scaled", None)]
+    model = {True: "App. C.1 model 1.003", False: "App. C.1 model 1.442"}
+    for setup, link, target in runs:
+        for runtime in ("in_process", "torchrun"):
+            for on in (True, False):
+                where = "in one process" if runtime == "in_process" else "torchrun (server in its own process)"
+                figures.append(
+                    Figure(
+                        f"{setup}_{link}_{runtime}_{'on' if on else 'off'}",
+                        X,
+                        f"round(P=5) / round(P=0), overlap {'on' if on else 'off'}, {setup}, {link} link, {where}"
+                        + (f"; {model[on]}" if link == "scaled" else ""),
+                        target if on else None,
+                    )
+                )
+    return Benchmark(
+        name="overlap",
+        module="bench.overlap",
+        measures="latency hiding: HO-SFL round time against P under the emulated link, overlap on and off, both "
+        "runtimes",
+        takes="~15 min",
+        figures=tuple(figures),
+    )
+
+
+def _threads() -> Benchmark:
+    figures = []
+    for model, label in (("small", "quickstart CNN"), ("lm135m", "SmolLM2-135M + LoRA")):
+        for n in (1, 2):
+            figures.append(Figure(f"{model}_{n}_thread{'s' if n > 1 else ''}", "s/round",
+                                  f"{label}, one process, job.threads={n} (median of the turns)"))  # fmt: skip
+    return Benchmark(
+        name="threads",
+        module="bench.threads",
+        measures="seconds per round of one process with job.threads = 1 and 2 (the rule behind job.threads=0)",
+        takes="~5 min",
+        figures=tuple(figures),
+    )
+
+
+def _cpu_hygiene() -> Benchmark:
+    run = "tiny-Qwen3 HO-SFL under torchrun, 1 server + 2 workers, 50 rounds"
+    return Benchmark(
+        name="cpu_hygiene",
+        module="bench.cpu_hygiene",
+        measures="what the torchrun processes cost beyond their work: server RSS over the rounds, idle worker CPU",
+        takes="~3 min",
+        figures=(
+            Figure("server_rss_start_gib", "GiB", f"server RSS when training starts, {run}"),
+            Figure("server_rss_peak_gib", "GiB", f"server peak RSS over the training window, {run}"),
+            Figure("server_rss_end_gib", "GiB", f"server RSS at the end of the training window, {run}"),
+            Figure("worker_cpu_s_per_round", "CPU s/round", f"CPU seconds per round of a client worker (mean), {run}"),
+            Figure("wall_s_per_round", "s/round", f"wall time per round over the training window, {run}"),
+            Figure("server_threads", "threads", f"threads that ran server code (summary.json), {run}", 1, "="),
+        ),
+    )
+
+
+def _checkpoint_cost() -> Benchmark:
+    return Benchmark(
+        name="checkpoint_cost",
+        module="bench.checkpoint_cost",
+        measures="size and save time of a checkpoint, and a real SIGKILL during a save followed by job.resume=auto",
+        takes="~2 min",
+        figures=(
+            Figure("quickstart_mb", "MB", "checkpoint of the quickstart (θs + AdamW, state.pt)"),
+            Figure("quickstart_save_s", "s", "save time of a quickstart checkpoint (median of 4)"),
+            Figure("smollm2_mb", "MB", "checkpoint of SmolLM2-135M cut 5, LoRA r=8 (frozen base weights not saved)"),
+            Figure("smollm2_save_s", "s", "save time of a SmolLM2 checkpoint (median of 4)"),
+            Figure(
+                "kill_resume_digests_equal",
+                "bool",
+                "SIGKILL during the second save, then job.resume=auto: digests equal an uninterrupted run's",
+                True,
+                "=",
+            ),
+        ),  # fmt: skip
+    )
+
+
+def _generation() -> Benchmark:
+    figures = []
+    for model, label in (("tiny_qwen3", "tiny Qwen3 cut 2"), ("smollm2", "SmolLM2-135M-Instruct cut 15")):
+        figures += [
+            Figure(f"{model}_cache_tokens_per_s", "tokens/s", f"SQuAD greedy decoding through the split with KV "
+                   f"caches on both sides, {label}, 8 examples, 1 thread"),
+            Figure(f"{model}_speedup", X, f"tokens/s with KV caches over without, {label}"),
+            Figure(f"{model}_same_tokens", "bool", f"the cached path generates the no-cache path's tokens, {label}",
+                   True, "="),
+        ]  # fmt: skip
+    return Benchmark(
+        name="generation",
+        module="bench.generation",
+        measures="evaluation speed of SQuAD greedy decoding through the split, with and without KV caches",
+        takes="~2 min",
+        figures=tuple(figures),
+    )
+
+
+def _scale() -> Benchmark:
+    floor = "the analytic parameter bytes of that rank (bench/scale.py::analytic)"
+    run = "Qwen3-0.6B shape, bf16, cut 5, LoRA r=8, K=2 B=1 T=16, P=2"
+    figures = []
+    for s in (1, 2):
+        figures += [
+            Figure(f"s{s}_server_peak_rss_gb", "GB", f"peak RSS of a server rank (the largest), S={s}, {run}",
+                   floor=floor),
+            Figure(f"s{s}_worker_peak_rss_gb", "GB", f"peak RSS of the client worker, S={s}, {run}", floor=floor),
+            Figure(f"s{s}_round_s", "s", f"round time (the second round), S={s}, {run}"),
+        ]  # fmt: skip
+    return Benchmark(
+        name="scale",
+        module="bench.scale",
+        options=("--arch", "qwen3-0.6b", "--ranks", "1", "2"),
+        measures="HO-SFL rounds of a published architecture at its real shape under torchrun: memory per rank, "
+        "round time",
+        takes="~5 min",
+        figures=tuple(figures),
+    )
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        _zo_step("zo_step", (), "glibc's default malloc"),
+        _zo_step("zo_step_tuned", ("--tune-malloc",), "glibc keeping freed memory (--tune-malloc)"),
+        _memory(),
+        _agg_traffic(),
+        _dist(),
+        _overlap(),
+        _threads(),
+        _cpu_hygiene(),
+        _checkpoint_cost(),
+        _generation(),
+        _scale(),
+    )
+}
+
+
+def benchmark(name: str) -> Benchmark:
+    return BENCHMARKS[name]
