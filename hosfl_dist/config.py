@@ -49,8 +49,8 @@ class JobConfig:
     id>, which a requeued job continues; job.resume=auto continues latest)."""
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = auto: OMP_NUM_THREADS where it is set
-    (torchrun sets 1), else 1 for a model under 10M parameters (measured fastest: bench/threads.py) and every core
-    for a larger one. Printed at start."""
+    (torchrun sets 1), else 1 for a model under 10M parameters (measured fastest: results/bench/README.md,
+    'threads') and every core for a larger one. Printed at start."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
