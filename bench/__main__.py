@@ -119,12 +119,13 @@ def table(out: Path) -> str:
                 f"| {r['benchmark']} | {name} | {_value(f['value'])} | {f['unit']} | {target} | "
                 f"{'' if f['floor'] is None else _value(f['floor'])} | {_met(f['met'])} |"
             )
-    lines += ["", "| benchmark | command | started | machine | load average before / after |", "|---|---|---|---|---|"]
+    lines += ["", "| benchmark | command | started | commit | machine | load average before / after |"]
+    lines.append("|---|---|---|---|---|---|")
     for r in records:
-        load = r["load_average"]
+        load = " / ".join("–" if x is None else " ".join(map(str, x)) for x in r["load_average"].values())
         lines.append(
-            f"| {r['benchmark']} | `{r['command']}` | {r['started']} | {r['machine']} | "
-            f"{' '.join(map(str, load['before']))} / {' '.join(map(str, load['after']))} |"
+            f"| {r['benchmark']} | `{r['command']}` | {r['started'] or '–'} | {r['commit'] or '–'} | {r['machine']} | "
+            f"{load} |"
         )
     return "\n".join(lines)
 

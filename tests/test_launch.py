@@ -76,6 +76,9 @@ def test_run_writes_a_record_of_every_declared_figure(tmp_path):
     assert measured == {"hosfl_dc160": 20, "sfl_dc160": 640}  # 4·P and 4·d_c bytes
     assert record["figures"]["hosfl_dc160"]["met"] is True and record["figures"]["hosfl_dc320"]["met"] is None
     assert "agg_traffic.hosfl_dc160: 20 B/client/round  target 20 met" in got.stdout
+    table = bench("table", str(tmp_path)).stdout.splitlines()
+    assert "| agg_traffic | hosfl_dc160 | 20 | B/client/round | = 20 |  | met |" in table
+    assert "| agg_traffic | hosfl_dc320 | – | B/client/round | = 20 |  |  |" in table
 
 
 def test_a_failed_benchmark_gets_a_record_saying_why_and_the_run_exits_1(tmp_path):
