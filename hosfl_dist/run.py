@@ -14,6 +14,7 @@ import time
 
 from hosfl_dist.config import Config, dump_config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.logs import init_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,18 +80,18 @@ def main(argv: list[str] | None = None) -> int:
 
             print(help_config(args.help_config), end="")
             return 0
-        from hosfl_dist.runtime.env import launch_env, role_map  # without torch: a bad config fails in a second
-        from hosfl_dist.runtime.run_dir import deterministic_out_dir, with_out_dir
+        from hosfl_dist.runtime.process.launch import launch_env, role_map  # torch-free: a bad config fails at once
+        from hosfl_dist.runtime.record.folder import deterministic_out_dir, with_out_dir
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
-        from hosfl_dist.runtime.tracking import check_loggers
+        from hosfl_dist.runtime.record.tracking import check_loggers
 
         check_loggers(cfg)  # a logger without its package: one line, before torch
         world = launch.world_size if launch is not None else args.nproc
         if args.check:
-            from hosfl_dist.runtime.env import check_devices, check_interface
-            from hosfl_dist.runtime.outputs import check_out_dir
+            from hosfl_dist.runtime.process.host import check_devices, check_interface
+            from hosfl_dist.runtime.record.folder import check_out_dir
 
             if world > 1:
                 role_map(cfg, world)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     roles = role_map(cfg, world).describe().splitlines()
                     print("# roles:\n" + "\n".join("#  " + line for line in roles))
             return 0
-        from hosfl_dist.runtime.outputs import completed_already
+        from hosfl_dist.runtime.record.folder import completed_already
 
         folder = deterministic_out_dir(cfg)
         if folder is not None and completed_already(with_out_dir(cfg, folder)):  # a Slurm job again, a sweep re-run
@@ -116,14 +117,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"done: {folder} holds this run, completed; nothing to do (job.resume=auto)")
             return 0
         if world > 1 and launch is not None:
+            roles = role_map(cfg, world)
+            init_logging(roles.label(launch.rank), verbose=launch.rank in (0, roles.leader))
             from hosfl_dist.runtime.torchrun import run_torchrun
 
-            return run_torchrun(cfg, launch)
+            code, done = run_torchrun(cfg, launch)
+            if done is not None:  # rank 0 of a completed run
+                from hosfl_dist.runtime.record.writer import done_line
+
+                print(done_line(*done), flush=True)
+            return code
         if cfg.server.ranks > 1:
             raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
-        from hosfl_dist.runtime.inprocess import run_in_process
+        init_logging()
+        from hosfl_dist.runtime.inprocess import InProcessRunner
+        from hosfl_dist.runtime.record.writer import done_line
 
-        run_in_process(cfg)
+        runner = InProcessRunner(cfg).setup()
+        summary = runner.run()
+        print(done_line(summary, runner.cfg.job.out_dir), flush=True)
     except HosflError as exc:  # bad input (exit 2), or a run that diverged or was stopped (exit 1)
         if launch is None or launch.rank == 0:  # the same error on every rank: say it once
             print(f"error: {exc}", file=sys.stderr)

@@ -25,8 +25,9 @@ from hosfl_dist.algorithms.hosfl import HOSFLServer
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.models import build_split_model
-from hosfl_dist.runtime.env import bind_interface, launch_env, role_map
-from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.runtime.process.host import bind_interface
+from hosfl_dist.runtime.process.launch import launch_env, role_map
+from hosfl_dist.runtime.server_step import local_endpoint
 from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
     server = HOSFLServer(cfg, split)
     server.rounds_done = 1  # round 0's activations went through the server
-    endpoint = ServerEndpoint(server)
+    endpoint = local_endpoint(server)
     early = endpoint.serve("sync", {"t": 1, "client": 2, "since": 0})  # client 2 was not in S_0 = [1, 3, 4]
     assert not early.done()  # round 0 is not closed yet
     endpoint.serve("finish_round", {"t": 0, "scalars": torch.ones(3)}).wait()  # closes_round

@@ -20,8 +20,8 @@ from hosfl_dist.models import build_split_model
 from hosfl_dist.run import main
 from hosfl_dist.runtime import checkpoint as ckpt_mod
 from hosfl_dist.runtime.checkpoint import latest_checkpoint
-from hosfl_dist.runtime.outputs import finite_json, strict_dumps
-from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.runtime.record.writer import finite_json, strict_dumps
+from hosfl_dist.runtime.server_step import local_endpoint
 from tiny import TINY_OVERRIDES, run_in_process
 
 SMALL = [*TINY_OVERRIDES, "data.train_max_samples=240", "train.budget_samples=360", "checkpoint.interval_samples=120"]
@@ -116,7 +116,7 @@ def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, alg, extra)
     _, _, ref, _ = run_in_process([*cfg, f"job.out_dir={tmp_path / 'ref'}"])
     out = tmp_path / "run"
     stop_at(monkeypatch, alg, 1)
-    with pytest.raises(Interrupted, match=r"SIGTERM: stopped after round 2; checkpoint .*round-00000002"):
+    with pytest.raises(Interrupted, match=r"SIGTERM after round 2; checkpoint .*round-00000002"):
         run_in_process([*cfg, f"job.out_dir={out}"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["checkpoint"].endswith("round-00000002")
@@ -140,14 +140,14 @@ def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):
     for m in saved.model.modules():  # statistics a training round would have moved
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.add_(1.0)
-    path = ckpt_mod.Checkpointer(tmp_path, 2).save(saved, ckpt_mod.LoopState(3, 72), {}, {})
+    path = ckpt_mod.CheckpointStore(tmp_path, 2).save(saved, ckpt_mod.LoopState(3, 72), {}, {})
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = set(FileSystemReader(str(path / "model")).read_metadata().state_dict_metadata)
     frozen = [n for n, p in saved.model.named_parameters() if not p.requires_grad]
     assert frozen and not {f"model.{n}" for n in frozen} & stored  # BatchNorm's γ, β are not in the checkpoint
     loaded = build()
-    ckpt_mod.Checkpointer(tmp_path, 2).load(loaded, path)
+    ckpt_mod.CheckpointStore(tmp_path, 2).load(loaded, path)
     want, got = saved.model.state_dict(), loaded.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     a, b = saved.opt.state_dict()["state"], loaded.opt.state_dict()["state"]
@@ -232,7 +232,7 @@ def test_divergence_stops_the_run_instead_of_completing(tmp_path):
 def endpoint():
     cfg = load_config(None, TINY_OVERRIDES)
     server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
-    return server, ServerEndpoint(server)
+    return server, local_endpoint(server)
 
 
 def call(endpoint, method, **kwargs):
@@ -268,9 +268,9 @@ def test_a_forged_final_report_does_not_pass_the_audit(tmp_path):
 
     r = runner([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'run'}"])
     r.run()
-    digest = r.worker.client_digest()
-    assert r.server.audit(r.rounds, {"worker_0": digest}) is None
-    assert "client digests {'worker_1': 'forged'} differ" in r.server.audit(r.rounds, {"worker_1": "forged"})
+    digest, rounds = r.worker.client_digest(), r.trainer.round
+    assert r.server.audit(rounds, {"worker_0": digest}) is None
+    assert "client digests {'worker_1': 'forged'} differ" in r.server.audit(rounds, {"worker_1": "forged"})
     assert "the report says 999999 rounds, the server ran 10" in r.server.audit(999_999, {"worker_0": digest})
 
 

@@ -10,6 +10,8 @@ from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.config import load_config
 from hosfl_dist.data import build_data
 from hosfl_dist.errors import ProtocolError
+from hosfl_dist.evaluation.client import Evaluator
+from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import SplitModel, server_forward
 from hosfl_dist.models.hf_load import tiny_causal_lm
 from hosfl_dist.models.hf_split import split_causal_lm
@@ -96,28 +98,30 @@ def test_a_batch_without_labelled_tokens_has_zero_loss_and_a_graph():
 # ------------------------------------------------------------------------------------------ KV-cached generation
 
 
-def server_and_worker(arch: str, side: str, max_new_tokens: int = 12) -> tuple[ServerBase, WorkerBase]:
-    """The real ServerBase and WorkerBase evaluation methods on a tiny LM cut at 2, behind an in-process endpoint."""
+def server_and_worker(arch: str, side: str, max_new_tokens: int = 12) -> tuple[EvalServer, Evaluator]:
+    """The real evaluation server and the worker's evaluator on a tiny LM cut at 2, behind an in-process endpoint."""
     model = tiny_causal_lm(arch)
     client, server = split_causal_lm(model, 2)
     task = GenerationTask(tiny_tokenizer(), side, max_positions=None, max_new_tokens=max_new_tokens)
     split = SplitModel(client, server, task)
     cfg = load_config(None, [])
-    srv = ServerBase(cfg, split)
-    return srv, WorkerBase(cfg, split, None, [], InProcessTransport(ServerEndpoint(srv)), None)
+    srv = EvalServer(server, task)
+    endpoint = ServerEndpoint(ServerBase(cfg, split), evaluator=srv)
+    return srv, Evaluator(WorkerBase(cfg, split, None, [], InProcessTransport(endpoint), None))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cached_generation_equals_the_no_cache_path(arch, side):
-    srv, worker = server_and_worker(arch, side)
-    task = worker.split.task
-    x = prompts(side, worker.split.client.config.pad_token_id or 0)
+    srv, evaluator = server_and_worker(arch, side)
+    split = evaluator.worker.split
+    task = split.task
+    x = prompts(side, split.client.config.pad_token_id or 0)
     task.eos_id = None  # random weights: make rows end at different steps, by EOS and by the position limit
-    worker.eval_kv_cache = False
-    free = worker.generate(x, key=0)
+    evaluator.kv_cache = False
+    free = evaluator.generate(x, key=0)
     task.eos_id, task.max_positions = int(free[1, 3]), 15
-    ref = worker.generate(x, key=0)
+    ref = evaluator.generate(x, key=0)
     assert ref.shape == (3, 12) and (ref[0, 5:] == -1).all()  # row 0 hits the limit (10 + 5 positions)
     assert (ref[1] == -1).any() and (ref[2] != -1).all()  # row 1 stops at EOS; row 2 runs all 12 steps
 
@@ -125,8 +129,8 @@ def test_cached_generation_equals_the_no_cache_path(arch, side):
     original = srv.eval_next_token
     srv.eval_next_token = lambda act, **kw: sent.append(tuple(act["z"].shape)) or original(act, **kw)
     head_rows = rows_seen(srv.model.lm_head)
-    worker.eval_kv_cache = True
-    got = worker.generate(x, key=1)
+    evaluator.kv_cache = True
+    got = evaluator.generate(x, key=1)
 
     assert torch.equal(got, ref), f"cached {got.tolist()} != reference {ref.tolist()}"
     d = sent[0][-1]
@@ -136,21 +140,21 @@ def test_cached_generation_equals_the_no_cache_path(arch, side):
 
 
 def test_the_no_cache_step_computes_the_head_at_the_last_token_only():
-    srv, worker = server_and_worker("llama", "right", max_new_tokens=3)
+    srv, evaluator = server_and_worker("llama", "right", max_new_tokens=3)
     head_rows = rows_seen(srv.model.lm_head)
-    worker.eval_kv_cache = False
-    worker.generate(prompts("right", 0), key=0)
+    evaluator.kv_cache = False
+    evaluator.generate(prompts("right", 0), key=0)
     assert head_rows == [3, 3, 3]
 
 
 def test_the_server_keeps_one_cache_and_refuses_steps_it_cannot_continue():
-    srv, worker = server_and_worker("qwen3", "left", max_new_tokens=4)
-    client = worker.split.client
+    srv, evaluator = server_and_worker("qwen3", "left", max_new_tokens=4)
+    client = evaluator.worker.split.client
     x = prompts("left", 0)
     kv = client.new_cache()
     act = client(**x, past_key_values=kv)
     first = srv.eval_next_token(act, cache="a")["token"]
-    assert srv._eval_cache.key == "a" and srv._eval_cache.columns == 10
+    assert srv._cache.key == "a" and srv._cache.columns == 10
     assert first.shape == (3,)
     step = {"z": act["z"][:2, -1:], "attention_mask": torch.ones(2, 11, dtype=torch.long)}  # 2 rows' next token
     with pytest.raises(ProtocolError, match="without its prompts"):
@@ -160,9 +164,9 @@ def test_the_server_keeps_one_cache_and_refuses_steps_it_cannot_continue():
     with pytest.raises(ProtocolError, match="not a list of its rows"):
         srv.eval_next_token(step, cache="a", keep=torch.tensor([0, 5]))
     srv.eval_next_token(client(**x, past_key_values=client.new_cache()), cache="c")  # new prompts replace "a"
-    assert srv._eval_cache.key == "c"
+    assert srv._cache.key == "c"
     srv.eval_generated(torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1, 1, dtype=torch.uint8))
-    assert srv._eval_cache is None  # the batch is decoded: its cache is gone
+    assert srv._cache is None  # the batch is decoded: its cache is gone
 
 
 # ------------------------------------------------------------------------------------------ SQuAD through the runner
@@ -178,7 +182,7 @@ def test_squad_evaluation_with_caches_equals_the_reference_in_process(tmp_path, 
     overrides = lm_overrides(tmp_path / "run", text_files, task="squad", arch="qwen3", side="right")
     cfg = load_config(None, overrides + extra)
     engine = InProcessRunner(cfg).setup()
-    server, worker = engine.server, engine.worker
+    server = engine.evaluator  # the evaluation server beside the algorithm's
     engine.split.task.max_new_tokens = 8  # random weights never stop early: 8 steps are enough to compare
     scored = []
     original = server.eval_generated
@@ -186,17 +190,16 @@ def test_squad_evaluation_with_caches_equals_the_reference_in_process(tmp_path, 
 
     def evaluate(kv_cache: bool) -> tuple[torch.Tensor, dict, int]:
         scored.clear()
-        worker.eval_kv_cache = kv_cache
         before = engine.meter.snapshot()["eval"]
-        worker.evaluate(0)
-        metrics = engine.endpoint.locked(server.pop_eval_metrics)
+        Evaluator(engine.worker, kv_cache=kv_cache).evaluate(0)
+        metrics = engine.endpoint.locked(server.pop_metrics)
         return torch.cat([t.flatten() for t in scored]), metrics, engine.meter.snapshot()["eval"] - before
 
     ref, ref_metrics, ref_bytes = evaluate(kv_cache=False)
     got, got_metrics, got_bytes = evaluate(kv_cache=True)
     assert [len(t) for t in scored] == [2, 1]  # data.eval_max_samples=3 in batches of 2
     assert torch.equal(got, ref) and got_metrics == ref_metrics
-    assert server._eval_cache is None
+    assert server._cache is None
     assert got_bytes < ref_bytes / 3  # z of one token a step instead of the whole sequence
 
 

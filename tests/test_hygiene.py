@@ -23,15 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hosfl_dist.runtime.env import (
-    MALLOC_ARENAS,
-    MMAP_THRESHOLD,
-    Distributed,
-    LaunchEnv,
-    RoleMap,
-    fix_mmap_threshold,
-    limit_malloc_arenas,
-)
+from hosfl_dist.runtime.process.groups import Distributed
+from hosfl_dist.runtime.process.host import MALLOC_ARENAS, MMAP_THRESHOLD, fix_mmap_threshold, limit_malloc_arenas
+from hosfl_dist.runtime.process.launch import LaunchEnv, RoleMap
 from hosfl_dist.transport.endpoint import ServerEndpoint, ServerThread
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, UPLINK_ACTIVATIONS, wire
 from tiny import TINY_OVERRIDES, read_run, torchrun

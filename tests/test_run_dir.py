@@ -4,6 +4,7 @@ the best one in the rows, the emulated link announced."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,14 +12,15 @@ import pytest
 import torch
 
 from hosfl_dist.config import load_config
-from hosfl_dist.runtime.env import SMALL_MODEL_PARAMS, set_threads
-from hosfl_dist.runtime.outputs import show_eval
-from hosfl_dist.runtime.run_dir import deterministic_out_dir, resolve_out_dir
+from hosfl_dist.runtime.process.host import SMALL_MODEL_PARAMS, set_threads
+from hosfl_dist.runtime.record.progress import show_eval
+from hosfl_dist.runtime.record.folder import deterministic_out_dir, resolve_out_dir
 from hosfl_dist.transport.link import describe_link, describe_traffic
 from tiny import TINY_OVERRIDES, run_in_process
 
 
-def test_runs_without_a_chosen_folder_get_their_own(tmp_path, monkeypatch, capsys):
+def test_runs_without_a_chosen_folder_get_their_own(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="hosfl_dist")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     first = run_in_process([*TINY_OVERRIDES, "job.name=mine"])[0].job.out_dir
@@ -27,8 +29,7 @@ def test_runs_without_a_chosen_folder_get_their_own(tmp_path, monkeypatch, capsy
     for d in (first, second):  # the second run replaced nothing of the first
         assert json.loads(Path(d, "summary.json").read_text())["status"] == "completed"
     assert os.readlink("runs/mine/latest") == Path(second).name
-    out = capsys.readouterr().out
-    assert f"run folder {first}" in out and f"-> {second}" in out
+    assert f"run folder {first}" in caplog.text and f"run folder {second}" in caplog.text
 
 
 def test_a_chosen_folder_is_used_exactly(tmp_path):
@@ -76,11 +77,12 @@ def test_threads_auto_follows_the_environment_then_the_model_size():
         torch.set_num_threads(before)
 
 
-def test_an_in_process_run_leaves_the_thread_count_as_it_found_it(tmp_path, capsys):
+def test_an_in_process_run_leaves_the_thread_count_as_it_found_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="hosfl_dist")
     before = torch.get_num_threads()
     run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}", "job.threads=1"])
     assert torch.get_num_threads() == before
-    assert "threads: 1 intra-op (job.threads)" in capsys.readouterr().out
+    assert "threads: 1 intra-op (job.threads)" in caplog.text
 
 
 class Bar:

@@ -20,7 +20,7 @@ from hosfl_dist.data import data_info
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
-from hosfl_dist.transport.server_group import ServerGroup
+from hosfl_dist.runtime.server_step import ServerStep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import lm_overrides, read_run, run_one_thread, torchrun, write_text_files  # noqa: E402
@@ -93,7 +93,7 @@ def _server_and_batch(tmp_path: Path, extra: list[str], arch: str = "qwen3"):
 
 def _step(tmp_path: Path, extra: list[str]) -> tuple[dict, list[torch.Tensor]]:
     server, batch = _server_and_batch(tmp_path, extra)
-    lams = server.submit(0, batch)
+    lams = ServerStep(server).execute("submit", {"t": 0, "batch": batch})
     return lams, [p.detach().clone() for p in server.model.parameters()]
 
 
@@ -128,9 +128,13 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
         shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"))  # noqa: E731
         split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
         server = get_algorithm("hosfl").server(cfg, split)
-        server.group = ServerGroup(group)
+        step = ServerStep(server, group=group)
         _, batch = _server_and_batch(tmp_path, [])
-        lams = server.submit(0, batch if rank == 0 else None)
+        if rank == 0:  # rank 0 announces the call (round only) and scatters the rows; rank 1 follows it
+            lams = step.execute("submit", {"t": 0, "batch": batch})
+            step.stop()
+        else:
+            step.follow()
         full = [p.full_tensor() for p in server.model.parameters()]
         mine = param_bytes(server.model)
         if rank == 0:

@@ -12,7 +12,7 @@ from tiny import ROOT, TINY_OVERRIDES, run_in_process
 
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.runtime.tracking import check_loggers, scalars
+from hosfl_dist.runtime.record.tracking import check_loggers, scalars
 
 
 def _events(folder):

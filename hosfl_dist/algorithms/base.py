@@ -5,14 +5,18 @@
   gathering a round's calls and running one call at a time are the endpoint's job
   (:class:`~hosfl_dist.transport.endpoint.ServerEndpoint`), not the server's.
 - The **worker** (a client worker hosting some logical clients) runs a round for its hosted clients through an
-  injected :class:`~hosfl_dist.transport.Transport` (to the server) and :class:`~hosfl_dist.transport.Collective`
-  (to the other client workers). The same worker code runs in every runtime.
+  injected :class:`~hosfl_dist.transport.Transport` (to the server; held as a
+  :class:`~hosfl_dist.transport.client.ClientTransport`, which also posts and prefetches calls) and
+  :class:`~hosfl_dist.transport.Collective` (to the other client workers). The same worker code runs in every
+  runtime.
+
+Neither knows how it is distributed: no process group, future kept between calls, lock or thread. Evaluation is not
+theirs either (:mod:`hosfl_dist.evaluation`); a worker only says which θc is evaluated (:meth:`WorkerBase.eval_params`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,9 +28,9 @@ from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import sample_clients
 from hosfl_dist.data import FederatedData
 from hosfl_dist.errors import NonFiniteError, ProtocolError
-from hosfl_dist.models import Activation, SplitModel, server_forward
+from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.transport import Collective, Transport
-from hosfl_dist.transport.wire import EVAL, wire
+from hosfl_dist.transport.client import ClientTransport
 
 EVAL_CLIENT = -1
 """Id of the evaluation replica kept by the leader client worker."""
@@ -39,7 +43,7 @@ def round_plan(cfg: Config, t: int) -> list[int]:
 
 
 class ServerBase:
-    """Parts every server shares: the round's size, the checks on what arrives, evaluation, train-loss bookkeeping.
+    """Parts every server shares: the round's size, the checks on what arrives, train-loss bookkeeping.
 
     The server fails closed: a call about a client that is not part of the round, or a malformed upload, is refused
     (:class:`ProtocolError`); a non-finite activation, loss, gradient or scalar stops the run or, with
@@ -55,7 +59,6 @@ class ServerBase:
         self._loss_sum = 0.0
         self._loss_count = 0
         self._skipped = 0
-        self._eval_stats: dict[str, float] = {}
 
     def expected_in_round(self, t: int) -> int:
         """Clients whose gathered calls make up round t."""
@@ -135,80 +138,6 @@ class ServerBase:
         self._loss_sum, self._loss_count = 0.0, 0
         return out
 
-    # -- evaluation ----------------------------------------------------------------------------------------------
-    def _eval_forward(self, act: Activation, past_key_values: Any = None) -> Tensor:
-        act = {k: v.to(self.device) for k, v in act.items()}
-        with torch.no_grad():
-            was = self.model.training
-            if was:  # a decoding step is short: walking every module to switch modes is worth skipping
-                self.model.eval()
-            if past_key_values is None:
-                out = server_forward(self.model, act)
-            else:  # through the module's own forward, where an FSDP-sharded root gathers its parameters
-                out = self.model(act, past_key_values=past_key_values)
-            if was:
-                self.model.train()
-        return out
-
-    def _add_eval_stats(self, stats: dict[str, float]) -> None:
-        for k, v in stats.items():
-            self._eval_stats[k] = self._eval_stats.get(k, 0.0) + v
-
-    @wire(args={"act": EVAL, "labels": EVAL})
-    def eval_batch(self, act: Activation, labels: Tensor) -> None:
-        self._add_eval_stats(self.task.eval_stats(self._eval_forward(act), labels.to(self.device)))
-
-    # Generation tasks (SQuAD): the worker drives greedy decoding through the split with eval_next_token, then
-    # sends the generated tokens and the gold labels to be scored with eval_generated.
-    _eval_cache: _EvalCache | None = None
-    """The KV cache of f_s's blocks for the evaluation batch being decoded (at most one lives)."""
-
-    @wire(args={"act": EVAL, "keep": EVAL}, result={"token": EVAL})
-    def eval_next_token(
-        self, act: Activation, cache: Hashable | None = None, keep: Tensor | None = None
-    ) -> dict[str, Tensor]:
-        """The greedy next token (B,) of each row of an evaluation activation; the head runs at one position a row.
-
-        Without ``cache`` the activation holds whole sequences. With ``cache`` (the worker's id of an evaluation
-        batch) f_s reuses past keys and values: a call whose z covers the whole mask (the prompts, (B, T, D)) starts
-        that batch's cache, replacing any other; each later call sends only the newest token's z (B, 1, D) and the
-        mask extended by one column, after the rows of the previous call not in ``keep`` were dropped (the worker
-        drops the same rows from its own cache).
-        """
-        mask, length = act["attention_mask"].to(self.device), act["z"].shape[1]
-        kv = None if cache is None else self._eval_kv(cache, act["z"].shape[0], length, mask.shape[1], keep)
-        out = self._eval_forward({**act, **self.task.next_token_inputs(mask, length)}, kv)  # (B, V)
-        return {"token": self.task.next_token(out, mask).cpu()}
-
-    def _eval_kv(self, key: Hashable, rows: int, length: int, columns: int, keep: Tensor | None) -> Any:
-        """The cache an eval_next_token call continues (or starts, for prompts), checked against what it holds."""
-        if length == columns:  # prompts: a new batch
-            self._eval_cache = _EvalCache(key, self.model.new_cache(), rows)
-        held = self._eval_cache
-        if held is None or held.key != key:
-            raise ProtocolError(f"evaluation batch {key!r}: a decoding step without its prompts (the server holds "
-                                f"the cache of {None if held is None else held.key!r})")  # fmt: skip
-        if keep is not None:
-            if keep.dim() != 1 or not bool(((keep >= 0) & (keep < held.rows)).all()):
-                raise ProtocolError(f"evaluation batch {key!r}: keep {keep.tolist()} is not a list of its rows")
-            held.kv.batch_select_indices(keep.to(self.device))
-            held.rows = len(keep)
-        if rows != held.rows or columns != held.columns + length:
-            raise ProtocolError(f"evaluation batch {key!r}: a step of {rows} rows and {columns} positions, the cache "
-                                f"holds {held.rows} rows and {held.columns} positions")  # fmt: skip
-        held.columns = columns
-        return held.kv
-
-    @wire(args={"tokens": EVAL, "labels": EVAL})
-    def eval_generated(self, tokens: Tensor, labels: Tensor) -> None:
-        self._eval_cache = None  # the batch is decoded
-        self._add_eval_stats(self.task.generation_stats(tokens, labels))
-
-    def pop_eval_metrics(self) -> dict[str, float]:
-        self._eval_cache = None
-        stats, self._eval_stats = self._eval_stats, {}
-        return self.task.finalize(stats)
-
     def server_digest(self) -> str:
         return tensors_digest(p for p in self.model.parameters())
 
@@ -230,7 +159,7 @@ class WorkerBase:
         self.module = split.client
         self.data = data
         self.hosted = set(hosted)
-        self.transport = transport
+        self.transport = transport if isinstance(transport, ClientTransport) else ClientTransport(transport)
         self.collective = collective
         self.slots = trainable_slots(self.module)
         self.processed = 0
@@ -263,53 +192,13 @@ class WorkerBase:
         """One round for the hosted clients; returns the samples all clients processed in it."""
         raise NotImplementedError
 
-    eval_kv_cache = True
-    """Generation tasks: greedy decoding keeps KV caches on both sides of the split (False: each step re-runs the
-    whole sequences, the reference path that bench/generation.py times against it)."""
-
-    def evaluate(self, t: int) -> None:
-        """Run the held-out split through an up-to-date θc and the server (leader worker only)."""
-        self.bind(self.eval_params(t))
-        self.module.eval()
-        generation = hasattr(self.split.task, "generate")  # generation tasks decode through the split
-        with torch.no_grad():
-            for i, (x, y) in enumerate(self.data.eval_batches(self.cfg.train.eval_batch_size)):
-                if not generation:
-                    self.transport.call("eval_batch", act=self.client_forward(x), labels=y)
-                else:
-                    self.transport.call("eval_generated", tokens=self.generate(x, key=(t, i)), labels=y)
-        self.module.train()
-
-    def generate(self, x: dict[str, Tensor], key: Hashable) -> Tensor:
-        """Greedy continuations (B, n) of a batch of prompts through f_c and the server (-1 after a row's end).
-
-        With :attr:`eval_kv_cache` and a decoder-LM client, f_c runs each new token only, on a cache this worker
-        keeps for the batch, and the server keeps the matching cache of f_s under ``key``.
-        """
-        task = self.split.task
-        client = _decoder_client(self.module) if self.eval_kv_cache else None
-        if client is None:
-            step = lambda act: self.transport.call("eval_next_token", act=act)["token"]  # noqa: E731
-            return task.generate(x, self.client_forward, step)
-        kv = client.new_cache()
-
-        def cached_step(input_ids: Tensor, attention_mask: Tensor, keep: Tensor | None) -> Tensor:
-            if keep is not None:
-                kv.batch_select_indices(keep.to(self.device))
-            act = client(input_ids.to(self.device), attention_mask.to(self.device), past_key_values=kv)
-            return self.transport.call("eval_next_token", act=act, cache=key, keep=keep)["token"]
-
-        return task.generate_cached(x, cached_step)
-
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
+        """θc of round t, to evaluate (the leader worker's evaluation replica, brought up to date)."""
         raise NotImplementedError
 
     def sync_all(self, t: int) -> None:
         """Bring what the worker holds to round t at the end of the run, so that digests are comparable."""
         raise NotImplementedError
-
-    def quiesce(self) -> None:
-        """Let every call of the finished round reach the server before a checkpoint is taken."""
 
     def state_dict(self) -> dict[str, Any]:
         """What the worker keeps between rounds: its clients' data-stream positions and the samples processed."""
@@ -328,21 +217,3 @@ def _to(inputs: Any, device: torch.device) -> Any:
     if isinstance(inputs, dict):
         return {k: v.to(device) for k, v in inputs.items()}
     return inputs.to(device)
-
-
-@dataclass
-class _EvalCache:
-    """The server's KV cache of one evaluation batch: the worker's key, the cache, and what it holds."""
-
-    key: Hashable
-    kv: Any
-    rows: int
-    columns: int = 0
-
-
-def _decoder_client(module: nn.Module) -> nn.Module | None:
-    """The split decoder LM's f_c inside a client module (None for other models): cached decoding calls it with a
-    KV cache, past wrappers such as ZeroOrderClient that only forward the two inputs."""
-    from hosfl_dist.models.hf_split import HFClient  # transformers only for LMs
-
-    return next((m for m in module.modules() if isinstance(m, HFClient)), None)

@@ -3,18 +3,19 @@
 Round t, as the code below runs it (a worker runs the client side for the sampled clients it hosts):
   plan       S_t = the K clients of a seeded draw (``round_plan``: server and workers compute the same set)
   sync       each sampled client m receives the round's seeds s^t and the (seeds, v̄) history since its replica's
-             round t'_m, and replays it (ClientSync, Algorithm 3). The request is sent as soon as round t−1's
-             scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so it is
-             not a round trip on the critical path
+             round t'_m, and replays it (ClientSync, Algorithm 3). The request is prefetched as soon as round
+             t−1's scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so
+             it is not a round trip on the critical path
   client     z_m = f_c(x_m; θc^t) goes up with y_m                                              (Eq. 1)
   server     the K activations are gathered into one forward/backward with θs^t (one pass per client when the
              server normalises with batch statistics, model.freeze_bn=client|none); θs steps once with the mean
-             gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered)          (Eq. 11)
+             gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered; the runtime's step
+             executor runs its work over the server ranks: submit, settle, step, answers)       (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding the P perturbed
              forwards run while z_m is in flight                                                 (Eq. 12-13)
   aggregate  v̄ = mean over the K clients of their P scalars (:func:`mean_over_clients`), among the client
              workers: P scalars per client up, v̄ down                                           (Eq. 14)
-  close      the leader reports v̄ (``finish_round``, not awaited) and the server appends it to the history
+  close      the leader posts v̄ (``finish_round``; nobody waits for it) and the server appends it to the history
   update     every replica rebuilds ĝ_c = 1/(Pμ) Σ_p v̄_p u_p from the seeds and steps its optimizer (Eq. 15-16)
 """
 
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
-from hosfl_dist.algorithms.step import ShareResult, Upload, make_shares, merge_results, run_share
+from hosfl_dist.algorithms.step import Merged, RoundWork, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer, lr_at, set_lr
@@ -40,7 +41,6 @@ from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.models.vision import uses_batch_stats
-from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -213,81 +213,69 @@ class HOSFLServer(ServerBase):
         self._trim()
         return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
-    data_parallel = True
-    """With a server group, ``submit`` spreads the round's rows over the ranks (:mod:`hosfl_dist.algorithms.step`);
-    the other ranks are told only the round, and receive their rows from rank 0."""
-    group: Any = None
-    """The server ranks (:class:`~hosfl_dist.transport.server_group.ServerGroup`), injected by the torchrun runtime
-    when ``server.ranks`` > 1."""
-
     @wire(
-        args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS}, result={"lam": DOWNLINK_GRADIENTS}, gather=True
+        args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
+        result={"lam": DOWNLINK_GRADIENTS},
+        gather=True,
+        data_parallel=True,
     )
-    def submit(self, t: int, batch: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]] | None:
-        """Round t's (z_m, y_m) of the K sampled clients in; {m: {"lam": λ_m}} out, after one step of θs.
+    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> RoundWork:
+        """Round t's (z_m, y_m) of the K sampled clients in, checked and admitted: the work of θs's step (Eq. 11).
 
-        The forward/backward runs over the server ranks and in micro-batches as :mod:`~hosfl_dist.algorithms.step`
-        lays out; θs steps with the mean gradient over the clients kept. A client whose upload or loss is non-finite
+        The runtime's step executor runs it over the server ranks and in micro-batches (:mod:`.step`), then this
+        server settles (:meth:`settle`), steps θs once with the mean gradient over the clients kept (:meth:`step`)
+        and answers each client {"lam": λ_m} (:meth:`answers`). A client whose upload or loss is non-finite
         (``train.on_nonfinite=skip``) is left out of the step and gets {"lam": 0, "skip": True}; a non-finite
-        gradient leaves the whole round out of θs's step. On server ranks other than 0 ``batch`` is None: their rows
-        arrive from rank 0.
+        gradient leaves the whole round out of θs's step.
         """
-        lead = self.group is None or self.group.leads
-        ranks = 1 if self.group is None else self.group.size
-        if lead:
-            if t != self.rounds_done:
-                raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
-            clients = sorted(batch)
-            if clients != round_plan(self.cfg, t):
-                raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
-            kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
-            uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
-            counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
-            micro = self.cfg.server.micro_batch_tokens
-            shares = make_shares(uploads, counts, ranks, micro, self.per_client_passes) if kept else []
+        if t != self.rounds_done:
+            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
+        clients = sorted(batch)
+        if clients != round_plan(self.cfg, t):
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
+        uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
+        counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
+        zs = {m: batch[m]["act"]["z"] for m in clients}
+        return RoundWork(t, clients, uploads, counts, self.per_client_passes, zs)
+
+    def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
-        if self.group is None:
-            share = shares[0] if shares else None
-        else:  # each rank its rows (an empty round: none anywhere)
-            share = self.group.scatter((shares or [None] * ranks) if lead else None)
-        result = run_share(self.model, self.task, share, self.device) if share is not None else None
-        finite_grads = all(bool(torch.isfinite(g).all()) for g in _local_grads(self.model))
-        if self.group is None:
-            gathered = [(result, finite_grads)]
-        else:
-            gathered = self.group.gather((_to_cpu(result), finite_grads))
-        decision = None
-        if lead:
-            lams, losses, bad = merge_results([r for r, _ in gathered if r is not None])
-            for m in sorted(bad):
-                self._finite_loss(t, m, torch.tensor(float("nan")))  # stops, or counts the skip
-            finite = all(ok for _, ok in gathered) and all(bool(torch.isfinite(g).all()) for g in lams.values())
-            if losses and not finite:
-                self.nonfinite(t, "all", "server gradient (the round is left out of θs's step)")
-                self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
-                losses, lams = {}, {}
-            decision = len(losses)
-        if self.group is not None:
-            decision = self.group.broadcast(decision)
-        if decision:
-            for g in _local_grads(self.model):  # θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}
-                if ranks > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
-                    g.mul_(ranks)
-                g.div_(decision)
+
+    def settle(self, work: RoundWork, merged: Merged, grads_finite: bool) -> int:
+        """Clients with a non-finite loss stop the run or are counted as skipped; a non-finite gradient leaves every
+        client of the round out of θs's step. Returns the number of clients the step averages over."""
+        lams, losses, bad = merged
+        for m in sorted(bad):
+            self._finite_loss(work.t, m, torch.tensor(float("nan")))  # stops, or counts the skip
+        finite = grads_finite and all(bool(torch.isfinite(g).all()) for g in lams.values())
+        if losses and not finite:
+            self.nonfinite(work.t, "all", "server gradient (the round is left out of θs's step)")
+            self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
+            losses, lams = {}, {}
+        work.lams, work.losses = lams, losses
+        return len(losses)
+
+    def step(self, t: int, kept: int) -> None:
+        """θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}: the summed gradient divided by the clients kept (none: no step)."""
+        if kept:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(kept)
             if self.cfg.server.optim.scheduled:  # round t's rate (warmup, then the schedule)
                 set_lr(self.opt, lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)))
             self.opt.step()
         self.rounds_done += 1
-        if not lead:
-            return None
-        if losses:
-            self.record_loss([losses[m] for m in sorted(losses)])
-        # λ_m = ∂ℓ_m/∂z_m: the client's own loss, not divided by K
+
+    def answers(self, work: RoundWork) -> dict[int, dict[str, Any]]:
+        """λ_m = ∂ℓ_m/∂z_m for each client (its own loss, not divided by K); a client left out gets zeros and skip."""
+        if work.losses:
+            self.record_loss([work.losses[m] for m in sorted(work.losses)])
         return {
-            m: {"lam": lams[m].to(batch[m]["act"]["z"].dtype)}
-            if m in lams
-            else {"lam": torch.zeros_like(batch[m]["act"]["z"]), "skip": True}
-            for m in clients
+            m: {"lam": work.lams[m].to(work.zs[m].dtype)}
+            if m in work.lams
+            else {"lam": torch.zeros_like(work.zs[m]), "skip": True}
+            for m in work.clients
         }
 
     def _finite_loss(self, t: int, client: int, loss: Tensor) -> bool:
@@ -364,22 +352,6 @@ def _load_replica(rep: Replica, state: dict[str, Any]) -> None:
     rep.round = state["round"]
 
 
-def _local_grads(model: nn.Module) -> list[Tensor]:
-    """This rank's gradients (its FSDP2 shard's local tensors)."""
-    out = []
-    for p in model.parameters():
-        if p.grad is not None:
-            g = p.grad
-            out.append(g.to_local() if hasattr(g, "to_local") else g)
-    return out
-
-
-def _to_cpu(result: ShareResult | None) -> ShareResult | None:
-    if result is None:
-        return None
-    return ShareResult([(m, r, lam.cpu()) for m, r, lam in result.lams], result.losses, result.nonfinite)
-
-
 # ------------------------------------------------------------------------------------------------------ worker
 class HOSFLWorker(WorkerBase):
     """A client worker: hosts logical clients, their replicas and data; never back-propagates.
@@ -406,10 +378,6 @@ class HOSFLWorker(WorkerBase):
             shared = self._new_replica()
             self.replicas = dict.fromkeys(ids, shared)
         self.bind(self.replicas[ids[0]].params if ids else self.fresh_params(requires_grad=False))
-        self._syncs: dict[int, dict[int, Pending]] = {}
-        """Sync answers requested ahead, by round."""
-        self._closing: Pending | None = None
-        """The leader's last finish_round, awaited before the next one and before evaluation."""
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
@@ -449,12 +417,10 @@ class HOSFLWorker(WorkerBase):
         return torch.stack(vals).float()
 
     # -- the round -----------------------------------------------------------------------------------------------
-    def request_syncs(self, t: int, clients: Sequence[int]) -> dict[int, Pending]:
-        return {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in clients}
-
     def run_round(self, t: int) -> int:
         sampled, mine = self.plan(t)
-        syncs = self._syncs.pop(t, None) or self.request_syncs(t, mine)
+        # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was sent)
+        syncs = {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in mine}
         jobs = []
         for m in mine:  # sync (catch-up) and forward; z_m goes up and the P perturbed forwards need no λ
             rep = self.replicas[m]
@@ -492,15 +458,15 @@ class HOSFLWorker(WorkerBase):
             rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
         vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine}, mean_over_clients)
 
-        self._settle()
-        if self.collective.is_leader:
-            self._closing = self.transport.call_async("finish_round", t=t, scalars=vbar)
+        if self.collective.is_leader:  # the round's report; nobody waits for its answer
+            self.transport.post("finish_round", t=t, scalars=vbar)
         for m in mine:
             self.client_round[m] = t + 1  # the update below is applied before the next round starts
         n = len(sampled) * self.cfg.clients.batch_size
         self.processed += n
         if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
-            self._syncs[t + 1] = self.request_syncs(t + 1, self.plan(t + 1)[1])
+            for m in self.plan(t + 1)[1]:
+                self.transport.prefetch("sync", t=t + 1, client=m, since=self.client_round[m])
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:
@@ -508,15 +474,6 @@ class HOSFLWorker(WorkerBase):
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
         return n
-
-    def quiesce(self) -> None:
-        self._settle()
-
-    def _settle(self) -> None:
-        """Wait for the leader's last round report (already answered unless the server is slow; errors surface)."""
-        if self._closing is not None:
-            self._closing.wait()
-            self._closing = None
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
     def _catch_up(self, t: int, client: int) -> None:
@@ -526,13 +483,11 @@ class HOSFLWorker(WorkerBase):
         self.client_round[client] = t
 
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
-        self._settle()
         self._catch_up(t, EVAL_CLIENT)
         return self.replicas[EVAL_CLIENT].params
 
     def sync_all(self, t: int) -> None:
         """Bring every hosted replica to round t through Algorithm 3 (end of run), so digests are comparable."""
-        self._settle()
         for m in sorted(self.hosted):
             self._catch_up(t, m)
 

@@ -1,5 +1,11 @@
 """The server's forward/backward over one round's uploads: spread over the server ranks and cut into micro-batches.
 
+This module is the math of that step; moving rows and results between server ranks is the runtime's
+(:class:`hosfl_dist.runtime.server_step.ServerStep`). A server whose gathered call is declared ``data_parallel``
+returns the round's :class:`RoundWork` from that call (checked and admitted uploads); the executor lays the rows out
+with :func:`make_shares`, runs each rank's share with :func:`run_share`, merges the results on rank 0
+(:func:`merge_results`) and asks the server to settle, step and answer (:class:`SteppedServer`).
+
 A round brings K uploads (z_m, y_m). The objective is Σ_m ℓ_m with ℓ_m the mean loss of client m's batch, so
 λ_m = ∂ℓ_m/∂z_m and θs steps with the mean gradient (1/K) Σ_m ∇ℓ_m. Every sample i of client m contributes
 ``sum_i / C_m`` (its loss sum over the client's count C_m, from :meth:`Task.sample_losses`), so any cut of the rows
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +73,48 @@ class Share:
     counts: dict[int, float]
     offsets: dict[int, int] = field(default_factory=dict)
     """Client -> the first row of ``uploads[client]`` within the client's whole upload."""
+
+
+@dataclass
+class RoundWork:
+    """One round's work for the server's data-parallel step (rank 0 only): what ``submit`` admitted."""
+
+    t: int
+    clients: list[int]
+    """Every client of the round, in id order (each gets an answer)."""
+    uploads: dict[int, Upload]
+    """The uploads that take part in the step."""
+    counts: dict[int, float]
+    """Client -> its sample count C_m (each sample's loss is divided by it: ℓ_m is the client's mean loss)."""
+    per_client: bool = False
+    """One pass per client (the server normalises with batch statistics)."""
+    zs: dict[int, Tensor] = field(default_factory=dict)
+    """Client -> its uploaded z (the shape and dtype of its answer)."""
+    lams: dict[int, Tensor] = field(default_factory=dict)
+    """Client -> λ_m, once settled (clients left out have none)."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Client -> ℓ_m, once settled."""
+
+
+class SteppedServer(Protocol):
+    """What a server with a ``data_parallel`` call offers the step executor besides that call."""
+
+    model: nn.Module
+    task: Any
+    device: torch.device
+
+    def zero_grad(self) -> None:
+        """Before the round's passes (every rank)."""
+
+    def settle(self, work: RoundWork, merged: Merged, grads_finite: bool) -> int:
+        """Rank 0, once every rank's share ran: decide who the step is over (non-finite losses and gradients) and
+        keep λ and ℓ in ``work``; the number of clients θs steps over (0: no step)."""
+
+    def step(self, t: int, kept: int) -> None:
+        """Every rank, with the gradients summed over the kept clients' losses: step θs."""
+
+    def answers(self, work: RoundWork) -> dict[int, Any]:
+        """Rank 0: each client's answer."""
 
 
 Plan = list[tuple[list[list[Segment]], list[bool]]]
@@ -202,7 +250,11 @@ def run_share(model: nn.Module, task: Any, share: Share, device: torch.device) -
     return ShareResult(lams, losses, nonfinite)
 
 
-def merge_results(results: Sequence[ShareResult]) -> tuple[dict[int, Tensor], dict[int, float], set[int]]:
+Merged = tuple[dict[int, Tensor], dict[int, float], set[int]]
+"""(λ_m by client, ℓ_m by client, clients with a non-finite loss part)."""
+
+
+def merge_results(results: Sequence[ShareResult]) -> Merged:
     """Rank 0: λ_m assembled from its row blocks, ℓ_m summed from its parts, and the clients with a non-finite part."""
     blocks: dict[int, list[tuple[int, Tensor]]] = {}
     losses: dict[int, float] = {}

@@ -25,7 +25,7 @@ import torch
 
 from hosfl_dist.config import dump_config, load_config
 from hosfl_dist.data import build_data
-from hosfl_dist.runtime.loop import eval_points
+from hosfl_dist.runtime.trainer import eval_points
 from hosfl_dist.errors import HosflError
 from hosfl_dist.models import SplitModel, build_split_model, server_forward
 from hosfl_dist.core.optim import build_torch_optimizer

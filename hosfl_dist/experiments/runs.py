@@ -22,7 +22,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
-from hosfl_dist.runtime.outputs import config_differences, input_differences, run_status
+from hosfl_dist.runtime.record.folder import config_differences, input_differences, run_status
 
 
 @dataclass

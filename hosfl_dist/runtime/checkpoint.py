@@ -1,4 +1,5 @@
-"""Checkpoints for exact resume, written by the server side.
+"""Checkpoints for exact resume: written by the server side (:class:`CheckpointStore`), taken and resumed from by
+the client workers (:class:`CheckpointManager`, the trainer's component that owns the cadence).
 
 ``job.out_dir/checkpoints/round-<t>/`` holds, after round t (and its evaluation, if one was due):
 
@@ -31,9 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.runtime.control import CheckpointPart, ResumeRequest, SaveCheckpoint
+from hosfl_dist.runtime.record.folder import CHECKPOINTS
 
-CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"
 
 
@@ -107,9 +110,9 @@ def _no_dist_quiet() -> Iterator[None]:
         yield
 
 
-class Checkpointer:
+class CheckpointStore:
     """Saves and loads a run's checkpoints. On the server side only: rank 0, and under FSDP every server rank
-    (``group``), which must call :meth:`save` / :meth:`load` together (rank 0's endpoint announces them)."""
+    (``group``), which must call :meth:`save` / :meth:`load` together (rank 0's step executor announces them)."""
 
     def __init__(self, out_dir: str | Path, keep: int, group: dist.ProcessGroup | None = None) -> None:
         self.out_dir = Path(out_dir)
@@ -179,3 +182,59 @@ class Checkpointer:
         server.load_state_dict(extra["server"])
         set_rng_state(extra["rng"])
         return LoopState(**extra["loop"]), extra["workers"], meta
+
+
+class CheckpointManager:
+    """The client workers' side of checkpoints: when to take one, the worker's part of it, and resuming from one.
+
+    Every ``checkpoint.interval_samples`` processed samples (and when the run stops on a signal), after the round's
+    evaluation: each worker waits for its posted calls, sends its part (its clients' data-stream positions, what its
+    algorithm keeps, its traffic counters and RNG) to the front, and the leader asks the front to write the
+    checkpoint once every part is in; nobody goes on before it is written. Resuming, each worker gets its part back
+    with what the server adds to it (HO-SFL: the base replica and the history its replicas are rebuilt from).
+    """
+
+    def __init__(self, cfg: Config, trainer_rank: int, worker: Any, meter: Any, peers: Any, control: Any) -> None:
+        self.cfg = cfg
+        self.rank = trainer_rank
+        self.worker = worker
+        self.meter = meter
+        self.peers = peers
+        self.control = control
+        self.every = cfg.checkpoint.interval_samples
+        self.last = 0
+        """Processed samples at the last checkpoint (or at the start)."""
+
+    def resume(self) -> LoopState | None:
+        """Restore this worker from the checkpoint the front resumes from (None: the run starts afresh)."""
+        hosted = tuple(sorted(self.worker.hosted))
+        got = self.control.send(ResumeRequest(self.rank, hosted, self.peers.is_leader))
+        if got is None:
+            return None
+        part = got["part"]
+        self.worker.load_state_dict(part["worker"], got["from_server"])
+        self.meter.load_state_dict(part["meter"])
+        if "rng" in part:
+            set_rng_state(part["rng"])
+        self.last = got["loop"].processed
+        return got["loop"]
+
+    def due(self, processed: int) -> bool:
+        """Whether the cadence asks for a checkpoint at ``processed`` samples."""
+        return bool(self.every) and processed // self.every > self.last // self.every
+
+    def save(self, t: int, processed: int) -> None:
+        """Take the checkpoint after round t (every worker calls this at the same round boundary)."""
+        self.worker.transport.flush()  # the round's posted calls reached the server
+        part = {"worker": self.worker.state_dict(), "meter": self.meter.state_dict(), "rng": rng_state()}
+        self.control.send(CheckpointPart(self.rank, part))
+        self.peers.barrier()  # every part is in before the leader asks for the save
+        # nobody goes on (or exits) before the checkpoint is written: the save is one request of the leader's, waited
+        # for with that request's timeout (a barrier would wait with a collective's)
+        key = f"checkpointed/{t}"
+        if self.peers.is_leader:
+            self.control.send(SaveCheckpoint(t, processed))
+            self.peers.post(key)
+        else:
+            self.peers.wait_for(key, self.cfg.server.rpc_timeout_s)
+        self.last = processed

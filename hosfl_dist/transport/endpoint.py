@@ -10,8 +10,10 @@ necessary is done here, the same way for the in-process runtime, the torchrun ru
 - **round gathering**: calls declared ``gather`` are collected per round until ``server.expected_in_round(t)``
   clients called; the method then runs once with all of them in client-id order, whatever the arrival order, and
   each caller gets its own part of the result (or the error, if the round failed);
-- **one execution at a time**, in one order: calls are executed under one lock, and with a server group every
-  execution is first announced to the other server ranks (``mirror``), which replay the same sequence;
+- **one execution at a time**, in one order: calls are executed under one lock, through the runtime's executor
+  (``execute``; :class:`hosfl_dist.runtime.server_step.ServerStep`): it runs a ``data_parallel`` call's work over the
+  server ranks and, with a server group, announces every execution to the other ranks, which replay the same
+  sequence;
 - **one thread**: calls handed over with :meth:`ServerEndpoint.enqueue` (what the RPC runtime does) are served on the
   endpoint's own long-lived :class:`ServerThread`, in the order they were handed over; the RPC thread that delivered
   a call returns at once with the call's future. :meth:`ServerEndpoint.serve` serves on the calling thread (the
@@ -31,10 +33,11 @@ from typing import Any, TypeVar
 from torch.futures import Future
 
 from hosfl_dist.transport import done, failed, forward
-from hosfl_dist.transport.wire import WireSpec, wire_spec
+from hosfl_dist.transport.wire import WireSpec, declared_call, wire_spec
 
 T = TypeVar("T")
-Mirror = Callable[[str, dict[str, Any]], None]
+Execute = Callable[[str, dict[str, Any]], Any]
+"""Runs one declared call on the server side: ``execute(method, kwargs)`` returns its result."""
 logger = logging.getLogger(__name__)
 
 
@@ -72,9 +75,17 @@ def _run_jobs(jobs: queue.SimpleQueue, name: str) -> None:
 
 
 class ServerEndpoint:
-    def __init__(self, server: Any, mirror: Mirror | None = None) -> None:
+    """Serves the declared calls of ``server`` (and of ``evaluator``, the evaluation server, when given).
+
+    ``execute`` runs each call; without one, the method is called directly (a ``data_parallel`` call needs the
+    runtime's step executor and is refused without it)."""
+
+    def __init__(self, server: Any, execute: Execute | None = None, evaluator: Any = None) -> None:
         self.server = server
-        self.mirror = mirror
+        self.evaluator = evaluator
+        self.targets = tuple(t for t in (server, evaluator) if t is not None)
+        self.served = tuple(type(t) for t in self.targets)
+        self.execute = execute
         self._lock = threading.RLock()
         self.closed = 0
         """Rounds below this are closed."""
@@ -88,7 +99,7 @@ class ServerEndpoint:
         self._thread_lock = threading.Lock()  # not _lock: an RPC thread must not wait for an execution to enqueue
 
     def spec(self, method: str) -> WireSpec:
-        return wire_spec(type(self.server), method)
+        return wire_spec(self.served, method)
 
     def serve(self, method: str, kwargs: dict[str, Any]) -> Future:
         """Run (or hold, or gather) one client call; the future completes with its answer."""
@@ -174,12 +185,15 @@ class ServerEndpoint:
         return fut
 
     def _execute(self, method: str, kwargs: dict[str, Any]) -> Any:
-        if self.mirror is not None:
-            self.mirror(method, kwargs)
+        if self.execute is None and self.spec(method).data_parallel:
+            raise TypeError(f"{method} is a data_parallel call: serve it through the runtime's step executor "
+                            "(hosfl_dist.runtime.server_step.ServerStep)")  # fmt: skip
         self._threads.add(threading.get_ident())
         start = time.perf_counter()
         try:
-            return getattr(self.server, method)(**kwargs)
+            if self.execute is not None:
+                return self.execute(method, kwargs)
+            return declared_call(self.targets, method)(**kwargs)
         finally:
             self.compute_s[method] = self.compute_s.get(method, 0.0) + time.perf_counter() - start
             self.calls[method] = self.calls.get(method, 0) + 1

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from hosfl_dist.transport import Transport
-from hosfl_dist.transport.wire import CommMeter, WireSpec, count_call, count_result, wire_spec
+from hosfl_dist.transport.wire import CommMeter, Served, WireSpec, count_call, count_result, wire_spec
 
 
 class Reply:
@@ -38,15 +38,16 @@ class Reply:
 class MeteredTransport:
     """Counts the traffic of the calls it passes to ``inner`` (in-process, RPC, or an emulated link around them)."""
 
-    def __init__(self, inner: Transport, server_cls: type, meter: CommMeter) -> None:
+    def __init__(self, inner: Transport, served: Served, meter: CommMeter) -> None:
         self.inner = inner
-        self.server_cls = server_cls
+        self.served = served
+        """The server's class (and the evaluation server's): where each call's traffic is declared."""
         self.meter = meter
 
     def call(self, method: str, **kwargs: Any) -> Any:
         return self.call_async(method, **kwargs).wait()
 
     def call_async(self, method: str, **kwargs: Any) -> Reply:
-        spec = wire_spec(self.server_cls, method)
+        spec = wire_spec(self.served, method)
         count_call(self.meter, spec, kwargs)
         return Reply(self.inner.call_async(method, **kwargs), spec, self.meter)

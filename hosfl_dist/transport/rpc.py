@@ -123,10 +123,17 @@ class RPCTransport:
         sent.add_done_callback(lambda f: forward(f, out))
         return out
 
-    def report(self, kind: str, **payload: Any) -> Any:
-        """Runtime bookkeeping with the server (metrics rows, checkpoints, resume, end of run, failures); never
-        counted as traffic."""
-        return rpc.rpc_sync(SERVER_NAME, report, args=(self.front, kind, payload), timeout=self.timeout_s)
+
+class RPCControl:
+    """The run's control messages (:mod:`hosfl_dist.runtime.control`) to the front on rank 0, one blocking call
+    each; never counted as traffic."""
+
+    def __init__(self, front: rpc.RRef, timeout_s: float) -> None:
+        self.front = front
+        self.timeout_s = timeout_s
+
+    def send(self, msg: Any) -> Any:
+        return rpc.rpc_sync(SERVER_NAME, handle, args=(self.front, msg), timeout=self.timeout_s)
 
 
 class ProcessGroupCollective:
@@ -174,7 +181,7 @@ class ProcessGroupCollective:
         self.stats.allreduce_bytes += buf.numel() * buf.element_size()
         return buf.to(t.device)
 
-    # -- runtime bookkeeping (not used by algorithms) -----------------------------------------------------------
+    # -- the runtime's coordination (:class:`~hosfl_dist.runtime.peers.GroupPeers`; not used by algorithms) -------
     def sum_counts(self, counts: Mapping[str, int]) -> dict[str, int]:
         """Per-category byte counters summed over workers (int64: exact), for metrics rows and the summary."""
         vec = torch.tensor([int(counts.get(c, 0)) for c in CATEGORIES], dtype=torch.int64, device=self.device)
@@ -201,7 +208,7 @@ class Front(Protocol):
 
     endpoint: ServerEndpoint
 
-    def report(self, kind: str, payload: dict[str, Any]) -> Any: ...
+    def handle(self, msg: Any) -> Any: ...
 
     def fail(self, message: str) -> None: ...
 
@@ -236,8 +243,9 @@ def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
     return chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
 
 
-def report(front: rpc.RRef, kind: str, payload: dict[str, Any]) -> Any:
-    return to_wire(front.local_value().report(kind, payload))
+def handle(front: rpc.RRef, msg: Any) -> Any:
+    """A control message, handled by the front on the RPC thread that delivered it."""
+    return to_wire(front.local_value().handle(msg))
 
 
 def _note_failure(message: str) -> None:

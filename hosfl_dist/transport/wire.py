@@ -8,7 +8,13 @@ Every client -> server call is a server method declared with :func:`wire`:
 - **ordering**, enforced by :class:`hosfl_dist.transport.endpoint.ServerEndpoint` for every runtime alike:
   ``after_previous_round`` (the call reads what round t−1 produced, so it waits until round t−1 is closed),
   ``gather`` (the round's calls from its K clients are collected and the method runs once with all of them, in
-  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed).
+  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed);
+- **execution**: ``data_parallel`` (a gathered call whose method only checks and lays out the round's work; the
+  runtime's step executor runs that work over the server ranks and asks the server for the answers, see
+  :mod:`hosfl_dist.runtime.server_step`).
+
+A server side may serve calls from more than one object (the algorithm's server and the evaluation server of
+:mod:`hosfl_dist.evaluation`): the lookups below take a class or a tuple of classes.
 
 Client <-> client aggregation is declared with an :class:`Exchange` and counted by the collective that carries it.
 """
@@ -98,6 +104,9 @@ class WireSpec:
     as ``method(t, batch)`` with ``batch = {client: fields}`` and returns ``{client: result}``."""
     closes_round: bool = False
     """Round t is closed once this call ran (held ``after_previous_round`` calls of round t+1 are released)."""
+    data_parallel: bool = False
+    """A gathered call whose method returns the round's work (e.g. :class:`~hosfl_dist.algorithms.step.RoundWork`),
+    not the answers: the runtime's step executor runs it over the server ranks."""
 
     def categories(self) -> set[str]:
         return set(self.args.values()) | set(self.result.values())
@@ -110,10 +119,13 @@ def wire(
     after_previous_round: bool = False,
     gather: bool = False,
     closes_round: bool = False,
+    data_parallel: bool = False,
 ) -> Callable:
     """Declare a server method as a client -> server call (see :class:`WireSpec`)."""
+    if data_parallel and not gather:
+        raise ValueError("a data_parallel call is a gathered call (gather=True)")
     res = {"*": result} if isinstance(result, str) else dict(result or {})
-    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round)
+    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round, data_parallel)
 
     def deco(fn: Callable) -> Callable:
         fn.__wire__ = spec
@@ -122,22 +134,43 @@ def wire(
     return deco
 
 
-def wire_spec(server_cls: type, method: str) -> WireSpec:
-    """The declaration of ``server_cls.method``; AttributeError for anything that is not a declared call."""
-    spec = getattr(getattr(server_cls, method, None), "__wire__", None)
-    if spec is None:
-        raise AttributeError(f"{server_cls.__name__}.{method} is not a server method declared with @wire")
-    return spec
+Served = type | tuple[type, ...]
+"""The class (or classes, first match wins) whose declared calls a server side serves."""
 
 
-def wire_specs(server_cls: type) -> dict[str, WireSpec]:
-    """Every declared call of ``server_cls``."""
-    out = {}
-    for name in dir(server_cls):
-        spec = getattr(getattr(server_cls, name, None), "__wire__", None)
+def _classes(served: Served) -> tuple[type, ...]:
+    return served if isinstance(served, tuple) else (served,)
+
+
+def wire_spec(served: Served, method: str) -> WireSpec:
+    """The declaration of ``method`` on the served class(es); AttributeError for anything that is not a declared
+    call."""
+    for cls in _classes(served):
+        spec = getattr(getattr(cls, method, None), "__wire__", None)
         if isinstance(spec, WireSpec):
-            out[name] = spec
+            return spec
+    names = "/".join(c.__name__ for c in _classes(served))
+    raise AttributeError(f"{names}.{method} is not a server method declared with @wire")
+
+
+def wire_specs(served: Served) -> dict[str, WireSpec]:
+    """Every declared call of the served class(es)."""
+    out: dict[str, WireSpec] = {}
+    for cls in reversed(_classes(served)):  # the first class's declaration wins
+        for name in dir(cls):
+            spec = getattr(getattr(cls, name, None), "__wire__", None)
+            if isinstance(spec, WireSpec):
+                out[name] = spec
     return out
+
+
+def declared_call(targets: tuple[Any, ...], method: str) -> Callable[..., Any]:
+    """The bound method ``method`` of the first of ``targets`` that declares it (AttributeError otherwise)."""
+    for target in targets:
+        if isinstance(getattr(getattr(type(target), method, None), "__wire__", None), WireSpec):
+            return getattr(target, method)
+    wire_spec(tuple(type(t) for t in targets), method)  # raises, naming the classes
+    raise AssertionError("unreachable")
 
 
 def count_call(meter: CommMeter, spec: WireSpec, kwargs: Mapping[str, Any]) -> None:

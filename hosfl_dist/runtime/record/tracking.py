@@ -1,9 +1,9 @@
 """Experiment trackers beside metrics.jsonl (``job.loggers``): TensorBoard and Weights & Biases (offline).
 
 Only the process that writes the run's record (rank 0, or the in-process runtime) owns them, through
-:class:`~hosfl_dist.runtime.outputs.RunWriter`. Each metrics row is logged at step = processed samples (the paper's
-x-axis): evaluation accuracy and loss, train loss, the skipped contributions, cumulative traffic per category and the
-wall time; the completed run's summary adds the totals, the per-worker round time and every rank's peak memory.
+:class:`~hosfl_dist.runtime.record.writer.RunRecord`. Each metrics row is logged at step = processed samples (the
+paper's x-axis): evaluation accuracy and loss, train loss, the skipped contributions, cumulative traffic per category
+and the wall time; the completed run's summary adds the totals, the per-worker round time and every rank's peak memory.
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""The control plane: typed messages of the run's bookkeeping, dispatched by type.
+
+Training calls are server methods declared with :func:`~hosfl_dist.transport.wire.wire`; everything else the
+processes of a run tell each other is one of the messages below, handled by a method declared with :func:`handles`
+(no string kinds, no tuples matched by ``if``/``elif``). Client workers send the first group to the run's front
+(:class:`~hosfl_dist.runtime.front.RunFront`: in the same process, or on rank 0 over RPC); rank 0 sends the second to
+the other server ranks (:class:`~hosfl_dist.runtime.server_step.ServerStep`).
+
+    client worker -> front       ResumeRequest, EvalReport, CheckpointPart, SaveCheckpoint, Stopped, FinalReport,
+                                 FailureReport
+    rank 0 -> server ranks       Execute, Digest, Memory, Save, Load, Stop
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+M = TypeVar("M")
+
+
+def handles(*types: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare a :class:`Handler` method as the handler of messages of ``types``."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__handles__ = types
+        return fn
+
+    return deco
+
+
+class Handler:
+    """Dispatches a message to the method declared to handle its type (an undeclared type is an error)."""
+
+    _handlers: ClassVar[dict[type, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        table: dict[type, str] = {}
+        for base in reversed(cls.__mro__):
+            for name, fn in vars(base).items():
+                for t in getattr(fn, "__handles__", ()):
+                    table[t] = name
+        cls._handlers = table
+
+    def handle(self, msg: Any) -> Any:
+        name = self._handlers.get(type(msg))
+        if name is None:
+            raise TypeError(f"{type(self).__name__} handles no {type(msg).__name__} message")
+        return getattr(self, name)(msg)
+
+
+# -- client worker -> the run's front ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResumeRequest:
+    """A worker starting: its part of the checkpoint being resumed, and what the server adds to it (None: start)."""
+
+    rank: int
+    hosted: tuple[int, ...]
+    leader: bool
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """The leader, after an evaluation: the row of round t (the traffic summed over the workers). Answered with
+    the row's shown statistics, for the progress bar."""
+
+    t: int
+    processed: int
+    comm: dict[str, int]
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """A worker's part of the checkpoint of the round just finished."""
+
+    rank: int
+    part: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    """The leader, once every part is in: write the checkpoint after round t. Answered with its folder."""
+
+    t: int
+    processed: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The leader: the workers checkpointed after round t and stop (a signal)."""
+
+    t: int
+    signal: str
+
+
+@dataclass(frozen=True)
+class FinalReport:
+    """The leader, at the end: what the summary needs from the client workers."""
+
+    rounds: int
+    processed: int
+    comm: dict[str, int]
+    client_digests: dict[str, str]
+    transport: dict[str, Any]
+    """Per worker: round timing and time blocked in the transport."""
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    link: dict[str, Any] | None = None
+    """The emulated links' settings and what they carried, summed over workers (``comm.inject_delay``)."""
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """A process failed (its one-line error): the front records it and the run ends."""
+
+    message: str

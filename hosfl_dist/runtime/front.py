@@ -1,0 +1,229 @@
+"""The run's front: the server side of a run, in the process that writes its record (in-process, or rank 0).
+
+It holds what the client workers reach: the endpoint that serves the algorithm's calls (through the step executor),
+and the run's bookkeeping, which they drive with the control messages of :mod:`hosfl_dist.runtime.control`:
+
+    open()        the run's folder made ready, the checkpoint to resume from loaded, the record started
+    ResumeRequest a worker's part of that checkpoint, and what the server adds to it
+    EvalReport    a metrics row (the server's train loss, the evaluation server's statistics, the summed traffic)
+    CheckpointPart / SaveCheckpoint
+                  the workers' parts, then the checkpoint written (every server rank writes its shard)
+    Stopped / FinalReport / FailureReport
+                  how the run ends; conclude() writes it: interrupted, completed (checked against the server's own
+                  state), or failed
+
+Both runtimes use it the same way: in one process the trainer's control calls it directly
+(:class:`LocalControl`), under torchrun over RPC (:class:`~hosfl_dist.transport.rpc.RPCControl`). Handlers run on
+the caller's thread (an RPC thread under torchrun); whatever reads or changes the server does so between its
+executions (``endpoint.locked``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
+from hosfl_dist.measure.tracker import process_memory
+from hosfl_dist.runtime.checkpoint import CheckpointStore, LoopState
+from hosfl_dist.runtime.control import (
+    CheckpointPart,
+    EvalReport,
+    FailureReport,
+    FinalReport,
+    Handler,
+    ResumeRequest,
+    SaveCheckpoint,
+    Stopped,
+    handles,
+)
+from hosfl_dist.runtime.record.folder import prepare_out_dir
+from hosfl_dist.runtime.record.progress import EVAL_SHOWN
+from hosfl_dist.runtime.record.writer import RunRecord, metrics_row
+from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.link import describe_traffic
+
+logger = logging.getLogger(__name__)
+
+
+class PeerFailure(RuntimeError):
+    """Another process of the job failed; this one stops."""
+
+
+class RunFront(Handler):
+    """The server side of one run (see the module docstring).
+
+    ``engine`` and ``layout`` are written into every checkpoint and must match to resume from one (the in-process
+    runtime: ``{"workers": 1}``; torchrun: the world size and the ranks of each role). ``memory_role``: the role of
+    this process's memory entry in the summary (None when a worker's entry covers the process, in one process).
+    ``roles``: what the summary says of the processes (torchrun).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        endpoint: ServerEndpoint,
+        step: ServerStep,
+        store: CheckpointStore,
+        engine: str,
+        layout: dict[str, Any],
+        memory_role: str | None = None,
+        roles: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.server = endpoint.server
+        self.evaluator = endpoint.evaluator
+        self.step = step
+        self.store = store
+        self.engine = engine
+        self.layout = layout
+        self.memory_role = memory_role
+        self.roles = roles
+        self.record: RunRecord | None = None
+        self.resume: tuple[LoopState, dict[str, Any]] | None = None
+        self.parts: dict[str, Any] = {}
+        self.saved: str | None = None
+        self.server_stats: dict[str, Any] | None = None
+        """The endpoint's statistics at the last evaluation (the rounds and their evaluations, not the final check)."""
+        self.done = threading.Event()
+        self.stopped: Stopped | None = None
+        self.final: FinalReport | None = None
+        self.failure = ""
+
+    def open(self, restarted: bool = False) -> None:
+        """Make the run's folder ready, load the checkpoint to resume from (if any) and start the record."""
+        ckpt = prepare_out_dir(self.cfg, restarted)
+        loop = None
+        if ckpt is not None:
+            self.step.load(str(ckpt))
+            loop, parts, meta = self.store.load(self.server, ckpt)
+            if meta.get("engine") != self.engine:
+                raise ConfigError(f"checkpoint {ckpt} was written by the {meta.get('engine')} runtime; resume it there")
+            written = {k: meta.get(k) for k in self.layout}
+            if written != self.layout:
+                raise ConfigError(f"checkpoint {ckpt} was written by another layout ({meta.get('engine')}, "
+                                  f"{written}); resume it with that world")  # fmt: skip
+            self.resume = (loop, parts)
+            self.endpoint.closed = loop.round
+            logger.info(f"resuming from {ckpt} (round {loop.round}, {loop.processed} samples)")
+        self.record = RunRecord(
+            self.cfg, self.engine, loop.round if loop else None, loop.wall_s if loop else 0.0, str(ckpt or "")
+        )
+
+    # -- control messages ------------------------------------------------------------------------------------------
+    @handles(ResumeRequest)
+    def _on_resume(self, msg: ResumeRequest) -> dict[str, Any] | None:
+        if self.resume is None:
+            return None
+        loop, parts = self.resume
+        from_server = self.endpoint.locked(lambda: self.server.resume_payload(list(msg.hosted), msg.leader))
+        return {"loop": loop, "part": parts[str(msg.rank)], "from_server": from_server}
+
+    @handles(EvalReport)
+    def _on_eval(self, msg: EvalReport) -> dict[str, Any]:
+        # between executions: the row pops the server's train loss and the evaluation server's statistics
+        row = self.endpoint.locked(lambda: metrics_row(self.server, self.evaluator, msg.t, msg.processed, msg.comm))
+        row = self.record.log(row)
+        self.server_stats = self.endpoint.stats()
+        return {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
+
+    @handles(CheckpointPart)
+    def _on_part(self, msg: CheckpointPart) -> None:
+        self.parts[str(msg.rank)] = msg.part
+
+    @handles(SaveCheckpoint)
+    def _on_save(self, msg: SaveCheckpoint) -> str:
+        loop = LoopState(msg.t, msg.processed, self.record.wall_s)
+        workers = self.layout.get("worker_ranks", [0])
+        if sorted(self.parts) != sorted(str(r) for r in workers):
+            raise RuntimeError(f"checkpoint of round {loop.round}: parts from {sorted(self.parts)} only")
+        parts, self.parts = self.parts, {}
+        meta = {"engine": self.engine, "algorithm": self.cfg.algorithm.name, **self.layout}
+
+        def save() -> Path:
+            self.step.save(loop, meta)  # the other server ranks write their shards of θs
+            return self.store.save(self.server, loop, parts, meta)
+
+        self.saved = str(self.endpoint.locked(save))
+        return self.saved
+
+    @handles(Stopped)
+    def _on_stopped(self, msg: Stopped) -> None:
+        self.stopped = msg
+        self.done.set()
+
+    @handles(FinalReport)
+    def _on_final(self, msg: FinalReport) -> None:
+        self.final = msg
+        self.done.set()
+
+    @handles(FailureReport)
+    def _on_failure(self, msg: FailureReport) -> None:
+        self.fail(msg.message)
+
+    # -- the end -------------------------------------------------------------------------------------------------------
+    def fail(self, message: str) -> None:
+        """A process failed: the run ends (the first failure is the one recorded)."""
+        if not self.failure:
+            self.failure = message
+        self.done.set()
+
+    def record_failure(self, message: str, rounds: int | None = None) -> None:
+        """Write ``failed`` into summary.json unless the run already ended there."""
+        self.fail(message)
+        if self.record is not None and not self.record.finished:
+            self.record.fail(self.failure, rounds)
+
+    def wait(self, stop: Any) -> None:
+        """Wait until the workers end the run (rank 0 under torchrun). After a signal to this process, the workers
+        have ``server.rpc_timeout_s`` to stop."""
+        while not self.done.wait(0.2):  # a short wait keeps the main thread responsive to signals
+            if stop.signal and time.monotonic() - stop.since > self.cfg.server.rpc_timeout_s:
+                limit = self.cfg.server.rpc_timeout_s
+                raise Interrupted(f"{stop.signal}: the client workers did not stop within {limit} s")
+
+    def conclude(self) -> dict[str, Any]:
+        """Write how the run ended: a completed run's summary (returned); an interrupted or failed run raises."""
+        if self.stopped is not None:  # the workers checkpointed and stopped
+            why = f"{self.stopped.signal} after round {self.stopped.t}"
+            self.record.interrupt(why, self.stopped.t, self.saved)
+            self.step.stop()
+            raise Interrupted(f"{why}; checkpoint {self.saved} (resume with job.resume=auto)")
+        if self.failure:
+            raise PeerFailure(self.failure)
+        final = self.final
+        if final is None:
+            raise RuntimeError("the run ended without the workers' final report")
+        problem = self.endpoint.locked(lambda: self.server.audit(final.rounds, final.client_digests))
+        digest = self.step.digest()
+        memory = []
+        if self.memory_role is not None:
+            memory = self.step.memory(process_memory(0, self.memory_role, self.server.model))
+        self.step.stop()
+        if problem is not None:
+            raise ProtocolError(f"end-of-run report refused: {problem}")
+        summary = self.record.completed_summary(final.rounds, final.processed, final.comm, final.client_digests, digest)
+        if self.roles is not None:
+            summary["roles"] = self.roles
+        summary["memory"] = memory + final.memory
+        summary["transport"] = {"workers": final.transport, "server": self.server_stats or self.endpoint.stats()}
+        if final.link:
+            summary["link"] = final.link
+            logger.info(describe_traffic(final.link))
+        return self.record.complete(summary)
+
+
+class LocalControl:
+    """The control messages of a worker in the front's own process: handled at once, on the caller's thread."""
+
+    def __init__(self, front: RunFront) -> None:
+        self.front = front
+
+    def send(self, msg: Any) -> Any:
+        return self.front.handle(msg)

@@ -1,0 +1,140 @@
+"""This host's settings for a process: intra-op threads, glibc's malloc, the network interface, the devices."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hosfl_dist.runtime.process.launch import LaunchEnv
+
+MALLOC_ARENAS = 2
+"""glibc malloc arenas of a torchrun process, unless MALLOC_ARENA_MAX says otherwise (glibc's default: 8 per core).
+A thread that allocates while the others hold their arenas gets a new one, and memory freed in an arena stays there.
+The server's executions run on one thread (:class:`~hosfl_dist.transport.endpoint.ServerThread`), which alone kept
+its RSS flat; the cap bounds what the other threads (RPC, gloo, TensorPipe: more of them on larger nodes) can spread.
+Alone, it held the server of the old runtime at 0.49 GiB instead of 0.87 over 50 tiny-Qwen3 rounds, at no cost
+measured in round time (bench/cpu_hygiene.py). Set in code rather than by the launch scripts so that every start
+(scripts, Slurm, tests, benchmarks) gets it."""
+
+def limit_malloc_arenas(environ: Mapping[str, str] | None = None) -> int | None:
+    """Cap glibc's malloc arenas at :data:`MALLOC_ARENAS` (mallopt M_ARENA_MAX) unless MALLOC_ARENA_MAX is set, which
+    glibc has read already; the cap in force, or None where there is no glibc. Arenas made before stay, so this runs
+    before the process starts threads."""
+    return _malloc_option("MALLOC_ARENA_MAX", -8, MALLOC_ARENAS, environ)  # M_ARENA_MAX of <malloc.h>
+
+
+MMAP_THRESHOLD = 1 << 20
+"""Allocations of at least this many bytes get their own mmap (glibc's M_MMAP_THRESHOLD), fixed."""
+
+
+def fix_mmap_threshold(environ: Mapping[str, str] | None = None) -> int | None:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` unless MALLOC_MMAP_THRESHOLD_ is set; the threshold in
+    force, or None where there is no glibc.
+
+    glibc raises its threshold (up to 32 MiB) each time a mapped block is freed, after which blocks of that size come
+    from the heap and stay resident once freed. FSDP's per-block all-gather buffers (tens of MB, one block after
+    another) then pile up: an FSDP server rank of Qwen3-0.6B peaked at 2.45 GB after one forward with the dynamic
+    threshold and 1.56 GB with it fixed at 1 MiB, which returns every freed buffer to the system."""
+    return _malloc_option("MALLOC_MMAP_THRESHOLD_", -3, MMAP_THRESHOLD, environ)  # M_MMAP_THRESHOLD of <malloc.h>
+
+
+def _malloc_option(variable: str, param: int, value: int, environ: Mapping[str, str] | None) -> int | None:
+    """mallopt(param, value) unless the environment variable that glibc reads at start sets it; the value in force,
+    or None where there is no glibc."""
+    environ = os.environ if environ is None else environ
+    if environ.get(variable):
+        return int(environ[variable])
+    mallopt = _mallopt()
+    if mallopt is None or mallopt(param, value) != 1:
+        return None
+    return value
+
+
+def _mallopt() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+
+
+SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def bind_interface(cfg: Config, env: LaunchEnv, environ: dict[str, str] | None = None) -> str | None:
+    """Bind gloo and TensorPipe to ``job.interface`` (set before any group or RPC agent exists); the name bound.
+
+    auto: loopback when the job runs on one node (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE), so that nothing of
+    the job listens beyond this machine; across nodes, what the environment already says (name the interface with
+    job.interface, e.g. as an override to slurm/hosfl.sbatch).
+    """
+    environ = os.environ if environ is None else environ
+    name = cfg.job.interface
+    if name == "auto":
+        if env.local_world_size != env.world_size:
+            return environ.get("GLOO_SOCKET_IFNAME") or None
+        name = "lo"
+    check_interface(name)
+    for key in SOCKET_IFNAMES:
+        environ[key] = name
+    return name
+
+
+def check_interface(name: str) -> None:
+    """Refuse a network interface this node does not have (where the system lists them)."""
+    net = Path("/sys/class/net")
+    if name != "auto" and net.is_dir() and not (net / name).exists():
+        have = sorted(p.name for p in net.iterdir())
+        raise ConfigError(f"job.interface={name}: this node has no such interface (it has {', '.join(have)})")
+
+
+def check_devices(cfg: Config) -> None:
+    """Refuse a CUDA device (for the models or the noise generator) on a machine without one, in one line."""
+    import torch
+
+    for key, value in (("job.device", cfg.job.device), ("zo.rng_device", cfg.zo.rng_device)):
+        if value.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"{key}={value} but this machine has no CUDA device (torch.cuda.is_available() is False)"
+                )
+            index = torch.device(value).index
+            if index is not None and index >= torch.cuda.device_count():
+                raise ConfigError(f"{key}={value} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+SMALL_MODEL_PARAMS = 10_000_000
+"""Below this many parameters a process runs on one intra-op thread (``job.threads=0``): the work per kernel is too
+small to split, and threads that wait for cores other processes hold cost more than they save. In one process on a
+2-core machine under load (bench/threads.py, bench/results/threads.json) the quickstart CNN took 0.18 s per round
+with one thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s, so under load one thread wins there too,
+while on an idle machine a model that size gains from every core (the auto rule's other branch)."""
+
+
+def set_threads(cfg: Config, params: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Set this process's intra-op threads from ``job.threads`` (see its docstring); (threads, why) for the log.
+
+    ``params``: the parameters of the model this process runs (both parts in one process)."""
+    import torch
+
+    environ = os.environ if environ is None else environ
+    if cfg.job.threads:
+        n, why = cfg.job.threads, "job.threads"
+    elif environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        n = int(environ["OMP_NUM_THREADS"])
+        why = f"job.threads=0 (auto): OMP_NUM_THREADS={n} from the environment (torchrun sets 1)"
+    elif params < SMALL_MODEL_PARAMS:
+        n, why = 1, f"job.threads=0 (auto): a model of {params / 1e6:.2g}M parameters runs fastest on one"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n, why = cores, f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters, every core"
+    torch.set_num_threads(n)
+    return n, why

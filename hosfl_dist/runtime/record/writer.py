@@ -1,0 +1,201 @@
+"""The run's record, written by one process only (the in-process runtime, or rank 0 under torchrun).
+
+In ``job.out_dir`` (see :mod:`hosfl_dist.runtime.record.folder`):
+- ``config.yaml``: the resolved config;
+- ``metrics.jsonl``: one object per evaluation, flushed as it is written (an interrupted run keeps every line);
+- ``summary.json``: written when the run starts (``status: running``) and rewritten by every ending: ``completed``
+  (final metrics, traffic totals, wall time, θc/θs digests), ``failed`` (with the error) or ``interrupted``;
+- ``checkpoints/`` (see :mod:`hosfl_dist.runtime.checkpoint`).
+
+Both files are strict JSON: a non-finite number is written as null and its key listed under ``nonfinite``. The end
+of a run is written here once for every runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.config import Config, dump_config
+from hosfl_dist.errors import NonFiniteError
+from hosfl_dist.runtime.record.folder import input_files
+from hosfl_dist.runtime.record.tracking import Trackers
+from hosfl_dist.transport.wire import PAPER_CATEGORIES
+
+BEST_KEYS = ("best_eval_accuracy", "best_round")
+
+
+def finite_json(obj: Any, path: str = "") -> tuple[Any, list[str]]:
+    """``obj`` with every non-finite float replaced by None, and the dotted keys where that happened."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [path]
+    if isinstance(obj, dict):
+        out, bad = {}, []
+        for k, v in obj.items():
+            out[k], b = finite_json(v, f"{path}.{k}" if path else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, (list, tuple)):
+        pairs = [finite_json(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [p[0] for p in pairs], [b for p in pairs for b in p[1]]
+    return obj, []
+
+
+def strict_dumps(obj: dict[str, Any], **kwargs: Any) -> str:
+    """Strict JSON of a row or summary: non-finite values become null and are named under ``nonfinite``."""
+    clean, bad = finite_json(obj)
+    if bad:
+        clean["nonfinite"] = bad
+    return json.dumps(clean, allow_nan=False, **kwargs)
+
+
+class RunRecord:
+    """Writes config.yaml and a ``running`` summary at once, metrics rows as they come, and the final summary.
+
+    Resuming (``rows_until``: the round of the checkpoint), the metrics rows up to that round are kept and later
+    ones (written after the checkpoint by the interrupted run) are dropped; wall time continues from ``wall_s``.
+    """
+
+    def __init__(
+        self, cfg: Config, engine: str, rows_until: int | None = None, wall_s: float = 0.0, resumed: str = ""
+    ) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.job.out_dir)
+        self.engine = engine
+        (self.dir / "config.yaml").write_text(dump_config(cfg))
+        self.history: list[dict[str, Any]] = []
+        if rows_until is not None and (self.dir / "metrics.jsonl").is_file():
+            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                if row["round"] <= rows_until:
+                    self.history.append(row)
+        self._metrics = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
+        for row in self.history:
+            self._metrics.write(strict_dumps(row) + "\n")
+        self._metrics.flush()
+        self.trackers = Trackers(cfg, self.dir)  # job.loggers beyond jsonl (TensorBoard, W&B offline)
+        for row in self.history:
+            self.trackers.log(row)
+        self.start = time.perf_counter() - wall_s
+        self.finished = False
+        inputs = input_files(cfg)
+        self.base = {
+            "engine": engine,
+            "algorithm": cfg.algorithm.name,
+            **({"inputs": inputs} if inputs else {}),
+            **({"resumed_from": resumed} if resumed else {}),
+        }
+        self._dump({"status": "running", **self.base, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def log(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Write one metrics row (adding wall time and the best evaluation so far); returns it as written."""
+        row = {**row, **self._best(row), "wall_time_s": round(self.wall_s, 3)}
+        self.history.append(row)
+        self._metrics.write(strict_dumps(row) + "\n")
+        self._metrics.flush()
+        self.trackers.log(row)
+        return row
+
+    def _best(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``best_eval_accuracy`` and ``best_round``: the highest evaluation accuracy up to this row (the first round
+        that reached it), beside the last one (the authors' code reports the best over evaluations)."""
+        scored = [r for r in [*self.history, row] if r.get("eval_accuracy") is not None]
+        if "eval_accuracy" not in row or not scored:
+            return {}
+        best = max(scored, key=lambda r: (r["eval_accuracy"], -r["round"]))
+        return {"best_eval_accuracy": best["eval_accuracy"], "best_round": best["round"]}
+
+    def _dump(self, summary: dict[str, Any]) -> None:
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(strict_dumps(summary, indent=2) + "\n")
+        tmp.replace(self.dir / "summary.json")  # a reader never sees half a file
+
+    def _write(self, summary: dict[str, Any]) -> dict[str, Any]:
+        summary = {**self.base, **summary, "wall_time_s": round(self.wall_s, 3)}
+        self._dump(summary)
+        if not self._metrics.closed:
+            self._metrics.close()
+        self.trackers.finish(summary)
+        self.finished = True
+        return summary
+
+    def complete(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write a completed run's summary (:func:`completed_summary` plus what the runtime adds)."""
+        return self._write(summary)
+
+    def completed_summary(
+        self, rounds: int, processed: int, comm: dict[str, int], client_digests: dict[str, str], server_digest: str
+    ) -> dict[str, Any]:
+        """The fields of a completed run's summary.json that every runtime writes (each adds its own beside them)."""
+        last = self.history[-1] if self.history else {}
+        return {
+            "status": "completed",
+            "engine": self.engine,
+            "algorithm": self.cfg.algorithm.name,
+            "rounds": rounds,
+            "processed_samples": processed,
+            "final": {
+                **{k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
+                **{k: last[k] for k in BEST_KEYS if k in last},
+            },
+            "comm": {"bytes": comm, "training_total_bytes": sum(comm[c] for c in PAPER_CATEGORIES)},
+            "client_digests": client_digests,
+            "server_digest": server_digest,
+        }
+
+    def fail(self, error: str, rounds: int | None = None) -> dict[str, Any]:
+        """Record a failed run (the metrics rows written so far stay)."""
+        return self._write({"status": "failed", "error": error, **({} if rounds is None else {"rounds": rounds})})
+
+    def interrupt(self, why: str, rounds: int | None, checkpoint: str | None) -> dict[str, Any]:
+        """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto)."""
+        return self._write({"status": "interrupted", "error": why, "rounds": rounds, "checkpoint": checkpoint})
+
+
+def metrics_row(server: Any, evaluator: Any, t: int, processed: int, comm: dict[str, int]) -> dict[str, Any]:
+    """One metrics.jsonl object: the evaluation server's statistics and the server's train loss since the previous
+    row.
+
+    A non-finite evaluation loss or accuracy stops the run (:class:`NonFiniteError`): it has diverged.
+    """
+    loss = server.pop_train_loss()
+    metrics = evaluator.pop_metrics()
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise NonFiniteError(f"round {t}: evaluation gave non-finite {', '.join(bad)} (the run has diverged)")
+    return {
+        "round": t,
+        "processed_samples": processed,
+        **metrics,
+        "train_loss": None if loss is None or math.isnan(loss) else loss,
+        "nonfinite_skipped": server.pop_skipped(),
+        "comm": comm,
+    }
+
+
+def done_line(summary: dict[str, Any], folder: str | Path) -> str:
+    """What the command line says when a run completed."""
+    last = summary["final"]
+    best = (
+        ""
+        if last.get("best_eval_accuracy") is None
+        else f" (best {_fraction(last['best_eval_accuracy'])} at round {last['best_round']})"
+    )
+    return (
+        f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
+        f"eval_accuracy={_fraction(last.get('eval_accuracy'))}{best}, wall {summary['wall_time_s']} s -> {folder}\n"
+        "      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; plots and tables of "
+        "several runs: python -m hosfl_dist.experiments.compare"
+    )
+
+
+def _fraction(value: Any) -> str:
+    """An accuracy for the console: 4 decimals (metrics.jsonl and summary.json keep every digit)."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
