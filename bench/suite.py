@@ -20,7 +20,7 @@ def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
         module="bench.zo_step",
         options=options,
         measures=f"the HO-SFL client step against its floor, phase by phase, one thread, {alloc}",
-        takes="~3 min",
+        takes="~30 s",
         figures=(
             Figure("quickstart_cnn", X, f"{what}: quickstart CNN cut 1, B=32, P=5 (d_c = 160)", 1.15, "<=", floor),
             Figure("tiny_llama_lora", X, f"{what}: tiny Llama cut 2 + LoRA, B=32 T=128, P=2", 1.15, "<=", floor),
@@ -48,7 +48,7 @@ def _memory() -> Benchmark:
         name="memory",
         module="bench.memory_ratio",
         measures="client peak memory of one step of each method over inference (the memory profiler's tracker)",
-        takes="~2 min",
+        takes="~4 min",
         figures=tuple(figures),
     )
 
@@ -72,7 +72,7 @@ def _agg_traffic() -> Benchmark:
         name="agg_traffic",
         module="bench.agg_traffic",
         measures="aggregation traffic per client per round of HO-SFL and SFL as d_c doubles (one in-process round)",
-        takes="~15 s",
+        takes="~5 s",
         figures=tuple(figures),
     )
 
@@ -99,7 +99,7 @@ def _dist() -> Benchmark:
         module="bench.dist_bench",
         options=("--workers", "1", "2"),
         measures="the torchrun runtime against the in-process one, and its transport against the floor beside it",
-        takes="~4 min",
+        takes="~1 min",
         figures=tuple(figures),
     )
 
@@ -152,7 +152,7 @@ def _cpu_hygiene() -> Benchmark:
         name="cpu_hygiene",
         module="bench.cpu_hygiene",
         measures="what the torchrun processes cost beyond their work: server RSS over the rounds, idle worker CPU",
-        takes="~3 min",
+        takes="~30 s",
         figures=(
             Figure("server_rss_start_gib", "GiB", f"server RSS when training starts, {run}"),
             Figure("server_rss_peak_gib", "GiB", f"server peak RSS over the training window, {run}"),
@@ -169,7 +169,7 @@ def _checkpoint_cost() -> Benchmark:
         name="checkpoint_cost",
         module="bench.checkpoint_cost",
         measures="size and save time of a checkpoint, and a real SIGKILL during a save followed by job.resume=auto",
-        takes="~2 min",
+        takes="~4 min",
         figures=(
             Figure("quickstart_mb", "MB", "checkpoint of the quickstart (θs + AdamW, state.pt)"),
             Figure("quickstart_save_s", "s", "save time of a quickstart checkpoint (median of 4)"),
@@ -200,7 +200,7 @@ def _generation() -> Benchmark:
         name="generation",
         module="bench.generation",
         measures="evaluation speed of SQuAD greedy decoding through the split, with and without KV caches",
-        takes="~2 min",
+        takes="~3 min",
         figures=tuple(figures),
     )
 
@@ -222,7 +222,7 @@ def _scale() -> Benchmark:
         options=("--arch", "qwen3-0.6b", "--ranks", "1", "2"),
         measures="HO-SFL rounds of a published architecture at its real shape under torchrun: memory per rank, "
         "round time",
-        takes="~5 min",
+        takes="~1.5 min",
         figures=tuple(figures),
     )
 
