@@ -61,7 +61,7 @@ def size_bytes(folder: Path) -> int:
 def cost(cfg_path: str, rounds: int, work: Path) -> dict:
     out = work / Path(cfg_path).stem
     times: list[float] = []
-    real = ckpt_mod.Checkpointer.save
+    real = ckpt_mod.CheckpointStore.save
 
     def timed(self, *a, **kw):
         start = time.perf_counter()
@@ -69,12 +69,12 @@ def cost(cfg_path: str, rounds: int, work: Path) -> dict:
         times.append(time.perf_counter() - start)
         return path
 
-    ckpt_mod.Checkpointer.save = timed
+    ckpt_mod.CheckpointStore.save = timed
     try:
         runner = InProcessRunner(load_config(cfg_path, overrides(cfg_path, rounds, out))).setup()
         runner.run()
     finally:
-        ckpt_mod.Checkpointer.save = real
+        ckpt_mod.CheckpointStore.save = real
     last = latest_checkpoint(out)
     parts = {p.name: size_bytes(p) if p.is_dir() else p.stat().st_size for p in last.iterdir()}
     return {

@@ -5,11 +5,11 @@
 
 Builds an in-process SQuAD run of each model (cut in the middle of its blocks, LoRA as configured by default, the
 random adapters' B = 0 so the model is the loaded one) on a few hand-written SQuAD-style examples, then times the
-leader's ``WorkerBase.evaluate`` — the production evaluation: client forward, ``eval_next_token`` through the
-in-process endpoint and the metered transport, scoring — once per mode, modes interleaved, ``--repeat`` times
-(the fastest repeat of each mode is reported: other processes share the machine's cores):
+leader's evaluation as a run calls it (``hosfl_dist.evaluation.client.Evaluator.evaluate``: client forward,
+``eval_next_token`` through the in-process endpoint and the metered transport, scoring) once per mode, modes
+interleaved, ``--repeat`` times (the fastest repeat of each mode is reported: other processes share the cores):
 
-    no cache   every step re-runs f_c and f_s over the whole sequences (``eval_kv_cache=False``)
+    no cache   every step re-runs f_c and f_s over the whole sequences (``Evaluator(kv_cache=False)``)
     cache      both sides keep KV caches: the prompts once, then one token per row and step
 
 Reported per model and mode: wall time of the evaluation, generated tokens and tokens/s, server steps
@@ -37,6 +37,7 @@ from bench.common import Recorder, options
 from bench.suite import BENCHMARKS
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models.sources import resolve
 from hosfl_dist.runtime.inprocess import InProcessRunner
 
@@ -101,22 +102,22 @@ def measure(model: str, path: Path, samples: int, batch: int, repeat: int, out_d
         ],
     )
     engine = InProcessRunner(cfg).setup()
-    server, worker, meter = engine.server, engine.worker, engine.meter
+    meter, scorer = engine.meter, engine.endpoint.evaluator  # the evaluation server beside the algorithm's
+    evaluators = {"no cache": Evaluator(engine.worker, kv_cache=False), "cache": Evaluator(engine.worker)}
     generated: list[torch.Tensor] = []
-    score = server.eval_generated
-    server.eval_generated = lambda tokens, labels: generated.append(tokens) or score(tokens, labels)
+    score = scorer.eval_generated
+    scorer.eval_generated = lambda tokens, labels: generated.append(tokens) or score(tokens, labels)
     runs: dict[str, list[dict[str, float]]] = {"no cache": [], "cache": []}
     tokens: dict[str, torch.Tensor] = {}
     for _ in range(repeat):
         for mode in runs:
             generated.clear()
-            worker.eval_kv_cache = mode == "cache"
             calls = engine.endpoint.calls.get("eval_next_token", 0)
             sent = meter.snapshot()["eval"]
             start = time.perf_counter()
-            worker.evaluate(0)
+            evaluators[mode].evaluate(0)
             wall = time.perf_counter() - start
-            metrics = engine.endpoint.locked(server.pop_eval_metrics)
+            metrics = engine.endpoint.locked(scorer.pop_metrics)
             tokens[mode] = torch.cat([t.flatten() for t in generated])
             n = int((tokens[mode] >= 0).sum())
             runs[mode].append(

@@ -97,11 +97,12 @@ def scaled_paper_link(t_fwd: float, up_bytes: int, down_bytes: int, c: int) -> t
 
 
 def first_order_round(worker, t: int, window: list[float]) -> int:
-    """The HO-SFL round with P = 0: sync (requested a round ahead, as ``run_round`` does), z up, λ down, and the
-    round closed; nothing zeroth-order. Replicas are not updated (no update at P = 0), so no history is replayed."""
+    """The HO-SFL round with P = 0, as ``HOSFLWorker.run_round`` runs it without its zeroth-order part: sync
+    (prefetched a round ahead), z up, λ down, and the round's report; no perturbed forwards, no scalar exchange, no
+    update (so no history is replayed either). ``window`` gets each submit's time to λ."""
     tr = worker.transport
     sampled, mine = worker.plan(t)
-    syncs = worker._syncs.pop(t, None) or worker.request_syncs(t, mine)
+    syncs = {m: tr.call_async("sync", t=t, client=m, since=worker.client_round[m]) for m in mine}
     futs = []
     for m in mine:
         syncs[m].wait()
@@ -109,20 +110,20 @@ def first_order_round(worker, t: int, window: list[float]) -> int:
         x, y = worker.data.next_batch(m)
         worker.bind(worker.replicas[m].params)
         with torch.no_grad():
-            act = worker.client_forward(x)
+            act = worker.zo_forward(x)
         futs.append((time.perf_counter(), tr.call_async("submit", t=t, client=m, act=act, labels=y)))
     for sent, fut in futs:
         fut.wait()
         window.append(time.perf_counter() - sent)
-    worker._settle()
     if worker.collective.is_leader:
-        worker._closing = tr.call_async("finish_round", t=t, scalars=torch.zeros(worker.P))
+        tr.post("finish_round", t=t, scalars=torch.zeros(worker.P))
     for m in mine:
         worker.client_round[m] = t + 1
     n = len(sampled) * worker.cfg.clients.batch_size
     worker.processed += n
     if worker.processed < worker.cfg.train.budget_samples:
-        worker._syncs[t + 1] = worker.request_syncs(t + 1, worker.plan(t + 1)[1])
+        for m in worker.plan(t + 1)[1]:
+            tr.prefetch("sync", t=t + 1, client=m, since=worker.client_round[m])
     return n
 
 
