@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.futures import Future
 
 from hosfl_dist import algorithms
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, register
@@ -16,7 +17,13 @@ from hosfl_dist.algorithms.exchange import aggregate
 from hosfl_dist.algorithms.hosfl import SCALARS, HOSFLServer, HOSFLWorker, mean_over_clients
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime import control, server_step
+from hosfl_dist.runtime.control import Handler, handles
+from hosfl_dist.runtime.front import RunFront
+from hosfl_dist.runtime.server_step import ServerStep
 from hosfl_dist.transport import done
+from hosfl_dist.transport.client import ClientTransport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import LocalCollective
 from hosfl_dist.transport.metered import MeteredTransport
@@ -173,7 +180,8 @@ def _imports(folder: str) -> dict[str, set[str]]:
         ("tasks", ("hosfl_dist.data", "hosfl_dist.models", "hosfl_dist.algorithms", "hosfl_dist.runtime")),
         ("models", ("hosfl_dist.data", "hosfl_dist.runtime", "hosfl_dist.transport")),
         ("transport", ("hosfl_dist.algorithms", "hosfl_dist.models", "hosfl_dist.data", "hosfl_dist.runtime")),
-        ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure")),
+        ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.evaluation")),
+        ("evaluation", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.data")),
         ("data", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.models.lm", "hosfl_dist.models.hf_split")),
     ],
 )
@@ -197,4 +205,109 @@ def _declared(cls: type) -> set[str]:
 def test_hosfl_declares_its_ordering_next_to_its_calls():
     specs = {n: getattr(HOSFLServer, n).__wire__ for n in _declared(HOSFLServer)}
     assert specs["sync"].after_previous_round and specs["eval_sync"].after_previous_round
-    assert specs["submit"].gather and specs["finish_round"].closes_round
+    assert specs["submit"].gather and specs["submit"].data_parallel and specs["finish_round"].closes_round
+
+
+# -- algorithms hold state and math only ---------------------------------------------------------------------------
+DISTRIBUTION = ("torch.distributed", "threading", "concurrent", "torch.futures", "multiprocessing", "queue")
+
+
+def test_no_algorithm_module_touches_distribution_or_concurrency():
+    """No process group, future, lock or thread under algorithms/: the runtime's step executor, the client transport
+    and the trainer own them."""
+    for path in (PACKAGE / "algorithms").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in modules if m.startswith(DISTRIBUTION)], path
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & {"Future", "Lock", "RLock", "Thread", "Event", "group"}, path
+        # an answer may be taken later in the same step, never kept on the object between calls
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                on_self = any("self" in {n.id for n in ast.walk(t) if isinstance(n, ast.Name)} for t in targets)
+                sends = any(isinstance(n, ast.Attribute) and n.attr == "call_async" for n in ast.walk(node))
+                assert not (on_self and sends), f"{path}:{node.lineno} keeps a pending answer on the object"
+
+
+def test_a_data_parallel_call_needs_the_step_executor():
+    """HO-SFL's submit returns the round's work, not answers: an endpoint without the runtime's executor refuses it
+    instead of answering with the wrong thing."""
+    cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
+    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
+    endpoint = ServerEndpoint(server)
+    upload = {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}
+    futs = [endpoint.serve("submit", {"t": 0, "client": m, **upload}) for m in range(3)]
+    with pytest.raises(TypeError, match="submit is a data_parallel call"):
+        futs[0].wait()
+    with pytest.raises(ValueError, match="a data_parallel call is a gathered call"):
+        wire(data_parallel=True)
+
+
+# -- typed control -------------------------------------------------------------------------------------------------
+def test_control_messages_are_dispatched_by_their_type():
+    class Ping:
+        pass
+
+    class Pong:
+        pass
+
+    class Echo(Handler):
+        @handles(Ping)
+        def _ping(self, msg: Ping) -> str:
+            return "pong"
+
+    assert Echo().handle(Ping()) == "pong"
+    with pytest.raises(TypeError, match="Echo handles no Pong message"):
+        Echo().handle(Pong())
+    # every message a client worker sends has its handler on the run's front; every announcement of rank 0 on the
+    # other server ranks
+    sent = {control.ResumeRequest, control.EvalReport, control.CheckpointPart, control.SaveCheckpoint,
+            control.Stopped, control.FinalReport, control.FailureReport}  # fmt: skip
+    assert set(RunFront._handlers) == sent
+    assert set(ServerStep._handlers) == {server_step.Execute, server_step.Digest, server_step.Memory,
+                                         server_step.Save, server_step.Load}  # fmt: skip  (Stop ends the loop)
+
+
+# -- the client end of the transport: posted and prefetched calls ---------------------------------------------------
+class _Recorder:
+    """A transport whose answers complete when the test says so."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+        self.futures: list[Future] = []
+
+    def call_async(self, method: str, **kwargs):
+        self.sent.append((method, kwargs))
+        fut: Future = Future()
+        self.futures.append(fut)
+        return fut
+
+
+def test_a_prefetched_call_is_taken_by_the_identical_call_and_sent_once():
+    inner = _Recorder()
+    tr = ClientTransport(inner)
+    tr.prefetch("sync", t=1, client=4, since=0)
+    assert inner.sent == [("sync", {"t": 1, "client": 4, "since": 0})]
+    other = tr.call_async("sync", t=1, client=4, since=1)  # another replica round: a call of its own
+    taken = tr.call_async("sync", t=1, client=4, since=0)
+    assert len(inner.sent) == 2 and taken is inner.futures[0] and other is inner.futures[1]
+    assert tr.call_async("sync", t=1, client=4, since=0) is inner.futures[2]  # taken once only
+    with pytest.raises(TypeError, match="plain values"):
+        tr.prefetch("submit", t=0, act=torch.zeros(1))
+
+
+def test_a_post_is_waited_for_before_the_next_post_and_at_a_flush_and_its_error_surfaces():
+    inner = _Recorder()
+    tr = ClientTransport(inner)
+    tr.post("finish_round", t=0, scalars=torch.zeros(2))
+    inner.futures[0].set_exception(RuntimeError("round 0 refused"))
+    with pytest.raises(RuntimeError, match="round 0 refused"):
+        tr.post("finish_round", t=1, scalars=torch.zeros(2))  # the previous post is waited for first
+    assert len(inner.sent) == 1
+    tr.post("finish_round", t=1, scalars=torch.zeros(2))
+    inner.futures[1].set_result(None)
+    tr.flush()
+    tr.flush()  # nothing left to wait for
