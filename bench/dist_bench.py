@@ -66,7 +66,7 @@ def in_process_child(config: str, ovr: list[str]) -> None:
         timing["rounds"] += 1
         return n
 
-    worker.run_round = timed  # train_loop calls the instance attribute
+    worker.run_round = timed  # the trainer calls the instance attribute
     summary = runner.run()
     print(json.dumps({**timing, **sizes, "processed": summary["processed_samples"], "final": summary["final"]}))
 

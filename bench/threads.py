@@ -1,6 +1,6 @@
 """Intra-op threads of an in-process run: seconds per round with ``job.threads`` = 1, 2, … for a small model (the
 quickstart CNN) and a 135M-parameter LM (SmolLM2 with LoRA), the measurement behind ``job.threads=0`` (auto:
-one thread below 10M parameters, every core above; hosfl_dist/runtime/env.py::set_threads).
+one thread below 10M parameters, every core above; hosfl_dist/runtime/process/host.py::set_threads).
 
     python -m bench.threads                       # ~4 min on 2 cores: bench/out/threads.json
     python -m bench.threads --only small --threads 1 2 --repeat 3

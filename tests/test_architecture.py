@@ -267,8 +267,13 @@ def test_control_messages_are_dispatched_by_their_type():
     sent = {control.ResumeRequest, control.EvalReport, control.CheckpointPart, control.SaveCheckpoint,
             control.Stopped, control.FinalReport, control.FailureReport}  # fmt: skip
     assert set(RunFront._handlers) == sent
-    assert set(ServerStep._handlers) == {server_step.Execute, server_step.Digest, server_step.Memory,
-                                         server_step.Save, server_step.Load}  # fmt: skip  (Stop ends the loop)
+    assert set(ServerStep._handlers) == {
+        server_step.Execute,
+        server_step.Digest,
+        server_step.Memory,
+        server_step.Save,
+        server_step.Load,
+    }  # fmt: skip  (Stop ends the loop)
 
 
 # -- the client end of the transport: posted and prefetched calls ---------------------------------------------------

@@ -58,7 +58,6 @@ class ClientTransport:
             pending.wait()
 
 
-
 def _key(method: str, kwargs: dict[str, Any]) -> tuple[Hashable, ...] | None:
     """What a prefetched call is found by; None for a call with other than plain arguments (never prefetched)."""
     items = tuple(sorted(kwargs.items()))

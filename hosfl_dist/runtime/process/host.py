@@ -21,8 +21,9 @@ A thread that allocates while the others hold their arenas gets a new one, and m
 The server's executions run on one thread (:class:`~hosfl_dist.transport.endpoint.ServerThread`), which alone kept
 its RSS flat; the cap bounds what the other threads (RPC, gloo, TensorPipe: more of them on larger nodes) can spread.
 Alone, it held the server of the old runtime at 0.49 GiB instead of 0.87 over 50 tiny-Qwen3 rounds, at no cost
-measured in round time (bench/cpu_hygiene.py). Set in code rather than by the launch scripts so that every start
+measured in round time (results/scale/cpu_hygiene.md). Set in code rather than by the launch scripts so that every start
 (scripts, Slurm, tests, benchmarks) gets it."""
+
 
 def limit_malloc_arenas(environ: Mapping[str, str] | None = None) -> int | None:
     """Cap glibc's malloc arenas at :data:`MALLOC_ARENAS` (mallopt M_ARENA_MAX) unless MALLOC_ARENA_MAX is set, which
@@ -114,8 +115,8 @@ def check_devices(cfg: Config) -> None:
 SMALL_MODEL_PARAMS = 10_000_000
 """Below this many parameters a process runs on one intra-op thread (``job.threads=0``): the work per kernel is too
 small to split, and threads that wait for cores other processes hold cost more than they save. In one process on a
-2-core machine under load (bench/threads.py, bench/results/threads.json) the quickstart CNN took 0.18 s per round
-with one thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s, so under load one thread wins there too,
+2-core machine under load (results/bench/README.md, "threads") the quickstart CNN took 0.18 s per round with one
+thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s, so under load one thread wins there too,
 while on an idle machine a model that size gains from every core (the auto rule's other branch)."""
 
 
