@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
@@ -30,6 +31,9 @@ from typing import Any
 
 from hosfl_dist.config import VISION_MODELS, config_to_dict, load_config
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.logs import init_logging
+
+logger = logging.getLogger(__name__)
 
 SMALLEST_BATCH = 2
 """A last batch smaller than this is skipped: train-mode BatchNorm needs two values per channel."""
@@ -90,10 +94,10 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     order_gen = generator(cfg.job.seed, Stream.CENTRALIZED_ORDER, 0)
     aug_gen = generator(cfg.job.seed, Stream.CENTRALIZED_ORDER, 1)
     params = sum(p.numel() for p in net.parameters())
-    print(f"pretrain {cfg.model.name} ({params / 1e6:.2f}M parameters) on {cfg.data.name}"
-          f"{f' classes {cfg.data.classes}' if cfg.data.classes else ''}: {n} training / {len(data.eval_y)} held-out "
-          f"samples, {args.epochs} epochs of {steps_per_epoch} steps (batch {args.batch_size}), SGD lr {args.lr:g}, "
-          f"{torch.get_num_threads()} threads, device {device}", flush=True)  # fmt: skip
+    logger.info(f"pretrain {cfg.model.name} ({params / 1e6:.2f}M parameters) on {cfg.data.name}"
+                f"{f' classes {cfg.data.classes}' if cfg.data.classes else ''}: {n} training / {len(data.eval_y)} "
+                f"held-out samples, {args.epochs} epochs of {steps_per_epoch} steps (batch {args.batch_size}), SGD lr "
+                f"{args.lr:g}, {torch.get_num_threads()} threads, device {device}")  # fmt: skip
     history = []
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
@@ -117,8 +121,8 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
         row = {"epoch": epoch, "train_loss": loss_sum / max(seen, 1), "eval_accuracy": acc,
                "epoch_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         history.append(row)
-        print(f"epoch {epoch}/{args.epochs}  train_loss {row['train_loss']:.4f}  eval_accuracy {acc:.4f}  "
-              f"({row['epoch_s']:.1f} s)", flush=True)  # fmt: skip
+        logger.info(f"epoch {epoch}/{args.epochs}  train_loss {row['train_loss']:.4f}  eval_accuracy {acc:.4f}  "
+                    f"({row['epoch_s']:.1f} s)")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().cpu() for k, v in net.state_dict().items()}, out)
     record = {
@@ -162,6 +166,7 @@ def evaluate(net: Any, data: Any, device: Any, batch_size: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    init_logging()
     try:
         args = parse_args(words)
         pretrain(args, "python -m hosfl_dist.experiments.pretrain " + " ".join(words))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -39,8 +40,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.logs import init_logging
 from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, expected_costs, make_step
 from hosfl_dist.measure.tracker import measure
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -94,8 +98,8 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path, threads:
 
 
 def say(line: str) -> None:
-    """A progress line, on stderr (stdout carries the table) and flushed: a mode can take minutes."""
-    print(line, file=sys.stderr, flush=True)
+    """A progress line, logged (the console's stderr; stdout carries the table): a mode can take minutes."""
+    logger.info(line)
 
 
 def size(nbytes: float) -> str:
@@ -321,6 +325,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    init_logging()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

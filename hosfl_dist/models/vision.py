@@ -21,7 +21,7 @@ trains them centrally and saves the state dict ``model.pretrained`` loads.
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hosfl_dist.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 BN_MODES = ("all", "client", "none")
 """``model.freeze_bn`` values (see the module docstring)."""
@@ -237,8 +239,8 @@ def load_pretrained(
     if isinstance(head_w, Tensor) and (head_w.shape[0] != num_classes or reset_head):
         state = {k: v for k, v in state.items() if not k.startswith(f"{head}.")}
         why = "model.reset_head" if head_w.shape[0] == num_classes else f"{num_classes} classes here"
-        print(f"note: model.pretrained: {path} has a {head_w.shape[0]}-class head ({head}); it is dropped ({why}) and "
-              f"a new {num_classes}-class head initialised", file=sys.stderr, flush=True)  # fmt: skip
+        logger.warning(f"note: model.pretrained: {path} has a {head_w.shape[0]}-class head ({head}); it is dropped "
+                       f"({why}) and a new {num_classes}-class head initialised")  # fmt: skip
     try:
         missing, unexpected = net.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # tensors of other shapes: another width, input size or architecture
