@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import ROOT, TINY_OVERRIDES, read_run, run_one_thread
+from tiny import ROOT, TINY_OVERRIDES, assert_same_as, run_one_thread
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -98,16 +98,6 @@ def reference(tmp_path_factory):
     """The same run uninterrupted, in one process with one thread: torchrun's results equal it bit for bit."""
     out = tmp_path_factory.mktemp("reference")
     return run_one_thread([*RUN, f"job.out_dir={out}"])
-
-
-def assert_same_as(out: Path, reference: tuple[list[dict], dict]) -> dict:
-    rows, summary = read_run(out)
-    ref_rows, ref = reference
-    assert summary["status"] == "completed", summary
-    assert set(summary["client_digests"].values()) == set(ref["client_digests"].values())
-    assert summary["server_digest"] == ref["server_digest"]
-    assert rows == ref_rows and summary["comm"] == ref["comm"]
-    return summary
 
 
 def test_ctrl_c_to_the_process_group_checkpoints_and_a_resume_finishes_identically(tmp_path, reference):

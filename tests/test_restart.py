@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
+from tiny import TINY_OVERRIDES, assert_same_as, read_run, run_one_thread, torchrun
 
 TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60", "checkpoint.interval_samples=48"]
 """Ten rounds of K=3 clients of 8 samples, a checkpoint every second round."""
@@ -30,25 +30,6 @@ def references(tmp_path_factory):
         return copy.deepcopy(cache[alg])
 
     return get
-
-
-def assert_same_as(out: Path, reference: tuple[list[dict], dict]) -> dict:
-    rows, summary = read_run(out)
-    ref_rows, ref = reference
-    assert summary["status"] == "completed", summary
-    assert set(summary["client_digests"].values()) == set(ref["client_digests"].values())
-    assert summary["server_digest"] == ref["server_digest"]
-    assert rows == ref_rows  # every row once: those after the checkpoint were dropped and written again
-    if summary["algorithm"] == "hosfl":
-        assert summary["comm"] == ref["comm"]
-    else:  # every client worker fetches θc once more for its end-of-run digest (in-process: one fetch), as "eval"
-        assert _without_eval(summary["comm"]) == _without_eval(ref["comm"])
-    assert summary["rounds"] == ref["rounds"] and summary["processed_samples"] == ref["processed_samples"]
-    return summary
-
-
-def _without_eval(comm: dict) -> dict:
-    return {k: {c: n for c, n in v.items() if c != "eval"} if isinstance(v, dict) else v for k, v in comm.items()}
 
 
 INJECT = textwrap.dedent(

@@ -106,6 +106,27 @@ def read_run(out_dir: Path) -> tuple[list[dict], dict]:
     return rows, json.loads((out_dir / "summary.json").read_text())
 
 
+def assert_same_as(out: Path, reference: tuple[list[dict], dict]) -> dict:
+    """A completed run in ``out`` equals the uninterrupted ``reference`` (:func:`read_run`): digests, every metrics row,
+    traffic (for a model-exchanging method, but for the end-of-run fetches, counted as eval), rounds and samples."""
+    rows, summary = read_run(out)
+    ref_rows, ref = reference
+    assert summary["status"] == "completed", summary
+    assert set(summary["client_digests"].values()) == set(ref["client_digests"].values())
+    assert summary["server_digest"] == ref["server_digest"]
+    assert rows == ref_rows  # every row once: those after the checkpoint were dropped and written again
+    if summary["algorithm"] == "hosfl":
+        assert summary["comm"] == ref["comm"]
+    else:  # every client worker fetches θc once more for its end-of-run digest (in-process: one fetch), as "eval"
+        assert _without_eval(summary["comm"]) == _without_eval(ref["comm"])
+    assert summary["rounds"] == ref["rounds"] and summary["processed_samples"] == ref["processed_samples"]
+    return summary
+
+
+def _without_eval(comm: dict) -> dict:
+    return {k: {c: n for c, n in v.items() if c != "eval"} if isinstance(v, dict) else v for k, v in comm.items()}
+
+
 # -- the tiny language-model run: a random tiny Llama/OPT on six hand-written reviews or three SQuAD questions --------
 SENTENCES = [
     ("a gorgeous, witty, seductive movie.", 1),

@@ -1,7 +1,9 @@
 """How a client worker reaches the server and its peer workers, whatever runs where.
 
-Algorithm code calls ``transport.call("method", **kwargs)`` (a blocking round trip) or ``transport.call_async``
-(returns a future at once) on the server, and ``collective.aggregate(...)`` among client workers. It never knows
+Algorithm code calls ``transport.call("method", **kwargs)`` (a blocking round trip), ``transport.call_async``
+(returns a pending answer at once), ``transport.post`` or ``transport.prefetch`` (the worker's
+:class:`~hosfl_dist.transport.client.ClientTransport`) on the server, and ``collective.aggregate(...)`` among client
+workers. It never knows
 whether the other side is in the same process (:mod:`~hosfl_dist.transport.inprocess`), behind
 ``torch.distributed.rpc`` and a process group (:mod:`~hosfl_dist.transport.rpc`), or behind an emulated link
 (:mod:`~hosfl_dist.transport.link`). On the server side one :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`
