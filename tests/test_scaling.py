@@ -9,7 +9,7 @@ import pytest
 
 from tiny import lm_overrides, write_text_files
 
-from hosfl_dist.experiments.scaling import axes_of, loglinear_fit, main, write_scaling
+from hosfl_dist.experiments.scaling import axes_of, loglinear_fit, main, server_seconds, write_scaling
 
 
 def test_the_fit_recovers_one_exponent_per_axis_and_needs_enough_points():
@@ -52,6 +52,14 @@ def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
     assert step["exponents"]["zo.num_perturbations"] == pytest.approx(1.0)
     assert "client peak memory: b(model size) = +0.00, b(split.cut) = +1.00, b(zo.num_perturbations) = +0.00" in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_the_server_cost_counts_training_calls_not_evaluation():
+    """The method's calls count; the evaluation server's (and the end-of-run check's) do not; a call this version does
+    not declare is left out rather than stopping the report."""
+    compute = {"submit": 1.0, "finish_round": 0.5, "eval_batch": 2.0, "eval_sync": 0.25, "renamed_since": 9.0}
+    assert server_seconds({"transport": {"server": {"compute_s": compute}}}, "hosfl") == 1.5
+    assert server_seconds({"transport": {}}, "hosfl") is None
 
 
 def test_a_key_that_is_not_a_number_or_a_model_is_no_axis():

@@ -106,13 +106,14 @@ def server_seconds(summary: dict[str, Any], algorithm: str) -> float | None:
     """The server's compute in the run's training calls (evaluation-only calls left out); None for a run whose
     summary has no ``transport.server`` (written before it was recorded in one process)."""
     from hosfl_dist.algorithms import get_algorithm
-    from hosfl_dist.transport.wire import EVAL, wire_spec
+    from hosfl_dist.runtime.build import served
+    from hosfl_dist.transport.wire import EVAL, wire_specs
 
     compute = ((summary.get("transport") or {}).get("server") or {}).get("compute_s")
     if compute is None:
         return None
-    server_cls = get_algorithm(algorithm).server
-    return sum(s for method, s in compute.items() if not wire_spec(server_cls, method).categories() <= {EVAL})
+    specs = wire_specs(served(get_algorithm(algorithm)))  # the method's calls and the evaluation server's
+    return sum(s for method, s in compute.items() if method in specs and not specs[method].categories() <= {EVAL})
 
 
 def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str, Any] | None:
