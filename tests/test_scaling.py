@@ -55,9 +55,9 @@ def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
 
 
 def test_the_server_cost_counts_training_calls_not_evaluation():
-    """The method's calls count; the evaluation server's (and the end-of-run check's) do not; a call this version does
-    not declare is left out rather than stopping the report."""
-    compute = {"submit": 1.0, "finish_round": 0.5, "eval_batch": 2.0, "eval_sync": 0.25, "renamed_since": 9.0}
+    """The method's training calls count, the evaluation server's do not; a call this version does not declare is left
+    out rather than stopping the report."""
+    compute = {"submit": 1.0, "finish_round": 0.5, "eval_batch": 2.0, "eval_generated": 0.25, "renamed_since": 9.0}
     assert server_seconds({"transport": {"server": {"compute_s": compute}}}, "hosfl") == 1.5
     assert server_seconds({"transport": {}}, "hosfl") is None
 
