@@ -92,6 +92,16 @@ def test_an_unusable_out_dir_is_one_line(tmp_path, capsys, out_dir, needle):
 
 
 # -- exact resume --------------------------------------------------------------------------------------------------
+def test_a_stop_signal_in_the_last_round_lets_the_run_complete(tmp_path, monkeypatch):
+    """The budget is reached in the round the signal came in: the run ends as it would have (completed, the same
+    results), not as an interruption that a requeue would have to finish."""
+    _, _, ref, _ = run_in_process([*SMALL, f"job.out_dir={tmp_path / 'ref'}"])
+    stop_at(monkeypatch, "hosfl", ref["rounds"] - 1)
+    _, _, got, _ = run_in_process([*SMALL, f"job.out_dir={tmp_path / 'run'}"])
+    assert got["status"] == "completed" and got["client_digests"] == ref["client_digests"]
+    assert rows_of(tmp_path / "run") == rows_of(tmp_path / "ref")
+
+
 @pytest.mark.parametrize(
     ("alg", "extra"),
     [

@@ -142,7 +142,7 @@ class Trainer:
             stopping = self.peers.any(self.stop.signal is not None)  # every worker agrees
             if stopping or self.checkpoints.due(processed):
                 self.checkpoints.save(t, processed)
-            if stopping:
+            if stopping and processed < budget:  # a signal in the last round: the run ends as it would have
                 if self.peers.is_leader:
                     self.control.send(Stopped(t, self.stop.signal or "SIGTERM"))
                 return Outcome(t, processed, completed=False)
