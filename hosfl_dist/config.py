@@ -56,8 +56,12 @@ class JobConfig:
     progress: bool = True
     """Show a progress bar on stderr."""
     resume: Literal["never", "auto"] = "never"
-    """auto: continue the run in job.out_dir from its latest complete checkpoint (or start it afresh where there is
-    none); never: refuse a folder that holds another run unless job.overwrite is set."""
+    """auto: continue the run in job.out_dir from its newest checkpoint that verifies (or start it afresh where there is
+    none), if it is the same run: the same config (but for how it is started), inputs and code; never: refuse a
+    folder that holds another run unless job.overwrite is set."""
+    allow_code_change: bool = False
+    """job.resume=auto: continue a run whose checkpoint was written by other code (another version of hosfl_dist or
+    changed source files); the results may then differ from an uninterrupted run. summary.json records it."""
     overwrite: bool = False
     """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from hosfl_dist.config import Config, dump_config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
@@ -40,6 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="with --dry-run or --check: the role map of a torchrun world of NPROC processes",
+    )
+    p.add_argument(
+        "--status",
+        metavar="DIR",
+        help="say in one line how the run in DIR stands (running and by which process, completed, failed, interrupted, "
+        "or died: its processes ended without recording how) and exit; changes nothing",
+    )
+    p.add_argument(
+        "--record-death",
+        action="store_true",
+        help="with --status: if the run died, write that into its summary.json (the launch scripts do this when "
+        "torchrun has ended)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
     return p.parse_args(argv)
@@ -79,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
             from hosfl_dist.config_help import help_config
 
             print(help_config(args.help_config), end="")
+            return 0
+        if args.status is not None:
+            from hosfl_dist.runtime.record.folder import describe_status, record_death
+
+            if args.record_death:
+                record_death(Path(args.status))
+            print(describe_status(Path(args.status)))
             return 0
         from hosfl_dist.runtime.process.launch import launch_env, role_map  # torch-free: a bad config fails at once
         from hosfl_dist.runtime.record.folder import deterministic_out_dir, with_out_dir
@@ -142,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
             time.sleep(3)
         return exc.exit_code
+    except (OSError, MemoryError) as exc:  # the machine, not the code: a full disk, no memory (summary.json says so)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -244,7 +244,8 @@ def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp
     spec = RunSpec("hosfl", 0, [f"model.pretrained={weights}"], tmp_path / "run")
     finish_in_process(cfg, [spec])
     summary = json.loads((spec.out_dir / "summary.json").read_text())
-    assert summary["inputs"]["model.pretrained"] == {"path": str(weights), "sha256": file_sha256(weights)}
+    recorded = summary["inputs"]["model.pretrained"]
+    assert recorded["path"] == str(weights) and recorded["sha256"] == file_sha256(weights)
     run_cfg = resolve(str(cfg), spec)
     assert is_finished(spec, run_cfg) and command(str(cfg), spec, run_cfg)[-1] == "job.resume=auto"
 

@@ -189,6 +189,22 @@ def data_info(cfg: Config) -> dict[str, Any]:
     return build_data(cfg).info  # synthetic images: generated, not loaded
 
 
+def input_sources(cfg: Config) -> dict[str, Any]:
+    """What the configured data is read from, by role: a local file's path (``data.train`` / ``data.eval`` for text,
+    ``data.files[i]`` for images), or for the hub the data set's name and splits (``data.hub``). Generated data reads
+    nothing. A run's identity hashes these files (:mod:`hosfl_dist.runtime.record.identity`)."""
+    if cfg.data.name in TEXT_DATASETS:
+        from hosfl_dist.data.text_fed import hub_splits, text_files
+
+        files = text_files(cfg)
+        if files is None:
+            return {"data.hub": hub_splits(cfg)}
+        return {"data.train": files[0], "data.eval": files[1]}
+    from hosfl_dist.data.vision import image_files
+
+    return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(cfg.data.name, cfg.data.root))}
+
+
 def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
     """Load the configured dataset from local files and partition it over ``clients.total`` clients.
 

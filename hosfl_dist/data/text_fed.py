@@ -95,10 +95,9 @@ def task_spec(cfg: Config) -> TextTaskSpec:
     return get_task(task_name(cfg))
 
 
-def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, eval) canonical examples of the configured text data set."""
+def text_files(cfg: Config) -> tuple[str, str] | None:
+    """(train, eval) local files of the configured text data set; None when it comes from the hub."""
     d = cfg.data
-    task = task_spec(cfg)
     if d.name == "sentiment_multiemo":
         if d.source == "hub":
             raise ConfigError("data.source=hub: sentiment_multiemo is a local data set; use data.source=local")
@@ -108,22 +107,36 @@ def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
         if not (train_path and eval_path):
             default_train, default_eval = local_sentiment_paths(d.root or str(shared_data_dir()))
             train_path, eval_path = train_path or default_train, eval_path or default_eval
-        columns = d.columns or SENTIMENT_COLUMNS
-        return (
-            load_text_split(task, "train", "local", train_path, columns),
-            load_text_split(task, "test", "local", eval_path, columns),
-        )
+        return train_path, eval_path
     if d.source == "hub":
+        return None
+    for key in ("train_path", "eval_path"):
+        if not getattr(d, key):
+            raise ConfigError(f"data.{key} is empty: data.name={d.name} with data.source=local needs a local file")
+    return d.train_path, d.eval_path
+
+
+def hub_splits(cfg: Config) -> dict[str, Any]:
+    """What a hub data set is named by: its path, configuration and the splits a run reads."""
+    task = task_spec(cfg)
+    return {"hub": task.hub[0], "name": task.hub[1], "splits": [HUB_SPLITS["train"], HUB_SPLITS["eval"]]}
+
+
+def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, eval) canonical examples of the configured text data set."""
+    d = cfg.data
+    task = task_spec(cfg)
+    files = text_files(cfg)
+    if files is None:
         return (
             load_text_split(task, HUB_SPLITS["train"], "hub", None, d.columns or None),
             load_text_split(task, HUB_SPLITS["eval"], "hub", None, d.columns or None),
         )
-    for key in ("train_path", "eval_path"):
-        if not getattr(d, key):
-            raise ConfigError(f"data.{key} is empty: data.name={d.name} with data.source=local needs a local file")
+    columns = d.columns or (SENTIMENT_COLUMNS if d.name == "sentiment_multiemo" else None)
+    eval_split = "test" if d.name == "sentiment_multiemo" else "eval"
     return (
-        load_text_split(task, "train", "local", d.train_path, d.columns or None),
-        load_text_split(task, "eval", "local", d.eval_path, d.columns or None),
+        load_text_split(task, "train", "local", files[0], columns),
+        load_text_split(task, eval_split, "local", files[1], columns),
     )
 
 

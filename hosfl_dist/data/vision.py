@@ -92,14 +92,21 @@ def _find(root: Path, stem: str) -> Path:
     )
 
 
-def load_fashion_mnist(root: str) -> ImageSplits:
+FASHION_MNIST_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                       "t10k-labels-idx1-ubyte")  # fmt: skip
+
+
+def fashion_mnist_files(root: str) -> list[Path]:
+    """The four IDX files (each plain or .gz) Fashion-MNIST is read from: train images, labels, test images, labels."""
     r = Path(root or FASHION_MNIST_DEFAULT)
     if not r.is_dir():
         raise DataError(f"data.root {r} does not exist (Fashion-MNIST: apt-get install dataset-fashion-mnist)")
-    tx = _read_idx(_find(r, "train-images-idx3-ubyte"))
-    ty = _read_idx(_find(r, "train-labels-idx1-ubyte"))
-    vx = _read_idx(_find(r, "t10k-images-idx3-ubyte"))
-    vy = _read_idx(_find(r, "t10k-labels-idx1-ubyte"))
+    return [_find(r, stem) for stem in FASHION_MNIST_STEMS]
+
+
+def load_fashion_mnist(root: str) -> ImageSplits:
+    r = Path(root or FASHION_MNIST_DEFAULT)
+    tx, ty, vx, vy = (_read_idx(f) for f in fashion_mnist_files(root))
     for what, x, y in (("train", tx, ty), ("t10k", vx, vy)):
         _check_pairs(f"Fashion-MNIST {what} under {r}", x, y, 10, image_ndim=3)
     m, s = STATS["fashion_mnist"]
@@ -114,12 +121,17 @@ def load_fashion_mnist(root: str) -> ImageSplits:
     )
 
 
-def load_cifar10_npz(root: str) -> ImageSplits:
-    """The 10,000 CIFAR-10 test images shipped offline, split 8,000 / 2,000 by the data README's fixed permutation."""
+def cifar10_npz_file(root: str) -> Path:
     base = Path(root) if root else shared_data_dir() / "cifar10_test10k"
     path = base if base.suffix == ".npz" else base / "cifar10_test10k.npz"
     if not path.is_file():
         raise DataError(f"CIFAR-10 npz not found: {path} (set data.root to the cifar10_test10k folder)")
+    return path
+
+
+def load_cifar10_npz(root: str) -> ImageSplits:
+    """The 10,000 CIFAR-10 test images shipped offline, split 8,000 / 2,000 by the data README's fixed permutation."""
+    path = cifar10_npz_file(root)
     try:
         d = np.load(path)
         images, labels = d["images"], d["labels"]
@@ -144,19 +156,37 @@ def _unpickle(path: Path) -> dict:
         raise DataError(f"{path}: cannot be read as a CIFAR batch ({exc})") from None
 
 
-def load_cifar_folder(root: str, num_classes: int) -> ImageSplits:
-    """torchvision's on-disk format: cifar-10-batches-py/ or cifar-100-python/ (under root, or root itself)."""
+def cifar_folder_files(root: str, num_classes: int) -> tuple[list[Path], list[Path]]:
+    """(train, test) batch files of torchvision's on-disk format: cifar-10-batches-py/ or cifar-100-python/ (under
+    root, or root itself)."""
     sub = "cifar-10-batches-py" if num_classes == 10 else "cifar-100-python"
     if not root:
         raise DataError(f"data.root must point at a folder holding {sub}/ (no download is attempted)")
     r = Path(root)
     r = r / sub if (r / sub).is_dir() else r
     if num_classes == 10:
-        train = [_unpickle(r / f"data_batch_{i}") for i in range(1, 6)]
-        test = [_unpickle(r / "test_batch")]
-        key = "labels"
-    else:
-        train, test, key = [_unpickle(r / "train")], [_unpickle(r / "test")], "fine_labels"
+        return [r / f"data_batch_{i}" for i in range(1, 6)], [r / "test_batch"]
+    return [r / "train"], [r / "test"]
+
+
+def image_files(name: str, root: str) -> list[Path]:
+    """The files ``data.name`` = ``name`` reads from ``root`` (none for generated data)."""
+    if name == "fashion_mnist":
+        return fashion_mnist_files(root)
+    if name == "cifar10_npz":
+        return [cifar10_npz_file(root)]
+    if name in ("cifar10", "cifar100"):
+        train, test = cifar_folder_files(root, 10 if name == "cifar10" else 100)
+        return [*train, *test]
+    return []
+
+
+def load_cifar_folder(root: str, num_classes: int) -> ImageSplits:
+    """torchvision's on-disk format: cifar-10-batches-py/ or cifar-100-python/ (under root, or root itself)."""
+    train_files, test_files = cifar_folder_files(root, num_classes)
+    r = train_files[0].parent
+    train, test = [_unpickle(f) for f in train_files], [_unpickle(f) for f in test_files]
+    key = "labels" if num_classes == 10 else "fine_labels"
 
     def stack(parts: list[dict]) -> tuple[Tensor, Tensor]:
         x = np.concatenate([np.asarray(p["data"], dtype=np.uint8).reshape(-1, 3, 32, 32) for p in parts])

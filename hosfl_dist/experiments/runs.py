@@ -54,7 +54,7 @@ def resolve(config: str | None, spec: RunSpec) -> Config:
 
 
 def is_finished(spec: RunSpec, cfg: Config) -> bool:
-    """A completed run of exactly this config, from the same input files (``model.pretrained``'s SHA-256)."""
+    """A completed run of exactly this config (but for how it was started), from inputs of the same content."""
     return (
         run_status(spec.out_dir) == "completed"
         and config_differences(spec.out_dir, cfg) == []
@@ -69,7 +69,7 @@ def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> lis
         cmd += ["--config", str(config)]
     diff = config_differences(spec.out_dir, cfg) if cfg is not None else None
     if diff == [] and cfg is not None and input_differences(spec.out_dir, cfg):
-        diff = ["model.pretrained (another file)"]  # the same config over other weights: a new run
+        diff = ["inputs (other content)"]  # the same config over other data or weights: a new run
     start = [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
     return cmd + spec.all_overrides() + start
 

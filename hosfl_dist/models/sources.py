@@ -135,6 +135,26 @@ def assembled_gguf(package: str) -> str | None:
     return target
 
 
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tiktoken", ".gguf", ".py")
+"""What ``from_pretrained`` reads from a local model folder (configs, weights, tokenizer files)."""
+
+
+def model_inputs(source: str, gguf_file: str = "") -> dict[str, object]:
+    """What a ``model.source`` is read from, by role: nothing for generated weights (``tiny:``, ``arch:``), the hub
+    repository's name, the GGUF file, or the files of a local folder (a run's identity hashes them)."""
+    if not source or source.startswith((TINY_PREFIX, ARCH_PREFIX)):
+        return {}
+    if is_hub_id(source):
+        return {"model.hub": {"hub": source}}
+    resolved = resolve(source, gguf_file)
+    if resolved.gguf_file is not None:
+        return {"model.gguf": os.path.join(resolved.path, resolved.gguf_file)}
+    if os.path.isfile(resolved.path):
+        return {"model.file": resolved.path}
+    names = sorted(f for f in os.listdir(resolved.path) if f.endswith(MODEL_FILE_SUFFIXES))
+    return {f"model.files[{n}]": os.path.join(resolved.path, n) for n in names}
+
+
 def is_hub_id(source: str) -> bool:
     """Whether ``source`` names a hub repository rather than a tiny model, a package or a local path."""
     if not source or source.startswith((TINY_PREFIX, PKG_PREFIX, ARCH_PREFIX)):

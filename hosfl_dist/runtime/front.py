@@ -41,7 +41,8 @@ from hosfl_dist.runtime.control import (
     Stopped,
     handles,
 )
-from hosfl_dist.runtime.record.folder import prepare_out_dir
+from hosfl_dist.runtime.record.folder import RunLock, prepare_out_dir, read_manifest
+from hosfl_dist.runtime.record.identity import identity_differences, run_identity
 from hosfl_dist.runtime.record.progress import EVAL_SHOWN
 from hosfl_dist.runtime.record.writer import RunRecord, metrics_row
 from hosfl_dist.runtime.server_step import ServerStep
@@ -86,6 +87,8 @@ class RunFront(Handler):
         self.memory_role = memory_role
         self.roles = roles
         self.record: RunRecord | None = None
+        self.lock: RunLock | None = None
+        self.identity: dict[str, Any] = {}
         self.resume: tuple[LoopState, dict[str, Any]] | None = None
         self.parts: dict[str, Any] = {}
         self.saved: str | None = None
@@ -97,10 +100,14 @@ class RunFront(Handler):
         self.failure = ""
 
     def open(self, restarted: bool = False) -> None:
-        """Make the run's folder ready, load the checkpoint to resume from (if any) and start the record."""
-        ckpt = prepare_out_dir(self.cfg, restarted)
-        loop = None
-        if ckpt is not None:
+        """Lock the run's folder, make it ready, and start the record; resuming, verify the checkpoints newest first
+        and load the newest intact one, if it was written by this run (config, inputs, code)."""
+        candidates, self.lock = prepare_out_dir(self.cfg, restarted)
+        self.identity = run_identity(self.cfg)
+        loop, ckpt, notes = None, None, {}
+        if candidates:
+            ckpt = self._verified(candidates)
+            notes = self._same_run(ckpt)
             self.step.load(str(ckpt))
             loop, parts, meta = self.store.load(self.server, ckpt)
             if meta.get("engine") != self.engine:
@@ -113,8 +120,53 @@ class RunFront(Handler):
             self.endpoint.closed = loop.round
             logger.info(f"resuming from {ckpt} (round {loop.round}, {loop.processed} samples)")
         self.record = RunRecord(
-            self.cfg, self.engine, loop.round if loop else None, loop.wall_s if loop else 0.0, str(ckpt or "")
+            self.cfg,
+            self.engine,
+            loop.round if loop else None,
+            loop.wall_s if loop else 0.0,
+            str(ckpt or ""),
+            self.identity,
+            notes,
         )
+
+    def _verified(self, candidates: list[Path]) -> Path:
+        """The newest checkpoint every server rank verifies; the ones that fail are named in one line."""
+        failed = []
+        for path in candidates:
+            problem = next((p for p in self.step.verify(str(path)) if p), None)
+            if problem is None:
+                if failed:
+                    logger.warning(f"resuming from {_round(path)}: " + "; ".join(
+                        f"{_round(p)} failed verification ({why})" for p, why in failed))  # fmt: skip
+                return path
+            failed.append((path, problem))
+        listed = "; ".join(f"{_round(p)}: {why}" for p, why in failed[:3])
+        raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: no checkpoint verifies ({listed}); set "
+                          "job.overwrite=true to start the run afresh")  # fmt: skip
+
+    def _same_run(self, ckpt: Path) -> dict[str, Any]:
+        """Refuse a checkpoint of another run (by its manifest's identity); what summary.json notes of a resume that
+        ``job.allow_code_change`` let through."""
+        recorded = (read_manifest(ckpt) or {}).get("identity") or {}
+        differ = identity_differences(recorded, self.identity, code=False)
+        if differ:
+            raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by another run "
+                              f"({', '.join(differ[:4])}); resume it with what it was run with, or choose another "
+                              "folder")  # fmt: skip
+        code = identity_differences(recorded, self.identity)
+        if not code:
+            return {}
+        if not self.cfg.job.allow_code_change:
+            raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by other code "
+                              f"({code[0].removeprefix('the code ')}); resuming would not continue it bit for bit "
+                              "(job.allow_code_change=true resumes anyway)")  # fmt: skip
+        logger.warning(f"resuming {_round(ckpt)} with other code (job.allow_code_change): {code[0]}")
+        return {"resumed_with_other_code": {"checkpoint": recorded.get("code"), "now": self.identity["code"]}}
+
+    def close(self) -> None:
+        """Release the run's folder (the end of the process releases it too, however it ends)."""
+        if self.lock is not None:
+            self.lock.release()
 
     # -- control messages ------------------------------------------------------------------------------------------
     @handles(ResumeRequest)
@@ -148,7 +200,7 @@ class RunFront(Handler):
 
         def save() -> Path:
             self.step.save(loop, meta)  # the other server ranks write their shards of θs
-            return self.store.save(self.server, loop, parts, meta)
+            return self.store.save(self.server, loop, parts, meta, self.identity)
 
         self.saved = str(self.endpoint.locked(save))
         return self.saved
@@ -175,10 +227,15 @@ class RunFront(Handler):
         self.done.set()
 
     def record_failure(self, message: str, rounds: int | None = None) -> None:
-        """Write ``failed`` into summary.json unless the run already ended there."""
+        """Write ``failed`` into summary.json unless the run already ended there. Where even that write fails (a full
+        disk), one line says so: summary.json keeps ``running``, which readers report as ``died`` once this process
+        has let go of the folder."""
         self.fail(message)
         if self.record is not None and not self.record.finished:
-            self.record.fail(self.failure, rounds)
+            try:
+                self.record.fail(self.failure, rounds)
+            except OSError as exc:
+                logger.error(f"error: could not record the failure in {self.record.dir}/summary.json: {exc}")
 
     def wait(self, stop: Any) -> None:
         """Wait until the workers end the run (rank 0 under torchrun). After a signal to this process, the workers
@@ -227,3 +284,8 @@ class LocalControl:
 
     def send(self, msg: Any) -> Any:
         return self.front.handle(msg)
+
+
+def _round(checkpoint: Path) -> str:
+    """``round 8`` for ``…/checkpoints/round-00000008``."""
+    return f"round {int(checkpoint.name.removeprefix('round-'))}" if checkpoint.name[6:].isdigit() else checkpoint.name

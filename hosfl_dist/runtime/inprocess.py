@@ -101,6 +101,7 @@ class InProcessRunner:
         return self.front.conclude()  # an interrupted run raises Interrupted here, after recording it
 
     def cleanup(self) -> None:
+        self.front.close()
         if self.trainer is not None:
             self.trainer.cleanup()
         elif self.link is not None:

@@ -4,8 +4,8 @@
 follower on ranks 1..S-1. Every server rank holds the same server object around its FSDP2 shard of θs
 (:mod:`hosfl_dist.runtime.fsdp`); rank 0 announces each execution to the others (:class:`Execute`), which replay the
 same executions in the same order, so FSDP's all-gathers and reduce-scatters line up across the group. Rank 0 also
-announces the group's bookkeeping: a digest of the full θs, every rank's memory, a checkpoint's save or load, the end
-(:class:`Digest`, :class:`Memory`, :class:`Save`, :class:`Load`, :class:`Stop`).
+announces the group's bookkeeping: a digest of the full θs, every rank's memory, a checkpoint's save, verification or
+load, the end (:class:`Digest`, :class:`Memory`, :class:`Save`, :class:`Verify`, :class:`Load`, :class:`Stop`).
 
 A call declared ``data_parallel`` (HO-SFL's ``submit``) is run here, not by the algorithm: on rank 0 the method
 checks and admits the round's uploads (:class:`~hosfl_dist.algorithms.step.RoundWork`); the announcement carries the
@@ -62,6 +62,13 @@ class Save:
 
     loop: Any
     meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Verify the files of the checkpoint at ``path`` this rank reads, and send the result to rank 0."""
+
+    path: str
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,16 @@ class ServerStep(Handler):
         if self.group is not None:
             self._announce(Save(loop, meta))
 
+    def verify(self, path: str) -> list[str | None]:
+        """Every server rank's verdict on the checkpoint at ``path`` (None: the files it reads are intact)."""
+        mine = self.store.verify(path)
+        if self.group is None:
+            return [mine]
+        self._announce(Verify(str(path)))
+        out: list[Any] = [None] * self.size
+        dist.gather_object(mine, out, group=self.group, group_dst=0)
+        return out
+
     def load(self, path: str) -> None:
         if self.group is not None:
             self._announce(Load(str(path)))
@@ -166,6 +183,10 @@ class ServerStep(Handler):
     @handles(Save)
     def _on_save(self, msg: Save) -> None:  # DCP writes this rank's shard of θs; rank 0 writes the rest
         self.store.save(self.server, msg.loop, {}, msg.meta)
+
+    @handles(Verify)
+    def _on_verify(self, msg: Verify) -> None:
+        dist.gather_object(self.store.verify(msg.path), None, group=self.group, group_dst=0)
 
     @handles(Load)
     def _on_load(self, msg: Load) -> None:

@@ -80,6 +80,8 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> tuple[int, tuple[dict[str, Any]
         job.report_failure(exc)
         return (exc.exit_code if isinstance(exc, HosflError) else 1), None
     finally:
+        if job.front is not None:
+            job.front.close()
         d.shutdown(graceful=ok)
 
 

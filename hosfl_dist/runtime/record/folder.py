@@ -18,7 +18,6 @@ folder before anything heavy is imported.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from hosfl_dist.config import Config, config_to_dict
+from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runtime.process.launch import slurm_job_id
 
@@ -37,8 +36,12 @@ LATEST = "latest"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 CHECKPOINTS = "checkpoints"
 """The folder of a run's checkpoints (see :mod:`hosfl_dist.runtime.checkpoint`)."""
-VOLATILE_KEYS = {"job": ("out_dir", "resume", "overwrite", "progress", "device", "interface", "loggers", "threads")}
-"""Keys that may differ between a run and its resumption (how it is started, not what it computes)."""
+PARTIAL = ".partial"
+"""The suffix of a checkpoint folder being written (renamed away once it is complete)."""
+MANIFEST = "manifest.json"
+"""A checkpoint's list of files with their sizes and hashes and the run's identity, written last."""
+LOCK = ".lock"
+"""The file a live run holds an exclusive lock on (:class:`RunLock`)."""
 
 
 def chosen(cfg: Config) -> bool:
@@ -101,70 +104,117 @@ def resolve_out_dir(cfg: Config, restarted: bool = False) -> Config:
     return with_out_dir(cfg, new_out_dir(cfg))
 
 
-def config_differences(folder: Path, cfg: Config) -> list[str] | None:
-    """The keys in which the run that ``folder`` holds differs from ``cfg`` (None: the folder holds no config),
-    apart from how the run is started (the job keys of VOLATILE_KEYS)."""
+def recorded_config(folder: Path) -> dict[str, Any] | None:
+    """The config of the run ``folder`` holds, as identity (:func:`~.identity.comparable`): from its newest checkpoint
+    whose manifest reads (what a resume continues), else from its config.yaml; None when it holds neither."""
+    from hosfl_dist.runtime.record.identity import comparable
+
+    for ckpt in checkpoint_folders(folder):
+        manifest = read_manifest(ckpt)
+        config = ((manifest or {}).get("identity") or {}).get("config")
+        if isinstance(config, dict):
+            return config
     saved = folder / "config.yaml"
     if not saved.is_file():
         return None
     try:
         theirs = yaml.safe_load(saved.read_text()) or {}
-    except yaml.YAMLError:
-        return ["config.yaml (unreadable)"]
-    return _differences(_comparable(theirs), _comparable(config_to_dict(cfg)))
+    except (OSError, yaml.YAMLError):
+        return {"config.yaml": "unreadable"}
+    return comparable(theirs) if isinstance(theirs, dict) else {"config.yaml": "unreadable"}
 
 
-def input_files(cfg: Config) -> dict[str, dict[str, str]]:
-    """The files a run reads that its config names only by path, with their SHA-256 (``model.pretrained``), so a
-    result says which weights it started from, and a finished run is reused only while the file is the same."""
-    path = cfg.model.pretrained
-    if not path or not Path(path).is_file():
-        return {}
-    st = Path(path).stat()
-    return {"model.pretrained": {"path": str(path), "sha256": _file_sha256(str(path), st.st_mtime_ns, st.st_size)}}
+def config_differences(folder: Path, cfg: Config) -> list[str] | None:
+    """The config keys in which the run that ``folder`` holds differs from ``cfg`` (None: it holds no config), apart
+    from how a run is started (:data:`~.identity.RUNTIME_ONLY`)."""
+    from hosfl_dist.runtime.record.identity import comparable_config, config_key_differences
 
-
-@functools.lru_cache(maxsize=16)
-def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
-    """file_sha256 once per version of a file: compare / sweep check every run of a grid against the same one."""
-    from hosfl_dist.core.digest import file_sha256  # torch: imported where a run's inputs are hashed
-
-    return file_sha256(path)
+    theirs = recorded_config(folder)
+    return None if theirs is None else config_key_differences(theirs, comparable_config(cfg))
 
 
 def input_differences(folder: Path, cfg: Config) -> list[str]:
-    """The inputs the run in ``folder`` recorded with another SHA-256 than the files have now (none for a summary
-    written before inputs were recorded)."""
-    try:
-        recorded = json.loads((folder / "summary.json").read_text()).get("inputs") or {}
-    except (OSError, ValueError):
+    """The inputs the run in ``folder`` recorded with another content than they have now, or that one of the two
+    runs reads and the other does not (a summary written before every input was recorded: the inputs it names)."""
+    from hosfl_dist.runtime.record.identity import identity_differences, input_files
+
+    summary = recorded_summary(folder) or {}
+    recorded = summary.get("inputs") or {}
+    if not isinstance(recorded, dict) or not recorded:
         return []
-    now = input_files(cfg) if recorded else {}
-    return [key for key, rec in recorded.items() if key in now and now[key]["sha256"] != rec.get("sha256")]
+    now = input_files(cfg)
+    if "fingerprint" not in summary:  # written by an earlier version, which recorded model.pretrained alone
+        now = {role: entry for role, entry in now.items() if role in recorded}
+    return identity_differences({"inputs": recorded}, {"inputs": now}, code=False)
+
+
+def recorded_summary(folder: Path) -> dict[str, Any] | None:
+    """summary.json of ``folder`` (None: none, or unreadable)."""
+    try:
+        data = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def run_status(folder: Path) -> str | None:
-    """The status summary.json records in ``folder`` (None: no summary)."""
-    try:
-        return str(json.loads((folder / "summary.json").read_text()).get("status", "unknown"))
-    except FileNotFoundError:
+    """How the run in ``folder`` stands (None: no summary): what summary.json records, except that a run recorded as
+    ``running`` whose folder no live process holds is ``died`` (killed before it could record its end)."""
+    if not (folder / "summary.json").exists():
         return None
-    except (OSError, ValueError):
+    summary = recorded_summary(folder)
+    if summary is None:
         return "unknown"
+    status = str(summary.get("status", "unknown"))
+    if status == "running" and lock_holder(folder) is None:
+        return "died"  # what a reader makes of it; --status --record-death writes it into summary.json
+    return status
 
 
-def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    for section, keys in VOLATILE_KEYS.items():
-        for k in keys:
-            out.get(section, {}).pop(k, None)
-    return out
+DIED = "its processes ended without recording how (killed, out of memory, or the machine went down)"
 
 
-def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [prefix.rstrip(".")]
+def describe_status(folder: Path) -> str:
+    """One line on how the run in ``folder`` stands (``python -m hosfl_dist.run --status DIR``)."""
+    status = run_status(folder)
+    if status is None:
+        return f"{folder}: holds no run" if not holds_run(folder) else f"{folder}: a run without summary.json"
+    summary = recorded_summary(folder) or {}
+    if status == "running":
+        return f"{folder}: running ({lock_holder(folder)})"
+    if status == "completed":
+        final = summary.get("final") or {}
+        return (f"{folder}: completed, {summary.get('rounds')} rounds, {summary.get('processed_samples')} samples, "
+                f"eval_accuracy {final.get('eval_accuracy')}")  # fmt: skip
+    if status == "died":
+        return f"{folder}: died: {DIED}; summary.json says running since {summary.get('started', '?')}"
+    if status == "interrupted":
+        return f"{folder}: interrupted: {summary.get('error')}; resume from {summary.get('checkpoint')}"
+    return f"{folder}: {status}" + (f": {summary['error']}" if summary.get("error") else "")
+
+
+def record_death(folder: Path) -> bool:
+    """Write ``died`` into the summary.json of a run that :func:`run_status` finds dead (its summary says running and
+    no live process holds its folder); True if it did. Under the folder's lock, so a run starting meanwhile is left
+    alone."""
+    if run_status(folder) != "died":
+        return False
+    lock = RunLock(folder)
+    try:
+        lock.acquire()
+    except ConfigError:  # a run took the folder meanwhile: it is not dead
+        return False
+    try:
+        summary = recorded_summary(folder)
+        if summary is None or summary.get("status") != "running":
+            return False
+        summary.update(status="died", error=f"{DIED} (found and recorded by --status --record-death)")
+        tmp = folder / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(folder / "summary.json")
+        return True
+    finally:
+        lock.release()
 
 
 def holds_run(d: Path) -> bool:
@@ -172,9 +222,10 @@ def holds_run(d: Path) -> bool:
     return any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
 
 
-def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
-    """Refuse an unusable job.out_dir, or one that holds a run this one may not continue or replace, without
-    changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job)."""
+def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) -> Path:
+    """Refuse an unusable job.out_dir, one a live run holds, or one that holds a run this one may not continue or
+    replace, without changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job).
+    ``locked``: this process holds the folder's lock already."""
     d = Path(cfg.job.out_dir)
     for parent in [d, *d.parents]:
         if parent.exists():
@@ -184,6 +235,10 @@ def check_out_dir(cfg: Config, restarted: bool = False) -> Path:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"job.out_dir {d} is not writable ({parent}: permission denied)")
             break
+    holder = None if locked else lock_holder(d)
+    if holder is not None:
+        raise ConfigError(f"job.out_dir {d} is in use by a live run ({holder}); wait for it to end or choose another "
+                          "folder")  # fmt: skip
     if not holds_run(d) or cfg.job.overwrite:
         return d
     if cfg.job.resume == "auto" or restarted:
@@ -207,34 +262,115 @@ def completed_already(cfg: Config) -> bool:
     return cfg.job.resume == "auto" and run_status(d) == "completed" and config_differences(d, cfg) == []
 
 
-def prepare_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
-    """Make job.out_dir ready for this run; the checkpoint to resume from, or None to start afresh.
+def prepare_out_dir(cfg: Config, restarted: bool = False) -> tuple[list[Path], RunLock]:
+    """Make job.out_dir ready for this run and lock it: the checkpoints a resume may start from (newest first; none
+    to start afresh), and the lock this process holds until the run ends.
 
     A folder that holds a run is continued with ``job.resume=auto`` (or when torchrun restarted the job) if its
-    config is this run's, replaced with ``job.overwrite=true``, and refused otherwise.
+    config is this run's, replaced with ``job.overwrite=true``, and refused otherwise; a folder a live run holds is
+    refused whatever the keys say.
     """
-    from hosfl_dist.runtime.checkpoint import latest_checkpoint
-
     d = check_out_dir(cfg, restarted)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"job.out_dir {d} cannot be created: {exc.strerror or exc}") from None
-    probe = d / ".write_test"
+    lock = RunLock(d)
+    lock.acquire()  # refuses a run that started between the check and here
     try:
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"job.out_dir {d} is not writable: {exc.strerror or exc}") from None
+        check_out_dir(cfg, restarted, locked=True)  # under the lock: what the folder holds cannot change any more
+    except BaseException:
+        lock.release()
+        raise
     if not holds_run(d):
-        return None
+        return [], lock
     if cfg.job.overwrite:
         clear_run(d)
-        return None
-    ckpt = latest_checkpoint(d)
-    if ckpt is None:  # nothing to continue from: the partial run is replaced
+        return [], lock
+    found = checkpoint_folders(d)
+    if not found:  # nothing to continue from: the partial run is replaced
         clear_run(d)
-    return ckpt
+    return found, lock
+
+
+def checkpoint_folders(out_dir: str | Path) -> list[Path]:
+    """The checkpoint folders of a run, newest round first (folders still being written left out); whether each is
+    intact is :func:`hosfl_dist.runtime.checkpoint.verify_checkpoint`'s to say."""
+    folder = Path(out_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob("round-*") if p.is_dir() and not p.name.endswith(PARTIAL)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
+    """A checkpoint's manifest as written (None: missing or unreadable), not verified."""
+    try:
+        data = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class RunLock:
+    """An exclusive lock on a run's folder (``flock`` on ``<folder>/.lock``), held by the process that writes the run
+    from its start to its end: another run, a resume or an overwrite into the folder is refused while it lives, and
+    the kernel releases it when the process dies however it dies, so a reader can tell a live run from a dead one
+    (:func:`lock_holder`). Local file systems; NFS honours flock only where its mount does."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+        import socket
+
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = lock_holder(self.folder) or "a process that holds its lock"
+            raise ConfigError(f"job.out_dir {self.folder} is in use by a live run ({holder}); wait for it to end or "
+                              "choose another folder") from None  # fmt: skip
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"job.out_dir {self.folder}: cannot lock it ({exc.strerror or exc})") from None
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds ``folder``'s run lock (``pid … on host, since …``), or None when no live process does."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.read(fd, 200).decode(errors="replace").strip() or "a live process"
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def clear_run(d: Path) -> None:

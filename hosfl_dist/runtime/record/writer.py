@@ -21,7 +21,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, dump_config
 from hosfl_dist.errors import NonFiniteError
-from hosfl_dist.runtime.record.folder import input_files
+from hosfl_dist.runtime.record.identity import fingerprint
 from hosfl_dist.runtime.record.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
@@ -60,18 +60,22 @@ class RunRecord:
     """
 
     def __init__(
-        self, cfg: Config, engine: str, rows_until: int | None = None, wall_s: float = 0.0, resumed: str = ""
+        self,
+        cfg: Config,
+        engine: str,
+        rows_until: int | None = None,
+        wall_s: float = 0.0,
+        resumed: str = "",
+        identity: dict[str, Any] | None = None,
+        notes: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.job.out_dir)
         self.engine = engine
         (self.dir / "config.yaml").write_text(dump_config(cfg))
         self.history: list[dict[str, Any]] = []
-        if rows_until is not None and (self.dir / "metrics.jsonl").is_file():
-            for line in (self.dir / "metrics.jsonl").read_text().splitlines():
-                row = json.loads(line)
-                if row["round"] <= rows_until:
-                    self.history.append(row)
+        if rows_until is not None:
+            self.history = kept_rows(self.dir / "metrics.jsonl", rows_until)
         self._metrics = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
         for row in self.history:
             self._metrics.write(strict_dumps(row) + "\n")
@@ -81,12 +85,14 @@ class RunRecord:
             self.trackers.log(row)
         self.start = time.perf_counter() - wall_s
         self.finished = False
-        inputs = input_files(cfg)
+        identity = identity or {}
         self.base = {
             "engine": engine,
             "algorithm": cfg.algorithm.name,
-            **({"inputs": inputs} if inputs else {}),
+            **({"inputs": identity["inputs"]} if identity.get("inputs") else {}),
+            **({"fingerprint": fingerprint(identity), "code": identity.get("code")} if identity else {}),
             **({"resumed_from": resumed} if resumed else {}),
+            **(notes or {}),
         }
         self._dump({"status": "running", **self.base, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
@@ -114,8 +120,12 @@ class RunRecord:
 
     def _dump(self, summary: dict[str, Any]) -> None:
         tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(strict_dumps(summary, indent=2) + "\n")
-        tmp.replace(self.dir / "summary.json")  # a reader never sees half a file
+        try:
+            tmp.write_text(strict_dumps(summary, indent=2) + "\n")
+            tmp.replace(self.dir / "summary.json")  # a reader never sees half a file
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves the previous summary, not an empty file beside it
+            raise
 
     def _write(self, summary: dict[str, Any]) -> dict[str, Any]:
         summary = {**self.base, **summary, "wall_time_s": round(self.wall_s, 3)}
@@ -157,6 +167,24 @@ class RunRecord:
     def interrupt(self, why: str, rounds: int | None, checkpoint: str | None) -> dict[str, Any]:
         """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto)."""
         return self._write({"status": "interrupted", "error": why, "rounds": rounds, "checkpoint": checkpoint})
+
+
+def kept_rows(path: Path, rows_until: int) -> list[dict[str, Any]]:
+    """The metrics rows of ``path`` up to round ``rows_until`` (those a resumed run keeps). A line that does not parse
+    (the process died while writing it) ends the rows: nothing after it was written whole."""
+    rows: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(row, dict) and isinstance(row.get("round"), int) and row["round"] <= rows_until:
+            rows.append(row)
+    return rows
 
 
 def metrics_row(server: Any, evaluator: Any, t: int, processed: int, comm: dict[str, int]) -> dict[str, Any]:

@@ -1,0 +1,214 @@
+"""A run's identity: what must be the same for a checkpoint to continue a run, or a finished run to stand for one.
+
+    identity = run_identity(cfg)      # {"config": …, "inputs": …, "code": …}
+    fingerprint(identity)             # one SHA-256 over what the run computes: its config and its inputs' content
+
+- **config**: the resolved config without :data:`RUNTIME_ONLY` keys, the few that say how a run is started or watched
+  (its folder, resume / overwrite, progress bar, trackers, network interface). Everything else is identity, including
+  what changes bits without changing the method (``job.threads``, ``job.device``);
+- **inputs**: every file the run reads that its config names only by path (the data set's files, a local model's
+  files, ``model.pretrained``), with its size and SHA-256 (hashed once per version of a file: path, size, mtime and
+  inode, cached in ``$HOSFL_CACHE``); hub data and models by their name;
+- **code**: the package's version, the git commit of its checkout where there is one, and a SHA-256 over its source
+  files (a change not committed yet counts).
+
+A checkpoint stores the identity of the run that wrote it (in its manifest, :mod:`hosfl_dist.runtime.checkpoint`)
+and summary.json its fingerprint, inputs and code; resume and reuse compare with those, never with config.yaml, and
+:func:`identity_differences` names what differs. Resuming continues a run bit for bit, so the code must be the same
+too (``job.allow_code_change=true`` resumes anyway and summary.json says so); reusing a finished run (compare,
+sweep, scaling) asks for the same fingerprint: what it computes, from the same inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.config import Config, config_to_dict
+
+RUNTIME_ONLY = {"job": ("out_dir", "resume", "overwrite", "progress", "interface", "loggers", "allow_code_change")}
+"""Keys that may differ between a run and its continuation: how it is started or watched, not what it computes."""
+PACKAGE = Path(__file__).resolve().parents[2]
+"""The hosfl_dist package folder (its source files are the code's digest)."""
+HASH_CACHE = "file-sha256.json"
+
+
+def comparable_config(cfg: Config) -> dict[str, Any]:
+    """The config as identity: without :data:`RUNTIME_ONLY` keys, devices by their kind (``cuda:1`` is ``cuda``)."""
+    return comparable(config_to_dict(cfg))
+
+
+def comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """:func:`comparable_config` of a config as a dict (e.g. read from a run's config.yaml)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for section, keys in RUNTIME_ONLY.items():
+        for key in keys:
+            out.get(section, {}).pop(key, None)
+    for section, key in (("job", "device"), ("zo", "rng_device")):
+        if isinstance(out.get(section, {}).get(key), str):
+            out[section][key] = out[section][key].split(":")[0]
+    return out
+
+
+def input_sources(cfg: Config) -> dict[str, Any]:
+    """Every input a run reads, by role: a path, or a hub reference (a dict)."""
+    from hosfl_dist.data import input_sources as data_sources  # torch: imported where a run's inputs are needed
+
+    out: dict[str, Any] = dict(data_sources(cfg))
+    if cfg.model.name == "hf":
+        from hosfl_dist.models.sources import model_inputs
+
+        out.update(model_inputs(cfg.model.source, cfg.model.gguf_file))
+    if cfg.model.pretrained:
+        out["model.pretrained"] = cfg.model.pretrained
+    return out
+
+
+def input_files(cfg: Config) -> dict[str, dict[str, Any]]:
+    """:func:`input_sources` with each file's path, size and SHA-256 (a missing file: ``"missing": true``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for role, source in input_sources(cfg).items():
+        if isinstance(source, dict):
+            out[role] = dict(source)
+            continue
+        path = Path(source)
+        try:
+            st = path.stat()
+        except OSError:
+            out[role] = {"path": str(path), "missing": True}
+            continue
+        out[role] = {"path": str(path), "size": st.st_size, "sha256": file_sha256_cached(path)}
+    return out
+
+
+def code_identity() -> dict[str, Any]:
+    """The package's version, its git commit (where it runs from a checkout) and a digest of its source files."""
+    from hosfl_dist import __version__
+
+    return {"version": __version__, "commit": _git_commit(), "source_sha256": _source_digest()}
+
+
+def run_identity(cfg: Config) -> dict[str, Any]:
+    return {"config": comparable_config(cfg), "inputs": input_files(cfg), "code": code_identity()}
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """One SHA-256 over what a run computes: its config and its inputs' content (not their paths; not the code)."""
+    inputs = {role: _file_key(entry) for role, entry in (identity.get("inputs") or {}).items()}
+    what = {"config": identity.get("config"), "inputs": inputs}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """The dotted config keys whose values differ between two comparable configs."""
+    return _differences(theirs, ours)
+
+
+def identity_differences(recorded: dict[str, Any], now: dict[str, Any], code: bool = True) -> list[str]:
+    """What differs between a recorded identity and this run's, one phrase each (empty: the same run). ``code``:
+    whether a change of the package's source counts."""
+    out = [f"config key {k}" for k in _differences(recorded.get("config"), now.get("config"))]
+    theirs, ours = recorded.get("inputs") or {}, now.get("inputs") or {}
+    for role in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(role), ours.get(role)
+        if a is None or b is None:
+            out.append(f"input {role} ({'not read by' if b is None else 'new in'} this run)")
+        elif _file_key(a) != _file_key(b):
+            what = b.get("path") or b.get("hub") or role
+            out.append(f"input {role} ({what}: " + ("its content differs" if "sha256" in a else "differs") + ")")
+    code_a, code_b = recorded.get("code") or {}, now.get("code") or {}
+    if code and code_a.get("source_sha256") != code_b.get("source_sha256"):
+        out.append(f"the code ({_describe_code(code_a)} -> {_describe_code(code_b)})")
+    return out
+
+
+def _file_key(entry: dict[str, Any]) -> tuple:
+    """What makes two input entries the same input: the content for a file (not its path or mtime), the name for
+    a hub reference."""
+    if "sha256" in entry or entry.get("missing"):
+        return (entry.get("sha256"), bool(entry.get("missing")))
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in entry.items()))
+
+
+def _describe_code(code: dict[str, Any]) -> str:
+    if not code:
+        return "unrecorded"
+    commit = (code.get("commit") or "no commit")[:12]
+    return f"{code.get('version', '?')} {commit} source {str(code.get('source_sha256', ''))[:12]}"
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+# -- hashing -----------------------------------------------------------------------------------------------------------
+def file_sha256_cached(path: Path) -> str:
+    """A file's SHA-256, hashed once per version of the file (path, size, mtime, inode) and remembered in
+    ``$HOSFL_CACHE/file-sha256.json`` (a model of many GB is hashed once, not at every start)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return _sha256_of_version(real, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of_version(real: str, key: str) -> str:
+    cache_file = _cache_dir() / HASH_CACHE
+    cache = _read_cache(cache_file)
+    hit = cache.get(real)
+    if isinstance(hit, dict) and hit.get("version") == key and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    cache = _read_cache(cache_file)  # another process may have added entries meanwhile
+    cache[real] = {"version": key, "sha256": digest}
+    try:  # the cache saves time only: a read-only or full disk costs the next start a hash, nothing more
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+    return digest
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HOSFL_CACHE") or Path.home() / ".cache" / "hosfl_dist")
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    if not (PACKAGE.parent / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(PACKAGE.parent), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
