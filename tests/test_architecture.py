@@ -273,8 +273,9 @@ def test_control_messages_are_dispatched_by_their_type():
         server_step.Digest,
         server_step.Memory,
         server_step.Save,
+        server_step.Verify,
         server_step.Load,
-    }  # fmt: skip  (Stop ends the loop)
+    }  # Stop ends the loop
 
 
 # -- the client end of the transport: posted and prefetched calls ---------------------------------------------------
