@@ -7,6 +7,7 @@
 #   VENV           virtual environment with torch and hosfl_dist                         [.venv, else python3 on PATH]
 #   TORCHRUN_ARGS  extra torchrun options, word-split, e.g. "--max-restarts=0"           [empty]
 #   OMP_NUM_THREADS per-process intra-op threads when NPROC > 1 (yours is kept)          [1]
+#   HOSFL_JOB_TOKEN the job's secret, handed to every rank (yours is kept; never printed) [made here, random]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-3}
@@ -21,6 +22,15 @@ PYTHON=python3
 if [ "$NPROC" -gt 1 ]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS-1}"
 fi
+# The server refuses RPC calls without the job's token (README, "Trust boundary"): a secret made here reaches every
+# rank through the environment, never through the network, and is printed nowhere.
+if [ -z "${HOSFL_JOB_TOKEN:-}" ]; then
+  HOSFL_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+fi
+export HOSFL_JOB_TOKEN
+# The job's key-value store on loopback: rank 0 hosts it (runtime/process/groups.py, job_store) instead of torchrun,
+# whose stores listen on every interface; torchrun's rendezvous store still does. Set 0 to keep torchrun's.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE-1}"
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is deliberately word-split
 exec "$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="hosfl-$$" ${TORCHRUN_ARGS:-} \

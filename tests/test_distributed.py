@@ -67,10 +67,13 @@ def test_gloo_and_tensorpipe_bind_to_loopback_on_one_node_and_to_the_configured_
     environ: dict[str, str] = {}
     assert bind_interface(load_config(None, []), one_node, environ) == "lo"
     assert environ == {"GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"}
-    environ = {"GLOO_SOCKET_IFNAME": "ib0"}  # across nodes, auto leaves what the environment says
-    assert bind_interface(load_config(None, []), two_nodes, environ) == "ib0" and environ == {
-        "GLOO_SOCKET_IFNAME": "ib0"
-    }
+    environ = {"GLOO_SOCKET_IFNAME": "ib0"}  # across nodes, auto keeps what the environment says; TensorPipe follows
+    assert bind_interface(load_config(None, []), two_nodes, environ) == "ib0"
+    assert environ == {"GLOO_SOCKET_IFNAME": "ib0", "TP_SOCKET_IFNAME": "ib0"}
+    environ = {"GLOO_SOCKET_IFNAME": "ib0", "TP_SOCKET_IFNAME": "eth1"}  # unless told otherwise
+    assert bind_interface(load_config(None, []), two_nodes, environ) == "ib0" and environ["TP_SOCKET_IFNAME"] == "eth1"
+    environ = {}
+    assert bind_interface(load_config(None, []), two_nodes, environ) is None and environ == {}  # torch's choice
     environ = {}
     assert bind_interface(load_config(None, ["job.interface=lo"]), two_nodes, environ) == "lo"
     assert environ["TP_SOCKET_IFNAME"] == "lo"

@@ -5,7 +5,8 @@
   git) with every declared figure, ``met`` computed from the value, the target and its sense, and a record for a
   benchmark that failed; the benchmarks import bench.common, never edit sys.path;
 - launch/torchrun.sh sets torchrun's own default OMP_NUM_THREADS=1 for NPROC > 1 (so torchrun does not warn about
-  it) and keeps a value of the user's.
+  it) and keeps a value of the user's; it hands torchrun, and so every rank, one job token (HOSFL_JOB_TOKEN: a
+  random one unless the user's) without printing it, and the job's store to rank 0.
 """
 
 from __future__ import annotations
@@ -132,3 +133,32 @@ def test_torchrun_sh_sets_torchruns_default_thread_count_itself(tmp_path, nproc,
     check, launch = log.read_text().splitlines()
     assert "--check" in check and check.split()[0] == (user_value or "unset")
     assert "torch.distributed.run" in launch and launch.split()[0] == seen
+
+
+@pytest.mark.parametrize("user_token", [None, "u" * 40])
+def test_torchrun_sh_hands_every_rank_one_token_and_prints_it_nowhere(tmp_path, user_token):
+    """The stand-in python records the token each call sees; torchrun passes its environment to every rank."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    fake = venv / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\necho "$HOSFL_JOB_TOKEN $TORCH_DISABLE_SHARE_RDZV_TCP_STORE $1 $2" >> {log}\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("HOSFL_JOB_TOKEN", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}
+    env.update(VENV=str(venv), NPROC="3")
+    if user_token is not None:
+        env["HOSFL_JOB_TOKEN"] = user_token
+    runs = [
+        subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh")], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    lines = log.read_text().splitlines()
+    assert len(lines) == 4 and all(r.returncode == 0 for r in runs)
+    launches = [line.split() for line in lines if "torch.distributed.run" in line]
+    assert [store for _, store, *_ in launches] == ["1", "1"]  # the job's store on rank 0, on loopback
+    tokens = [token for token, *_ in launches]
+    if user_token is None:  # each job its own, 256 random bits
+        assert all(len(t) == 64 and int(t, 16) >= 0 for t in tokens) and tokens[0] != tokens[1]
+    else:
+        assert tokens == [user_token, user_token]
+    assert not any(t in r.stdout + r.stderr for t in tokens for r in runs)

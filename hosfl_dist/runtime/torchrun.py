@@ -162,8 +162,8 @@ class TorchrunJob:
                 logger.info(describe_link(cfg.comm))
         meter, stats = CommMeter(), TransportStats()
         group = ProcessGroupCollective(d.worker_group, leader, d.device, meter, stats)
-        front = fetch_front(cfg.server.rpc_timeout_s)
-        rpc = RPCTransport(front, cfg.server.rpc_timeout_s, stats)
+        front = fetch_front(cfg.server.rpc_timeout_s, d.token)
+        rpc = RPCTransport(front, cfg.server.rpc_timeout_s, stats, d.token)
         transport, collective, link = client_stack(cfg, spec, rpc, group, meter)
         worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective)
         trainer = Trainer(
@@ -171,7 +171,7 @@ class TorchrunJob:
             worker,
             rank=rank,
             peers=GroupPeers(group, d),
-            control=RPCControl(front, cfg.server.rpc_timeout_s),
+            control=RPCControl(front, cfg.server.rpc_timeout_s, d.token),
             meter=meter,
             stop=stop,
             memory=lambda: process_memory(rank, "worker", split.client, split.server),
@@ -215,7 +215,7 @@ class TorchrunJob:
         if self.front is not None:  # rank 0 itself: record the failure in summary.json
             self.front.record_failure(message)
         elif first and d.rpc_up:
-            notify_failure(message)
+            notify_failure(message, d.token)
 
 
 def _claim_failure(d: Distributed) -> bool:

@@ -7,6 +7,12 @@ rules, and the worker's :class:`~hosfl_dist.transport.metered.MeteredTransport` 
 staged to CPU before they cross (TensorPipe needs device maps for CUDA tensors; the server moves them to its device
 itself), and views are compacted so that the bytes on the wire are the bytes counted.
 
+Every entry point on rank 0 takes the job's token first (:func:`expect_token`; made by
+:func:`~hosfl_dist.runtime.process.groups.job_token`) and refuses a caller without it before it touches the server.
+It stops a process of another job, or of an earlier attempt of this one, from driving this job's server by mistake,
+and a caller that can merely reach the port from calling the declared methods. It does not make RPC safe to expose:
+torch unpickles a message (which can run code) before any entry point sees the token.
+
 :class:`ProcessGroupCollective` sums among client workers. Both keep :class:`TransportStats` (calls, waits and the
 time blocked in the transport), which the benchmark reads against the transport's floor.
 """
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,13 +33,16 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from hosfl_dist.transport import chained, forward
+from hosfl_dist.errors import ProtocolError
+from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import count_exchange
 from hosfl_dist.transport.wire import CATEGORIES, CommMeter, Exchange
 
 SERVER_NAME = "server"
 """RPC name of rank 0, the server front."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -85,6 +96,15 @@ class _TimedFuture(Future):
                     self._stats.blocked[self._method] = self._stats.blocked.get(self._method, 0) + 1
 
 
+def raised(answer: Any) -> Any:
+    """An RPC's answer, or its error raised. A future the server failed (``set_exception``) reaches the caller as
+    the error object itself: torch sends a Python future's value, and the error is only that value plus a flag the
+    server's side of the future keeps."""
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
 def to_wire(obj: Any) -> Any:
     """A copy of ``obj`` safe to send: tensors on CPU, detached and compact (a view would ship its whole storage)."""
     if isinstance(obj, torch.Tensor):
@@ -102,38 +122,41 @@ def to_wire(obj: Any) -> Any:
 
 
 class RPCTransport:
-    """Calls into the server front on rank 0 through the RRef it published."""
+    """Calls into the server front on rank 0 through the RRef it published, each with the job's ``token``."""
 
-    def __init__(self, front: rpc.RRef, timeout_s: float, stats: TransportStats) -> None:
+    def __init__(self, front: rpc.RRef, timeout_s: float, stats: TransportStats, token: str) -> None:
         self.front = front
         self.timeout_s = timeout_s
         self.stats = stats
+        self._token = token
         self._lock = threading.Lock()
 
     def call(self, method: str, **kwargs: Any) -> Any:
         return self.call_async(method, **kwargs).wait()
 
     def call_async(self, method: str, **kwargs: Any) -> Future:
-        sent = rpc.rpc_async(SERVER_NAME, serve, args=(self.front, method, to_wire(kwargs)), timeout=self.timeout_s)
+        args = (self._token, self.front, method, to_wire(kwargs))
+        sent = rpc.rpc_async(SERVER_NAME, serve, args=args, timeout=self.timeout_s)
         out = _TimedFuture(method, self.stats, self._lock)
         with self._lock:
             self.stats.rpc_calls += 1
             self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
 
-        sent.add_done_callback(lambda f: forward(f, out))
+        sent.add_done_callback(lambda f: forward(f, out, raised))
         return out
 
 
 class RPCControl:
     """The run's control messages (:mod:`hosfl_dist.runtime.control`) to the front on rank 0, one blocking call
-    each; never counted as traffic."""
+    each, with the job's ``token``; never counted as traffic."""
 
-    def __init__(self, front: rpc.RRef, timeout_s: float) -> None:
+    def __init__(self, front: rpc.RRef, timeout_s: float, token: str) -> None:
         self.front = front
         self.timeout_s = timeout_s
+        self._token = token
 
     def send(self, msg: Any) -> Any:
-        return rpc.rpc_sync(SERVER_NAME, handle, args=(self.front, msg), timeout=self.timeout_s)
+        return raised(rpc.rpc_sync(SERVER_NAME, handle, args=(self._token, self.front, msg), timeout=self.timeout_s))
 
 
 class ProcessGroupCollective:
@@ -200,7 +223,34 @@ class ProcessGroupCollective:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# RPC entry points, executed on rank 0. They find the server front through the RRef the client holds.
+# RPC entry points, executed on rank 0. Each takes the job's token first and refuses a caller without it (a failed
+# future: torch would print the traceback of a raised refusal on rank 0); they find the server front through the
+# RRef the client holds.
+
+_EXPECTED: dict[str, bytes] = {}
+"""The job's token, once :func:`expect_token` has run (before RPC starts)."""
+
+
+def expect_token(token: str) -> None:
+    """Accept calls into this process's entry points only from callers that give ``token`` (every rank, before
+    ``init_rpc``: nothing is served before it is set)."""
+    _EXPECTED["token"] = token.encode()
+
+
+def refusal(token: object, entry: str) -> Future | None:
+    """None when ``token`` is the job's (compared in constant time); else a failed future with a one-line error
+    that names nothing secret, and a warning on this process. ``entry``: the entry point, for both messages."""
+    expected = _EXPECTED.get("token")
+    given = token.encode() if isinstance(token, str) else b""
+    if expected and given and hmac.compare_digest(given, expected):
+        return None
+    logger.warning(f"refused a call of {entry}: the caller does not hold this job's token")
+    return failed(
+        ProtocolError(
+            f"refused {entry}: the caller does not hold this job's token (a process of another job or of an earlier "
+            "attempt, or HOSFL_JOB_TOKEN differs between nodes)"
+        )
+    )
 
 
 class Front(Protocol):
@@ -225,35 +275,39 @@ def publish(front: Front) -> rpc.RRef:
 
 
 @rpc.functions.async_execution
-def _published_front() -> Future:
-    return _PUBLISHED
+def _published_front(token: str) -> Future:
+    return refusal(token, "fetch_front") or _PUBLISHED
 
 
-def fetch_front(timeout_s: float) -> rpc.RRef:
+def fetch_front(timeout_s: float, token: str) -> rpc.RRef:
     """The RRef of the server front, waiting (up to ``timeout_s``) until rank 0 has built the server."""
-    return rpc.rpc_sync(SERVER_NAME, _published_front, timeout=timeout_s)
+    return raised(rpc.rpc_sync(SERVER_NAME, _published_front, args=(token,), timeout=timeout_s))
 
 
 @rpc.functions.async_execution
-def serve(front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
+def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> Future:
     """A @wire server method, answered with a future (a gathered ``submit`` completes when its round has run).
 
     The RPC thread only queues the call: it runs on the endpoint's server thread (one thread for every execution, see
     :class:`~hosfl_dist.transport.endpoint.ServerThread`), and the answer leaves from there when it is ready."""
-    return chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
+    return refusal(token, "serve") or chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
 
 
-def handle(front: rpc.RRef, msg: Any) -> Any:
+@rpc.functions.async_execution
+def handle(token: str, front: rpc.RRef, msg: Any) -> Future:
     """A control message, handled by the front on the RPC thread that delivered it."""
-    return to_wire(front.local_value().handle(msg))
+    return refusal(token, "handle") or done(to_wire(front.local_value().handle(msg)))
 
 
-def _note_failure(message: str) -> None:
-    if _PUBLISHED.done():
+@rpc.functions.async_execution
+def _note_failure(token: str, message: str) -> Future:
+    refused = refusal(token, "notify_failure")
+    if refused is None and _PUBLISHED.done():
         _PUBLISHED.value().local_value().fail(message)
+    return refused or done(None)
 
 
-def notify_failure(message: str, timeout_s: float = 5.0) -> None:
+def notify_failure(message: str, token: str, timeout_s: float = 5.0) -> None:
     """Tell the server front that this process failed (best effort: the server may be the one that is gone)."""
     with contextlib.suppress(Exception):  # the launcher stops the job anyway; this only improves summary.json
-        rpc.rpc_sync(SERVER_NAME, _note_failure, args=(message,), timeout=timeout_s)
+        rpc.rpc_sync(SERVER_NAME, _note_failure, args=(token, message), timeout=timeout_s)

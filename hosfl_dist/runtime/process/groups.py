@@ -2,19 +2,26 @@
 
 :func:`init_distributed` limits glibc's malloc arenas, starts the default process group, the client-worker group
 (the P-scalar all_reduce), the server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, gracefully
-or not.
+or not. :func:`job_token` agrees on the job's token, which rank 0's RPC entry points ask of every caller.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
+import ipaddress
 import os
+import secrets
+import socket
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import Config
+from hosfl_dist.errors import ConfigError
 from hosfl_dist.runtime.process.host import bind_interface, fix_mmap_threshold, limit_malloc_arenas
 from hosfl_dist.runtime.process.launch import LaunchEnv, RoleMap
 
@@ -62,6 +69,8 @@ class Distributed:
     rpc_up: bool = False
     interface: str | None = None
     """The network interface gloo and TensorPipe were bound to (None: torch's choice)."""
+    token: str = field(default="", repr=False)
+    """This attempt's job token (:func:`job_token`), given with every call to rank 0's RPC entry points."""
 
     @property
     def rank(self) -> int:
@@ -135,6 +144,9 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
+    from hosfl_dist.transport.rpc import expect_token
+
+    secret = launcher_secret()  # a bad HOSFL_JOB_TOKEN stops the run before anything starts
     limit_malloc_arenas()  # before RPC, gloo and the server start their threads
     fix_mmap_threshold()
     device = process_device(cfg, env)
@@ -143,9 +155,10 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     interface = bind_interface(cfg, env)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     store = job_store(env, datetime.timedelta(seconds=cfg.server.rpc_timeout_s))
+    token = job_token(env, store, secret, cfg.server.rpc_timeout_s)
     timeout = datetime.timedelta(seconds=cfg.server.collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    out = Distributed(env, roles, device, None, None, interface=interface)
+    out = Distributed(env, roles, device, None, None, interface=interface, token=token)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
         workers = dist.new_group(list(roles.worker_ranks), timeout=timeout)
@@ -158,6 +171,7 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.worker_group = workers if env.rank in roles.worker_ranks else None
         out.server_group = servers if env.rank in roles.server_ranks else None
         opts = rpc_options(cfg, roles, _store_url(store))
+        expect_token(token)  # before the agent serves anything
         with warnings.catch_warnings():  # TensorPipe's own device-map exchange uses a deprecated group handle
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
             rpc.init_rpc(roles.rpc_name(env.rank), rank=env.rank, world_size=env.world_size, rpc_backend_options=opts)
@@ -189,20 +203,112 @@ def job_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     ``env://`` puts no attempt in the keys: restarted workers would read the dead workers' addresses from the previous
     attempt and fail to connect. Under ``hosfl/<run id>/attempt-<n>/`` each attempt sees only its own keys.
     Without torchrun's agent store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or RANK/WORLD_SIZE set by hand) rank 0
-    hosts the store.
+    hosts the store, listening where :func:`store_address` says (a TCPStore left to itself listens on every
+    interface, as torchrun's stores do).
     """
     import torch.distributed as dist
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    base = dist.TCPStore(
-        env.master_addr,
-        int(env.master_port),
-        env.world_size,
-        is_master=not agent and env.rank == 0,
-        timeout=timeout,
-        multi_tenant=True,
-    )
+    host, bind = (env.master_addr, None) if agent else store_address(env)
+    listen_fd = _listen(bind, int(env.master_port)) if bind is not None and env.rank == 0 else None
+    try:
+        base = dist.TCPStore(
+            host,
+            int(env.master_port),
+            env.world_size,
+            is_master=not agent and env.rank == 0,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=listen_fd,
+        )
+    except BaseException:
+        if listen_fd is not None:
+            os.close(listen_fd)
+        raise
     return dist.PrefixStore(f"hosfl/{env.run_id or 'job'}/attempt-{env.restart}", base)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def store_address(env: LaunchEnv) -> tuple[str, str | None]:
+    """(the address every rank dials for rank 0's store, the one it listens on; None: every interface).
+
+    One node: loopback for both, as gloo and TensorPipe with job.interface=auto. Across nodes every rank dials
+    MASTER_ADDR: an address (torchrun's ``--local-addr`` on the head) is listened on alone; a host name on every
+    interface, since the head may resolve its own name elsewhere than the other nodes do (Debian maps it to
+    127.0.1.1)."""
+    if env.local_world_size == env.world_size:
+        return LOOPBACK, LOOPBACK
+    try:
+        ipaddress.ip_address(env.master_addr)
+    except ValueError:
+        return env.master_addr, None
+    return env.master_addr, env.master_addr
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on the address ``host`` alone; its descriptor, which the store takes over."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"the job's store cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock.detach()
+
+
+TOKEN_VARIABLE = "HOSFL_JOB_TOKEN"
+"""The job's secret, when the launcher hands every rank one (launch/torchrun.sh and slurm/hosfl.sbatch make one)."""
+MIN_TOKEN_CHARS = 32
+TOKEN_KEY = "hosfl/token"
+
+
+def launcher_secret(environ: Mapping[str, str] | None = None) -> str | None:
+    """HOSFL_JOB_TOKEN, or None where it is unset or empty; one that is too short to be a secret is refused in one
+    line that gives its length only."""
+    value = (os.environ if environ is None else environ).get(TOKEN_VARIABLE, "")
+    if value and len(value) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{TOKEN_VARIABLE} has {len(value)} characters; a job token needs at least {MIN_TOKEN_CHARS} "
+            "(e.g. `openssl rand -hex 32`), or leave it unset and the launcher or rank 0 makes one"
+        )
+    return value or None
+
+
+def job_token(env: LaunchEnv, store: dist.Store, secret: str | None, timeout_s: float) -> str:
+    """This attempt's token: HMAC-SHA256 of the job's secret and the attempt (so a process of an earlier attempt
+    holds another token).
+
+    The secret is the launcher's (``secret``, from HOSFL_JOB_TOKEN: it never crosses the network; Slurm carries the
+    environment to the nodes itself); without one rank 0 makes a random one and hands it to the others through the
+    job's store, whose readers (anyone who can reach its port: it has no authentication) learn it too. Rank 0
+    always posts the key, empty when it has the launcher's secret, so that a rank whose node lacks or alone has
+    HOSFL_JOB_TOKEN stops in one line instead of being refused at its first call.
+    """
+    import torch.distributed as dist
+
+    if env.rank == 0:
+        if secret is None:
+            secret = secrets.token_hex(32)
+            store.set(TOKEN_KEY, secret)
+        else:
+            store.set(TOKEN_KEY, "")
+    else:
+        try:
+            store.wait([TOKEN_KEY], datetime.timedelta(seconds=timeout_s))
+        except dist.DistStoreError as exc:
+            raise TimeoutError(f"rank 0 did not post the job's token within {timeout_s:g} s") from exc
+        posted = store.get(TOKEN_KEY).decode()
+        if (secret is None) == (not posted):
+            where = "rank 0's node but not on this one" if secret is None else "this node but not on rank 0's"
+            raise ConfigError(f"{TOKEN_VARIABLE} is set on {where}: hand every node the same one, or none")
+        secret = secret or posted
+    attempt = f"hosfl/{env.run_id or 'job'}/attempt-{env.restart}"
+    return hmac.new(secret.encode(), attempt.encode(), hashlib.sha256).hexdigest()
 
 
 _STORES: dict[str, dist.Store] = {}

@@ -74,14 +74,19 @@ def bind_interface(cfg: Config, env: LaunchEnv, environ: dict[str, str] | None =
     """Bind gloo and TensorPipe to ``job.interface`` (set before any group or RPC agent exists); the name bound.
 
     auto: loopback when the job runs on one node (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE), so that nothing of
-    the job listens beyond this machine; across nodes, what the environment already says (name the interface with
-    job.interface, e.g. as an override to slurm/hosfl.sbatch).
+    the job listens beyond this machine; across nodes, what the environment already says: GLOO_SOCKET_IFNAME, which
+    TensorPipe then follows too unless TP_SOCKET_IFNAME says otherwise (name the interface with job.interface, e.g.
+    as an override to slurm/hosfl.sbatch). The job's store, where rank 0 hosts it, listens on loopback on one node
+    and on MASTER_ADDR across nodes (:func:`~hosfl_dist.runtime.process.groups.store_address`).
     """
     environ = os.environ if environ is None else environ
     name = cfg.job.interface
     if name == "auto":
         if env.local_world_size != env.world_size:
-            return environ.get("GLOO_SOCKET_IFNAME") or None
+            name = environ.get("GLOO_SOCKET_IFNAME") or ""
+            if name:
+                environ.setdefault("TP_SOCKET_IFNAME", name)
+            return name or None
         name = "lo"
     check_interface(name)
     for key in SOCKET_IFNAMES:
