@@ -51,8 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--record-death",
         action="store_true",
-        help="with --status: if the run died, write that into its summary.json (the launch scripts do this when "
-        "torchrun has ended)",
+        help="if the run died (its summary says running, no process holds it), write that into its summary.json and "
+        "say how it stands: the run in --status DIR, or the one this config and overrides write (the launch scripts "
+        "do this when torchrun has ended with an error)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
     return p.parse_args(argv)
@@ -108,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         from hosfl_dist.runtime.record.tracking import check_loggers
 
         check_loggers(cfg)  # a logger without its package: one line, before torch
+        if args.record_death:  # the run this config writes (a new folder's: runs/<job.name>/latest)
+            from hosfl_dist.runtime.record.folder import describe_status, record_death
+
+            folder = deterministic_out_dir(cfg, restarted=True)
+            if folder is not None:
+                record_death(folder)
+                print(describe_status(folder))
+            return 0
         world = launch.world_size if launch is not None else args.nproc
         if args.check:
             from hosfl_dist.runtime.process.host import check_devices, check_interface

@@ -31,7 +31,25 @@ export HOSFL_JOB_TOKEN
 # The job's key-value store on loopback: rank 0 hosts it (runtime/process/groups.py, job_store) instead of torchrun,
 # whose stores listen on every interface; torchrun's rendezvous store still does. Set 0 to keep torchrun's.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE-1}"
+# torchrun runs in the background so that this shell can pass SIGTERM on to it (each rank then stops at the next round
+# boundary with a checkpoint); Ctrl-C reaches the whole process group by itself.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is deliberately word-split
-exec "$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
+"$PYTHON" -m torch.distributed.run --nnodes=1 --nproc-per-node="$NPROC" \
   --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="hosfl-$$" ${TORCHRUN_ARGS:-} \
-  -m hosfl_dist.run --config "$CONFIG" "$@"
+  -m hosfl_dist.run --config "$CONFIG" "$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap ':' INT
+rc=0
+while :; do
+  rc=0
+  wait "$child" || rc=$?
+  kill -0 "$child" 2>/dev/null || break  # a trapped signal ended the wait, not torchrun
+done
+trap - TERM INT
+# Processes killed before they could record how the run ended (OOM, SIGKILL) leave summary.json at "running": say
+# so, and record "died" there (README, "A live run owns its folder").
+if ((rc != 0)); then
+  "$PYTHON" -m hosfl_dist.run --config "$CONFIG" --record-death "$@" >&2 || true
+fi
+exit "$rc"

@@ -216,6 +216,10 @@ FAIL_SCRIPT = textwrap.dedent(
         run_round = hosfl.HOSFLWorker.run_round
         def broken(self, t):
             if t == 2:
+                if os.environ.get("CLAIM_FIRST"):  # something outside the job writes the failure key of before
+                    import torch.distributed as dist
+                    store = dist.distributed_c10d._get_default_store()  # the job's store, which has no password
+                    store.add("hosfl/failed/0", 1)
                 raise RuntimeError("injected client failure")
             return run_round(self, t)
         hosfl.HOSFLWorker.run_round = broken
@@ -225,7 +229,12 @@ FAIL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-def test_a_failing_client_worker_stops_the_job_and_its_error_is_shown_once(tmp_path):
+@pytest.mark.parametrize("claimed", [False, True], ids=["plain", "failure-key-claimed-from-outside"])
+def test_a_failing_client_worker_stops_the_job_and_its_error_is_shown_once(tmp_path, monkeypatch, claimed):
+    """…and summary.json records it, also when something outside the job wrote the failure key first (the key is
+    named after the job's token, and every failing process tells the front)."""
+    if claimed:
+        monkeypatch.setenv("CLAIM_FIRST", "1")
     script = tmp_path / "fail.py"
     script.write_text(FAIL_SCRIPT)
     rc, out, seconds = torchrun(3, [str(script), *TINY, f"job.out_dir={tmp_path / 'run'}"], timeout=120)

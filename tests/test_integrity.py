@@ -280,3 +280,47 @@ def test_a_metrics_line_cut_short_does_not_break_the_resume(tmp_path, monkeypatc
         f.write('{"round": 12, "processed_samples": 28')  # the process died while writing this line
     _, _, got, _ = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto"])
     assert got["client_digests"] == ref["client_digests"] and rows_of(out) == rows_of(ref_dir)
+
+
+def _ranks_of(marker: str) -> list[int]:
+    """The pids of a torchrun job's ranks (torchrun put TORCHELASTIC_RUN_ID in their environment), by a word of their
+    command line."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace") and b"TORCHELASTIC_RUN_ID=" in (
+                proc / "environ"
+            ).read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_launch_torchrun_sh_records_a_job_whose_ranks_were_killed_as_died(tmp_path):
+    """SIGKILL to every rank (an OOM killer, a lost node): nothing in the job can record it, the launcher does."""
+    out = tmp_path / "run"
+    args = [*TINY_OVERRIDES, "train.budget_samples=480", "checkpoint.interval_samples=48", "comm.inject_delay=true",
+            "comm.rtt_ms=100", f"job.out_dir={out}"]  # fmt: skip
+    env = {**os.environ, "NPROC": "3", "VENV": str(Path(sys.executable).parents[1])}
+    proc = subprocess.Popen(["bash", "launch/torchrun.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "round-00000002").is_dir():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        ranks = _ranks_of(f"job.out_dir={out}")
+        assert len(ranks) == 3
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "died", log[-3000:]
+    assert f"{out}: died: its processes ended without recording how" in log

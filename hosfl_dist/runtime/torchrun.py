@@ -23,6 +23,7 @@ the job.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import traceback
 from typing import Any
@@ -211,20 +212,22 @@ class TorchrunJob:
                 text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
                 logger.error(f"error:\n{text.rstrip()}")
         else:
-            logger.warning("stopping: another process of the job failed first")
+            logger.warning(f"stopping: another process of the job failed first (here: {type(exc).__name__})")
         if self.front is not None:  # rank 0 itself: record the failure in summary.json
             self.front.record_failure(message)
-        elif first and d.rpc_up:
-            notify_failure(message, d.token)
+        elif d.rpc_up:  # every failing process tells the front, which records the first to arrive: a claim in the
+            notify_failure(message, d.token)  # store made by something outside the job cannot hide the real error
 
 
 def _claim_failure(d: Distributed) -> bool:
-    """True for exactly one process of the job: the first to fail, which shows its error."""
+    """True for exactly one process of the job: the first to fail, which shows its error. The key is named after the
+    job's token, so a process outside the job cannot claim it first."""
     store = d.store()
     if store is None:
         return True
+    key = hashlib.sha256(f"failed:{d.token}".encode()).hexdigest()[:24]
     try:
-        return store.add(f"hosfl/failed/{d.env.restart}", 1) == 1
+        return store.add(f"hosfl/failed/{d.env.restart}/{key}", 1) == 1
     except Exception:  # noqa: BLE001 - store gone with its host: report rather than stay silent
         return True
 
