@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.safe_yaml import load_file, load_override
 
 # Names the rest of the package registers under; validated here so a typo fails before anything is built
 # (algorithm names come from the registry in hosfl_dist.algorithms).
@@ -34,6 +35,24 @@ IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 MAX_PERTURBATIONS = 10_000
 MIN_MU = 1e-9
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}")
+"""A name that becomes one folder (job.name: runs/<job.name>/): no separator, no leading dot (., .., hidden)."""
+MAX_THREADS = 1024
+"""Most intra-op threads of a process (job.threads, OMP_NUM_THREADS): more than any node's cores; 16,384 threads
+failed to start here (libgomp: "Thread creation failed") and 100,000 ended in a segmentation fault."""
+MAX_WIDTH = 1024
+"""Widest small_cnn (model.width): its second block has 2·width channels."""
+MAX_LORA_RANK = 4096
+"""Largest lora.r: the hidden size of the widest model the paper uses (Qwen3-8B); a rank of 2^31 is an allocation of
+hundreds of GB that fails with a traceback."""
+MAX_EVALUATIONS = 1_000_000
+"""Most evaluations of a run (train.budget_samples / train.eval_every_samples): the schedule is a list."""
+INT64 = 2**63
+FLOAT32_MAX = 3.4028234663852886e38
+PATH_MAX, NAME_MAX = 4096, 255
+"""Longest path and path component Linux accepts (a longer one is an OSError wherever it is used)."""
+TEXT_KEYS = ("data.template", "data.label_words")
+"""String keys whose values may hold line breaks and tabs (prompts); no other string may hold a control character."""
 
 
 @dataclass
@@ -76,7 +95,12 @@ class JobConfig:
     def __post_init__(self) -> None:
         _check(self.out_dir == "" or bool(self.out_dir.strip()), "out_dir", self.out_dir,
                "must name a folder (or be empty: runs/<job.name>/<start time>)")  # fmt: skip
+        _check_path("out_dir", self.out_dir)
+        _check(NAME.fullmatch(self.name) is not None, "name", self.name, "it names the folder runs/<job.name>/: use "
+               "up to 100 letters, digits and _ . + = @ -, not starting with a dot")  # fmt: skip
         _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0 = auto)")
+        _check(self.threads <= MAX_THREADS, "threads", self.threads,
+               f"must be at most {MAX_THREADS} (more threads than any node has cores fail to start)")  # fmt: skip
         _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
         _check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
         _check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
@@ -143,6 +167,11 @@ class ModelConfig:
             self.freeze_bn = "all" if self.freeze_bn else "none"
         _check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
                "choose one of ['all', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
+        _check(1 <= self.width <= MAX_WIDTH, "width", self.width, f"must be in 1..{MAX_WIDTH} (channels)")
+        _check_path("source", self.source)
+        _check_path("pretrained", self.pretrained)
+        _check(self.gguf_file == "" or _is_file_name(self.gguf_file), "gguf_file", self.gguf_file,
+               "a file name inside model.source, not a path")  # fmt: skip
 
 
 @dataclass
@@ -165,7 +194,7 @@ class LoraConfig:
     """Modules of the server part that get LoRA adapters (empty: server part frozen except what is listed)."""
 
     def __post_init__(self) -> None:
-        _check(self.r >= 1, "r", self.r, "must be >= 1")
+        _check(1 <= self.r <= MAX_LORA_RANK, "r", self.r, f"must be in 1..{MAX_LORA_RANK}")
         _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         _check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
@@ -415,10 +444,16 @@ class DataConfig:
                    f"data.name={self.name} has {n} classes")  # fmt: skip
             _check(len(self.classes) >= 2, "classes", self.classes, "a classifier needs two or more classes")
         _check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
+        for key in ("root", "train_path", "eval_path"):
+            _check_path(key, getattr(self, key))
+        generation = self.name == "squad" or (self.name == "custom" and self.task == "generation")
+        _check(self.partition == "iid" or not generation, "partition", self.partition,
+               f"needs class labels; data.name={self.name} is a generation task: use iid")  # fmt: skip
         if self.name == "custom":
             _check(bool(self.task), "task", self.task, "data.name=custom needs data.task: classification or generation")
             _check(bool(self.template.strip()), "template", self.template,
                    "data.name=custom needs a prompt naming the file's columns, e.g. \"{text} It was\"")  # fmt: skip
+            _check_template(self.template)
             _check(self.source == "local", "source", self.source, "a custom task reads local files")
             if self.task == "classification":
                 _check(len(self.label_words) >= 2 and len(set(self.label_words)) == len(self.label_words),
@@ -452,6 +487,10 @@ class TrainConfig:
         _check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
         _check(1 <= self.eval_timeout_s <= 7 * 86400, "eval_timeout_s", self.eval_timeout_s,
                "must be between 1 s and a week")  # fmt: skip
+        evaluations = self.budget_samples // self.eval_every_samples
+        _check(evaluations <= MAX_EVALUATIONS, "eval_every_samples", self.eval_every_samples,
+               f"gives {evaluations:,} evaluations over train.budget_samples={self.budget_samples}; at most "
+               f"{MAX_EVALUATIONS:,}")  # fmt: skip
 
 
 @dataclass
@@ -514,6 +553,8 @@ class Config:
                 self.split.cut,
                 f"{self.model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part",
             )
+        if self.model.name == "resnet18" and self.model.freeze_bn != "all":
+            self._check_batch_stats_server()
         self._check_algorithm()
         _check(
             self.train.budget_samples >= self.clients.batch_size,
@@ -521,6 +562,15 @@ class Config:
             self.train.budget_samples,
             f"is smaller than one client batch (clients.batch_size={self.clients.batch_size})",
         )
+
+    def _check_batch_stats_server(self) -> None:
+        """A server normalising with batch statistics must see each client's batch whole and in one place."""
+        mode = f"model.freeze_bn={self.model.freeze_bn} (batch statistics on the server)"
+        _check(self.server.ranks == 1, "server.ranks", self.server.ranks, f"{mode} needs one server rank: each rank "
+               "would normalise and update its own statistics")  # fmt: skip
+        micro, batch = self.server.micro_batch_tokens, self.clients.batch_size
+        _check(not 0 < micro < batch, "server.micro_batch_tokens", micro, f"{mode} needs 0 or at least "
+               f"clients.batch_size={batch}: a client's batch must not be cut into pieces")  # fmt: skip
 
     def _check_algorithm(self) -> None:
         from hosfl_dist.algorithms import get_algorithm  # the registry; imports the algorithm modules
@@ -561,13 +611,49 @@ class _FieldError(ConfigError):
     """A failed check inside a section; the loader prefixes the section path to `key`."""
 
     def __init__(self, key: str, value: Any, why: str) -> None:
-        super().__init__(f"invalid value for {key}: {value!r} ({why})")
+        super().__init__(f"invalid value for {key}: {_shown(value)} ({why})")
         self.key, self.value, self.why = key, value, why
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise _FieldError(key, value, why)
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a message names a value, it does not echo a file."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text):,} characters)"
+
+
+def _named(key: Any) -> str:
+    """A key as the user wrote it, or its repr cut short where it is long or holds what a line cannot show."""
+    text = str(key)
+    return text if text.isprintable() and len(text) <= 60 else _shown(key, 60)
+
+
+def _is_file_name(name: str) -> bool:
+    """Whether ``name`` is one path component that stays in its folder (no separator, not . or ..)."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and len(name.encode()) <= NAME_MAX
+
+
+def _check_path(key: str, path: str) -> None:
+    """A path the system can take: at most PATH_MAX characters in components of at most NAME_MAX bytes."""
+    _check(len(path) <= PATH_MAX, key, path, f"a path of at most {PATH_MAX} characters")
+    long = [p for p in path.split("/") if len(p.encode()) > NAME_MAX]
+    _check(not long, key, path, f"a path component is longer than {NAME_MAX} bytes")
+
+
+def _check_template(template: str) -> None:
+    """data.template: str.format fields that name the file's columns (what the custom task reads)."""
+    import string
+
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise _FieldError("template", template, str(exc)) from None
+    _check(bool(names) and all(f.isidentifier() for f in names), "template", template, "name the file's columns as "
+           "{column} fields, e.g. \"{premise}\\nQuestion: {hypothesis}? Answer:\"")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -578,24 +664,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"config file {path} is not valid YAML{where}: {what}") from None
+        loaded = load_file(path)  # bounded: size, alias expansion, nesting; unique keys (hosfl_dist.safe_yaml)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        _set_dotted(raw, key.strip(), _parse_scalar(text))
+            raise ConfigError(f"override {_shown(item)} is not of the form section.key=value")
+        key = key.strip()
+        _set_dotted(raw, key, load_override(text, f"override {_named(key)}"))
     return build_config(raw)
 
 
@@ -618,20 +696,13 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {part} is a value, not a section")
+            raise ConfigError(f"override {_named(key)}: {_named(part)} is a value, not a section")
         node = child
     node[parts[-1]] = value
 
@@ -641,13 +712,13 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"section {section} must be a mapping, got {raw!r}")
+        raise ConfigError(f"section {section} must be a mapping, got {_shown(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted((k for k in raw if k not in names), key=str)
     if unknown:
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]} in section {section} (known keys: {', '.join(sorted(names))})"
+            f"unknown key {prefix}{_named(unknown[0])} in section {section} (known keys: {', '.join(sorted(names))})"
         )
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -655,9 +726,25 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             continue
         kwargs[f.name] = _coerce(hints[f.name], raw[f.name], f"{prefix}{f.name}")
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except _FieldError as exc:  # name the section of a nested check: "lr" -> "clients.optim.lr"
-        raise ConfigError(f"invalid value for {prefix}{exc.key}: {exc.value!r} ({exc.why})") from None
+        raise ConfigError(f"invalid value for {prefix}{exc.key}: {_shown(exc.value)} ({exc.why})") from None
+    for name in kwargs:  # what the section's own checks let through: sizes that overflow where they are used
+        _check_range(getattr(built, name), f"{prefix}{name}")
+    return built
+
+
+def _check_range(value: Any, key: str) -> None:
+    """Numbers the build can hold: integers of 64 bits, finite floats within float32's range (an lr of 1e300 is
+    an overflow in the first float32 step, a seed of 2^64 one in the generator)."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_range(v, f"{key}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+        raise ConfigError(f"invalid value for {key}: {_shown(value)} (must fit in a signed 64-bit integer)")
+    elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise ConfigError(f"invalid value for {key}: {_shown(value)} (must be a finite number within float32's "
+                          f"range, |x| <= {FLOAT32_MAX:.4g})")  # fmt: skip
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -667,7 +754,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"invalid value for {key}: {value!r} (choose one of {list(choices)})")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (choose one of {list(choices)})")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -681,41 +768,52 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 return _coerce(arg, value, key)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"invalid value for {key}: {value!r}")
+        raise ConfigError(errors[0] if errors else f"invalid value for {key}: {_shown(value)}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected a list)")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a list)")
         return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected a mapping)")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a mapping)")
         k_tp, v_tp = typing.get_args(tp)
         return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected true or false)")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected true or false)")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected an integer)")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected an integer)")
         return value
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected a number)")
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a number)")
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float
+                raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a finite number)") from None
         if isinstance(value, str):
             try:  # YAML 1.1 reads "1e-3" as a string
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"invalid value for {key}: {value!r} (expected a number)")
+        raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a number)")
     if tp is str:
-        if isinstance(value, (dict, list)) or value is None:
+        if isinstance(value, (dict, list, bool)) or value is None:
             hint = "; quote text that starts with { or [, e.g. key='\"{x} ...\"'" if value is not None else ""
-            raise ConfigError(f"invalid value for {key}: {value!r} (expected a string{hint})")
-        return str(value)
+            if isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans: [yes, no] is not [" yes", " no"]
+                hint = "; YAML reads yes, no, on, off, true and false as booleans: quote the word"
+            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a string{hint})")
+        text = value if isinstance(value, str) else str(value)
+        allowed = "\n\t\r" if key.split("[")[0] in TEXT_KEYS else ""
+        bad = next((c for c in text if (ord(c) < 32 or ord(c) == 127) and c not in allowed), None)
+        if bad is not None:
+            raise ConfigError(f"invalid value for {key}: {_shown(text)} (holds the control character {bad!r}; only "
+                              f"{' and '.join(TEXT_KEYS)} may hold line breaks)")  # fmt: skip
+        return text
     raise ConfigError(f"cannot read {key}: unsupported field type {tp!r}")

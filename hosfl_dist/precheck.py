@@ -1,0 +1,69 @@
+"""What ``python -m hosfl_dist.run --check`` refuses beyond the config tree: the value checks a run makes while it
+builds, made without building weights or tokenising data.
+
+The config tree already refuses what it can see alone (:mod:`hosfl_dist.config`: types, ranges, sizes that would
+overflow, thread counts, the vision models' cut), and ``--check`` adds the devices, the interface and the folder.
+This module adds what needs the model's architecture or the task's files:
+
+- an LM (``model.name=hf``): the split model built as a run builds it, on the meta device with no weight read or
+  allocated (:func:`hosfl_dist.models.build_split_model` with ``parts=()``, as ``--dry-run``): the cut against the
+  model's decoder blocks, the model type, the LoRA targets of each part, the label words against the tokenizer.
+  A hub model is not fetched: its depth is checked where it is known (``KNOWN_DEPTHS``). A package that ships its GGUF
+  file in chunks is not joined (the first start joins it into ``$HOSFL_CACHE``);
+- a text task read from local files: every example of both files as the data build reads it (a missing file or
+  column, a label that is not one of the task's);
+- one process: ``server.ranks`` > 1 needs torchrun.
+
+Importing the model code costs what ``import torch, transformers, peft`` costs (2-4 s on the 2-core test machine,
+see README "Bad input"); vision configs import nothing here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from hosfl_dist.config import TEXT_DATASETS, Config
+from hosfl_dist.errors import ConfigError
+
+
+def check_build(cfg: Config, world: int) -> None:
+    """Refuse, as the run would while it builds, what ``cfg`` cannot train in a world of ``world`` processes (0 or 1:
+    one process)."""
+    if world <= 1 and cfg.server.ranks > 1:
+        raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
+    if cfg.model.name != "hf":
+        return
+    if cfg.data.name in TEXT_DATASETS and cfg.data.source == "local":
+        from hosfl_dist.data.text_fed import load_examples
+
+        load_examples(cfg)
+    from hosfl_dist.models.lm import check_without_hub, hub_requirements
+
+    if any(need.startswith("model.source") for need in hub_requirements(cfg)):
+        check_without_hub(cfg)  # no download: the depths of the paper's hub models are known
+        return
+    if _unjoined(cfg.model.source, cfg.model.gguf_file):
+        return
+    from hosfl_dist.data.text_fed import text_data_info
+    from hosfl_dist.models import build_split_model
+
+    build_split_model(cfg, text_data_info(cfg), parts=())
+
+
+def _unjoined(source: str, gguf_file: str) -> bool:
+    """Whether ``pkg:<name>`` ships its GGUF file in chunks not joined yet (resolving it would join and write them)."""
+    from hosfl_dist.models.sources import PKG_PREFIX, chunked_gguf
+
+    if not source.startswith(PKG_PREFIX) or gguf_file:
+        return False
+    name = source.removeprefix(PKG_PREFIX)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False  # resolve says what is wrong
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders or any(f.endswith(".gguf") for f in os.listdir(folders[0])):
+        return False
+    chunked = chunked_gguf(name)
+    return chunked is not None and not os.path.isfile(chunked[1])
