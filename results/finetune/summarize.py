@@ -254,7 +254,8 @@ def lm_client_frozen(lines: list[str]) -> None:
 
 
 def zo_dimension(lines: list[str], name: str, what: str) -> None:
-    """hosfl_dist.experiments.zo_dimension's cosines per cut and P, HO-SFL (over θc) beside ZO-SFL (over the whole model)."""
+    """hosfl_dist.experiments.zo_dimension's cosines per cut and P, HO-SFL (over θc) beside ZO-SFL (over the whole
+    model)."""
     path = HERE / f"{name}.json"
     lines += [f"## The zeroth-order estimate against the true gradient per cut: {what}", ""]
     if not path.is_file():
@@ -270,7 +271,8 @@ def zo_dimension(lines: list[str], name: str, what: str) -> None:
         cells = [f"{r['cos_mean']:.1e} ({r['cos_gaussian']:.1e})" for r in pairs]
         lines.append(f"| {res['cut']} | {res['d_c']:,} | {res['d_c'] + res['d_s']:,} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: cos(ĝ, g), mean over the repeats, and in brackets √(P/(d+P+1)), a Gaussian estimator's "
-              f"expectation. Spreads and norms: `{name}.md` (`python -m hosfl_dist.experiments.zo_dimension`).", ""]  # fmt: skip
+              f"expectation. Spreads and norms: `{name}.md` "
+              "(`python -m hosfl_dist.experiments.zo_dimension`).", ""]  # fmt: skip
 
 
 def gemma(lines: list[str]) -> None:

@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.safe_yaml import load_file
 from hosfl_dist.runtime.process.launch import slurm_job_id
 
 RUNS = Path("runs")
@@ -118,8 +117,8 @@ def recorded_config(folder: Path) -> dict[str, Any] | None:
     if not saved.is_file():
         return None
     try:
-        theirs = yaml.safe_load(saved.read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        theirs = load_file(saved, "config.yaml") or {}
+    except (OSError, ConfigError):  # too big, an alias bomb, a duplicate key: not a config this project wrote
         return {"config.yaml": "unreadable"}
     return comparable(theirs) if isinstance(theirs, dict) else {"config.yaml": "unreadable"}
 
