@@ -209,6 +209,7 @@ def test_a_run_another_process_holds_is_refused_naming_the_holder_and_a_dead_one
     assert main(["--status", str(out), "--record-death"]) == 0
     recorded = json.loads((out / "summary.json").read_text())
     assert recorded["status"] == "died" and "--record-death" in recorded["error"]
+    assert main(["--status", str(out)]) == 0 and "recorded in summary.json" in capsys.readouterr().out
 
 
 def test_overwriting_a_live_run_is_refused_and_the_live_run_completes_with_its_rows(tmp_path):
@@ -324,3 +325,29 @@ def test_launch_torchrun_sh_records_a_job_whose_ranks_were_killed_as_died(tmp_pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "died", log[-3000:]
     assert f"{out}: died: its processes ended without recording how" in log
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a 2 MB tmpfs needs root (CI runs as root)")
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist").is_dir(), reason="dataset-fashion-mnist missing")
+def test_a_disk_that_fills_during_a_checkpoint_is_recorded_as_failed_in_one_line(tmp_path, capsys):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
+    try:
+        out = mount / "run"
+        args = ["--config", "configs/quickstart.yaml", "train.budget_samples=3072", "checkpoint.interval_samples=1024",
+                "job.progress=false", f"job.out_dir={out}"]  # fmt: skip
+        cwd = Path.cwd()
+        os.chdir(ROOT)
+        try:
+            rc = main(args)
+        finally:
+            os.chdir(cwd)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        summary = json.loads((out / "summary.json").read_text())
+        assert rc == 1 and err.startswith("error: OSError: [Errno 28] No space left on device (writing the checkpoint")
+        assert summary["status"] == "failed" and summary["error"] == err.removeprefix("error: ")
+        assert not list(out.rglob("*.tmp")) and not list(out.rglob("*.partial"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

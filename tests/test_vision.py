@@ -261,8 +261,8 @@ def test_batch_statistics_server_refuses_cutting_a_client_batch(override, needle
     from hosfl_dist.config import load_config
     from hosfl_dist.models import build_split_model
 
-    cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError, match=needle):  # where the config is built (--check too), else at the build
+        cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
         build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
 
 

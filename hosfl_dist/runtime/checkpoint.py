@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -152,6 +153,17 @@ def verify_checkpoint(folder: Path, rank: int | None = None) -> str | None:
     return None
 
 
+def _disk_full(path: Path, out_dir: Path) -> bool:
+    """Whether the file system holding ``path`` has no room left for a checkpoint (as large as the newest one there,
+    or 1 MiB)."""
+    newest = checkpoint_folders(out_dir)
+    need = max(1 << 20, sum(p.stat().st_size for p in newest[0].rglob("*") if p.is_file()) if newest else 0)
+    try:
+        return shutil.disk_usage(path if path.exists() else path.parent).free < need
+    except OSError:
+        return False
+
+
 def _read_by(rel: str, rank: int) -> bool:
     shard = _SHARD.search(rel)
     if shard is not None:
@@ -223,19 +235,29 @@ class CheckpointStore:
         if self.group is not None:
             dist.barrier(group=self.group)
         state, _ = _model_state(server)
-        with _no_dist_quiet():
-            dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
+        try:
+            with _no_dist_quiet():
+                dcp.save(state, checkpoint_id=str(partial / "model"), **self._dcp())
+            if self.rank0:
+                extra = {
+                    "server": server.state_dict(),
+                    "loop": dataclasses.asdict(loop),
+                    "workers": workers,
+                    "rng": rng_state(),  # the server process's (dropout on the server side)
+                }
+                torch.save(extra, partial / "state.pt")
+                info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
+                (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+                write_manifest(partial, loop.round, identity)  # last: a folder with a manifest is complete
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            full = not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(partial, self.out_dir)
+            if self.rank0:
+                shutil.rmtree(partial, ignore_errors=True)  # the space it took, back for the failure's record
+            if full:  # torch reports a full disk as a zip writer's "unexpected pos": say what it is
+                raise OSError(errno.ENOSPC, f"No space left on device (writing the checkpoint of round {loop.round} "
+                              f"into {self.out_dir})") from exc  # fmt: skip
+            raise
         if self.rank0:
-            extra = {
-                "server": server.state_dict(),
-                "loop": dataclasses.asdict(loop),
-                "workers": workers,
-                "rng": rng_state(),  # the server process's (dropout on the server side)
-            }
-            torch.save(extra, partial / "state.pt")
-            info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
-            (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-            write_manifest(partial, loop.round, identity)  # last: a folder with a manifest is complete
             commit(partial, final)
             problem = verify_checkpoint(final)
             if problem is None:

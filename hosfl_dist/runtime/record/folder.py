@@ -186,7 +186,8 @@ def describe_status(folder: Path) -> str:
         return (f"{folder}: completed, {summary.get('rounds')} rounds, {summary.get('processed_samples')} samples, "
                 f"eval_accuracy {final.get('eval_accuracy')}")  # fmt: skip
     if status == "died":
-        return f"{folder}: died: {DIED}; summary.json says running since {summary.get('started', '?')}"
+        said = "recorded in summary.json" if summary.get("status") == "died" else "summary.json still says running"
+        return f"{folder}: died: {DIED} (started {summary.get('started', '?')}; {said})"
     if status == "interrupted":
         return f"{folder}: interrupted: {summary.get('error')}; resume from {summary.get('checkpoint')}"
     return f"{folder}: {status}" + (f": {summary['error']}" if summary.get("error") else "")
@@ -207,7 +208,7 @@ def record_death(folder: Path) -> bool:
         summary = recorded_summary(folder)
         if summary is None or summary.get("status") != "running":
             return False
-        summary.update(status="died", error=f"{DIED} (found and recorded by --status --record-death)")
+        summary.update(status="died", error=f"{DIED} (found and recorded by --record-death)")
         tmp = folder / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         tmp.replace(folder / "summary.json")
