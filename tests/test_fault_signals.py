@@ -125,7 +125,10 @@ def test_a_stopped_worker_runs_the_wait_out_and_torchrun_restarts_the_job_identi
     records it, torchrun kills what is left (the stopped process after its 30 s stop wait) and starts the job again,
     which resumes from the last checkpoint."""
     out, log = tmp_path / "run", tmp_path / "log"
-    proc = launch([*RUN, "server.rpc_timeout_s=10", f"job.out_dir={out}"], log, restarts=1)
+    # whichever wait meets the stopped worker first runs out: a call to the server (rpc), or the all_reduce of a round
+    # in which the stopped worker hosts no sampled client (collective)
+    proc = launch([*RUN, "server.rpc_timeout_s=10", "server.collective_timeout_s=10", f"job.out_dir={out}"], log,
+                  restarts=1)  # fmt: skip
     try:
         first_checkpoint(out, proc, log)
         pids = ranks(proc.pid)
