@@ -58,12 +58,20 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
 def input_sources(cfg: Config) -> dict[str, Any]:
     """Every input a run reads, by role: a path, or a hub reference (a dict)."""
     from hosfl_dist.data import input_sources as data_sources  # torch: imported where a run's inputs are needed
+    from hosfl_dist.errors import HosflError
 
-    out: dict[str, Any] = dict(data_sources(cfg))
+    out: dict[str, Any] = {}
+    try:  # rank 0 of a multi-node job may not see the workers' data: say so rather than fail
+        out.update(data_sources(cfg))
+    except HosflError as exc:
+        out["data"] = {"unreadable": str(exc).splitlines()[0][:300]}
     if cfg.model.name == "hf":
         from hosfl_dist.models.sources import model_inputs
 
-        out.update(model_inputs(cfg.model.source, cfg.model.gguf_file))
+        try:
+            out.update(model_inputs(cfg.model.source, cfg.model.gguf_file))
+        except HosflError as exc:
+            out["model"] = {"unreadable": str(exc).splitlines()[0][:300]}
     if cfg.model.pretrained:
         out["model.pretrained"] = cfg.model.pretrained
     return out
