@@ -351,3 +351,12 @@ def test_a_disk_that_fills_during_a_checkpoint_is_recorded_as_failed_in_one_line
         assert not list(out.rglob("*.tmp")) and not list(out.rglob("*.partial"))
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_an_input_this_process_cannot_see_is_recorded_not_fatal():
+    """Rank 0 of a multi-node job reads no training data and may not see it: the identity says so."""
+    from hosfl_dist.config import load_config
+
+    cfg = load_config(None, ["data.name=fashion_mnist", "data.root=/nonexistent/fashion"])
+    got = identity_mod.input_files(cfg)
+    assert list(got) == ["data"] and got["data"]["unreadable"].startswith("data.root /nonexistent/fashion does not")
