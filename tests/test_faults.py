@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,30 +20,10 @@ from hosfl_dist.runtime import checkpoint as ckpt_mod
 from hosfl_dist.runtime.checkpoint import latest_checkpoint
 from hosfl_dist.runtime.record.writer import finite_json, strict_dumps
 from hosfl_dist.runtime.server_step import local_endpoint
-from tiny import TINY_OVERRIDES, run_in_process
+from tiny import TINY_OVERRIDES, rows_of, run_in_process, stop_at
 
 SMALL = [*TINY_OVERRIDES, "data.train_max_samples=240", "train.budget_samples=360", "checkpoint.interval_samples=120"]
 """Three rounds of every method (40 samples per client, one local epoch of 5 steps for the baselines)."""
-
-
-def rows_of(folder: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        r.pop("wall_time_s")
-    return rows
-
-
-def stop_at(monkeypatch, alg: str, round_idx: int) -> None:
-    """SIGTERM to this process while round ``round_idx`` runs (the runtime stops at the next boundary)."""
-    worker_cls = get_algorithm(alg).worker
-    real = worker_cls.run_round
-
-    def run_round(self, t):
-        if t == round_idx:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, t)
-
-    monkeypatch.setattr(worker_cls, "run_round", run_round)
 
 
 # -- run records -----------------------------------------------------------------------------------------------------

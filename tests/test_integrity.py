@@ -20,31 +20,10 @@ from hosfl_dist.runtime.checkpoint import verify_checkpoint
 from hosfl_dist.runtime.record import identity as identity_mod
 from hosfl_dist.runtime.record.folder import checkpoint_folders, lock_holder, run_status
 from hosfl_dist.runtime.record.writer import RunRecord
-from tiny import ROOT, TINY_OVERRIDES, lm_overrides, run_in_process, write_text_files
+from tiny import ROOT, TINY_OVERRIDES, lm_overrides, rows_of, run_in_process, stop_at, write_text_files
 
 RUN = [*TINY_OVERRIDES, "train.budget_samples=480", "checkpoint.interval_samples=48", "checkpoint.keep=3"]
 """Twenty rounds of K=3 clients of 8 samples, a checkpoint every second round, the three newest kept."""
-
-
-def rows_of(folder: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        r.pop("wall_time_s")
-    return rows
-
-
-def stop_after(monkeypatch, round_idx: int) -> None:
-    """SIGTERM to this process while round ``round_idx`` runs: the run checkpoints after it and stops."""
-    from hosfl_dist.algorithms.hosfl import HOSFLWorker
-
-    real = HOSFLWorker.run_round
-
-    def run_round(self, t):
-        if t == round_idx:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, t)
-
-    monkeypatch.setattr(HOSFLWorker, "run_round", run_round)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +36,7 @@ def reference(tmp_path_factory):
 def interrupted(tmp_path: Path, monkeypatch, round_idx: int = 9) -> Path:
     """A run stopped after round ``round_idx`` + 1 with checkpoints of rounds 6, 8 and 10 (keep=3)."""
     out = tmp_path / "run"
-    stop_after(monkeypatch, round_idx)
+    stop_at(monkeypatch, "hosfl", round_idx)
     with pytest.raises(Interrupted):
         run_in_process([*RUN, f"job.out_dir={out}"])
     monkeypatch.undo()
@@ -158,7 +137,7 @@ def test_resume_refuses_changed_input_files_and_other_code(tmp_path, monkeypatch
     files = write_text_files(tmp_path / "text")
     out = tmp_path / "run"
     run = [*lm_overrides(out, files), "train.budget_samples=32", "checkpoint.interval_samples=8"]
-    stop_after(monkeypatch, 1)
+    stop_at(monkeypatch, "hosfl", 1)
     with pytest.raises(Interrupted):
         run_in_process(run)
     monkeypatch.undo()

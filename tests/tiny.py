@@ -127,6 +127,29 @@ def _without_eval(comm: dict) -> dict:
     return {k: {c: n for c, n in v.items() if c != "eval"} if isinstance(v, dict) else v for k, v in comm.items()}
 
 
+def rows_of(folder: Path) -> list[dict]:
+    """A run's metrics rows without their wall time (what two runs of the same computation share)."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("wall_time_s")
+    return rows
+
+
+def stop_at(monkeypatch, alg: str, round_idx: int) -> None:
+    """SIGTERM to this process while round ``round_idx`` runs (the runtime stops at the next boundary)."""
+    from hosfl_dist.algorithms import get_algorithm
+
+    worker_cls = get_algorithm(alg).worker
+    real = worker_cls.run_round
+
+    def run_round(self, t):
+        if t == round_idx:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, t)
+
+    monkeypatch.setattr(worker_cls, "run_round", run_round)
+
+
 # -- the tiny language-model run: a random tiny Llama/OPT on six hand-written reviews or three SQuAD questions --------
 SENTENCES = [
     ("a gorgeous, witty, seductive movie.", 1),
