@@ -55,7 +55,9 @@ def test_a_folder_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_pat
     with pytest.raises(ConfigError, match=r"holds a different run \(its config differs in zo.num_perturbations\)"):
         run_in_process([*TINY_OVERRIDES, out, "zo.num_perturbations=4", "job.resume=auto"])
     _, _, summary, _ = run_in_process([*TINY_OVERRIDES, out, "zo.num_perturbations=4", "job.overwrite=true"])
-    assert summary["status"] == "completed" and not (tmp_path / "run" / "checkpoints").exists()
+    # the replaced run's files and checkpoints are gone; what is left is the new run's final checkpoint
+    assert summary["status"] == "completed" and summary["rounds"] == 10
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["round-00000010"]
 
 
 @pytest.mark.parametrize(
@@ -364,9 +366,9 @@ def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused():
 
 def test_resuming_a_completed_run_leaves_it_alone(tmp_path, capsys):
     out = tmp_path / "run"
-    run_in_process([*TINY_OVERRIDES, f"job.out_dir={out}"])  # no checkpoints: nothing to resume from
-    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    run_in_process([*TINY_OVERRIDES, f"job.out_dir={out}"])  # its final checkpoint is the last round's
+    before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
     capsys.readouterr()
     assert main([*TINY_OVERRIDES, f"job.out_dir={out}", "job.resume=auto"]) == 0
     assert capsys.readouterr().out.strip() == f"done: {out} holds this run, completed; nothing to do (job.resume=auto)"
-    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert {f: f.read_bytes() for f in out.rglob("*") if f.is_file()} == before

@@ -146,6 +146,8 @@ class Trainer:
                 if self.peers.is_leader:
                     self.control.send(Stopped(t, self.stop.signal or "SIGTERM"))
                 return Outcome(t, processed, completed=False)
+        if self.cfg.checkpoint.final and self.checkpoints.last != processed:  # what export reads (a finished run)
+            self.checkpoints.save(t, processed)
         self.finish(t, processed)
         return Outcome(t, processed, completed=True)
 
