@@ -116,6 +116,11 @@ class ServerBase:
         """The digest every client replica must report at the end of round t (None: the server cannot tell)."""
         return None
 
+    def client_params_at(self, t: int) -> list[Tensor] | None:
+        """θc's trainable tensors at the end of round t as the server knows them (what export writes beside θs), in
+        the client module's trainable-slot order; None where the server cannot tell."""
+        return None
+
     def audit(self, rounds: int, client_digests: dict[str, str]) -> str | None:
         """What is wrong with an end-of-run report (None: it matches the server's own state)."""
         if rounds != self.rounds_done:

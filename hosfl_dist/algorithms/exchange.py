@@ -214,6 +214,12 @@ class ExchangeServer(ServerBase):
     def expected_client_digest(self, t: int) -> str:
         return tensors_digest(self.client_model)  # what every worker fetched at the end
 
+    def client_params_at(self, t: int) -> list[Tensor]:
+        """θc^t, which the server keeps (it aggregates the uploads into it); only the current round's."""
+        if t != self.rounds_done:
+            raise ValueError(f"the server holds θc of round {self.rounds_done}, not of round {t}")
+        return [p.detach() for p in self.client_model]
+
     # -- evaluation ---------------------------------------------------------------------------------------------
     @wire(result={"params": EVAL}, after_previous_round=True)
     def eval_model(self, t: int) -> dict[str, Any]:

@@ -339,9 +339,16 @@ class HOSFLServer(ServerBase):
         }
 
     def expected_client_digest(self, t: int) -> str:
+        return self._replica_at(t).digest()
+
+    def client_params_at(self, t: int) -> list[Tensor]:
+        """The base replica brought to round t by the history (Algorithm 3): every client replica's θc there."""
+        return [p.detach() for p in self._replica_at(t).params]
+
+    def _replica_at(self, t: int) -> Replica:
         rep = self.base.copy()
         replay(rep, *self.history.window(rep.round, t), self.cfg.zo.mu, self.cfg.zo.rng_device)
-        return rep.digest()
+        return rep
 
 
 def _load_replica(rep: Replica, state: dict[str, Any]) -> None:
