@@ -74,6 +74,9 @@ class JobConfig:
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
     """Show a progress bar on stderr."""
+    plots: bool = True
+    """Draw curves.png in the run's folder when it completes (accuracy, losses and traffic against processed
+    samples; python -m hosfl_dist.experiments.report RUN_DIR... draws any runs the same way)."""
     resume: Literal["never", "auto"] = "never"
     """auto: continue the run in job.out_dir from its newest checkpoint that verifies (or start it afresh where there is
     none), if it is the same run: the same config (but for how it is started), inputs and code; never: refuse a

@@ -112,3 +112,18 @@ def test_the_emulated_link_is_announced_and_summed_up():
 def test_bad_job_keys_are_refused(bad):
     with pytest.raises(Exception, match=bad.split("=")[0]):
         load_config(None, [bad])
+
+
+def test_a_completed_run_draws_its_curves_and_the_report_draws_several(tmp_path, capsys):
+    from hosfl_dist.experiments.report import main as report
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_in_process([*TINY_OVERRIDES, "job.plots=true", f"job.out_dir={a}"])
+    run_in_process([*TINY_OVERRIDES, "algorithm.name=sfl", f"job.out_dir={b}"])
+    assert (a / "curves.png").read_bytes().startswith(b"\x89PNG") and not (b / "curves.png").exists()
+    assert report([str(b)]) == 0 and (b / "curves.png").is_file()
+    both = tmp_path / "both.png"
+    assert report([str(a), str(b), "--out", str(both)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(both) and both.stat().st_size > 10_000
+    assert report([str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'none'}: no readable metrics.jsonl")

@@ -33,6 +33,7 @@ TINY_OVERRIDES = [
     "train.eval_every_samples=120",
     "train.eval_batch_size=250",
     "job.progress=false",
+    "job.plots=false",  # curves.png costs ~0.3 s a run; tests/test_run_dir.py draws it
 ]
 
 
@@ -200,5 +201,6 @@ def lm_overrides(out_dir: Path, files: Path, task: str = "sst2", arch: str = "ll
         "train.eval_every_samples=8",
         "train.eval_batch_size=4",
         "job.progress=false",
+        "job.plots=false",
         f"job.out_dir={out_dir}",
     ]

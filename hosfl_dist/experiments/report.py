@@ -313,3 +313,46 @@ def write_report(out: Path, variants: dict[str, list[RunData]], metric: str, tit
     plot_metric(out / ("accuracy.png" if metric == "eval_accuracy" else f"{metric}.png"), variants, metric, title)
     plot_traffic(out / "traffic.png", rows, title)
     return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hosfl_dist.experiments.report RUN_DIR… [--out PNG]``: the curves of one run or several."""
+    import argparse
+    import sys
+
+    from hosfl_dist.runtime.record.curves import write_curves
+
+    p = argparse.ArgumentParser(
+        prog="hosfl_dist.experiments.report",
+        description="Draw the curves of one or several runs (evaluation score, losses and traffic against processed "
+        "samples) from their metrics.jsonl, as each run's own curves.png.",
+    )
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders (each with metrics.jsonl)")
+    p.add_argument("--out", type=Path, help="the PNG to write (default: RUN_DIR/curves.png for one run, curves.png "
+                   "here for several)")  # fmt: skip
+    args = p.parse_args(argv)
+    series: dict[str, list[dict[str, Any]]] = {}
+    for folder in args.runs:
+        try:
+            rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as exc:
+            print(f"error: {folder}: no readable metrics.jsonl ({exc})", file=sys.stderr)
+            return 2
+        try:
+            algorithm = json.loads((folder / "summary.json").read_text()).get("algorithm", "")
+        except (OSError, ValueError):
+            algorithm = ""
+        series[f"{folder.name} ({algorithm})" if algorithm else folder.name] = rows
+    out = args.out or (args.runs[0] / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
+    title = ", ".join(series) if len(series) > 1 else f"{next(iter(series))}: {args.runs[0]}"
+    try:
+        write_curves(out, series, title)
+    except OSError as exc:
+        print(f"error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

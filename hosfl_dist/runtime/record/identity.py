@@ -31,7 +31,9 @@ from typing import Any
 
 from hosfl_dist.config import Config, config_to_dict
 
-RUNTIME_ONLY = {"job": ("out_dir", "resume", "overwrite", "progress", "interface", "loggers", "allow_code_change")}
+RUNTIME_ONLY = {
+    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change")
+}
 """Keys that may differ between a run and its continuation: how it is started or watched, not what it computes."""
 PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""

@@ -14,6 +14,7 @@ of a run is written here once for every runtime.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from hosfl_dist.errors import NonFiniteError
 from hosfl_dist.runtime.record.identity import fingerprint
 from hosfl_dist.runtime.record.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
+
+logger = logging.getLogger(__name__)
 
 BEST_KEYS = ("best_eval_accuracy", "best_round")
 
@@ -137,8 +140,18 @@ class RunRecord:
         return summary
 
     def complete(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Write a completed run's summary (:func:`completed_summary` plus what the runtime adds)."""
-        return self._write(summary)
+        """Write a completed run's summary (:func:`completed_summary` plus what the runtime adds), and its curves."""
+        summary = self._write(summary)
+        if self.cfg.job.plots:
+            from hosfl_dist.runtime.record.curves import write_curves
+
+            title = (f"{self.cfg.job.name}: {self.cfg.algorithm.name}, {summary['rounds']} rounds, "
+                     f"{summary['processed_samples']} samples ({self.dir})")  # fmt: skip
+            try:
+                write_curves(self.dir / "curves.png", {self.cfg.algorithm.name: self.history}, title)
+            except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
+                logger.warning(f"curves.png not drawn: {type(exc).__name__}: {exc}")
+        return summary
 
     def completed_summary(
         self, rounds: int, processed: int, comm: dict[str, int], client_digests: dict[str, str], server_digest: str
