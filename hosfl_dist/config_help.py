@@ -1,8 +1,10 @@
 """``python -m hosfl_dist.run --help-config [section]``: every config key with its type, default and docstring.
 
 Generated from the dataclasses of :mod:`hosfl_dist.config`: the types from their annotations, the defaults from a
-default :class:`~hosfl_dist.config.Config`, the text from the string literal under each field (attribute
-docstrings are not kept at run time, so they are read from the module's source with :mod:`ast`).
+default :class:`~hosfl_dist.config.Config` built section by section, the text from the string literal under each
+field (attribute docstrings are not kept at run time, so they are read from the module's source with :mod:`ast`).
+Torch-free: ``Config``'s own checks consult the algorithm registry, which imports torch (6 s on the 2-core machine),
+so the defaults are built without them and the help answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -77,9 +79,18 @@ def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
     return out
 
 
+def default_tree() -> Config:
+    """The default config, each section built by its own default factory (and checked by its own
+    ``__post_init__``); ``Config``'s cross-section checks are skipped, as they import the algorithm registry."""
+    tree = object.__new__(Config)
+    for f in dataclasses.fields(Config):
+        setattr(tree, f.name, f.default_factory())  # type: ignore[misc]
+    return tree
+
+
 def help_config(section: str = "") -> str:
     """The help text of every key under ``section`` (all keys when empty)."""
-    entries = _entries(Config(), "")
+    entries = _entries(default_tree(), "")
     sections = [k for k, *_, is_section in entries if is_section]
     if section and section not in sections:
         raise ConfigError(f"--help-config: no section {section!r}; sections: {', '.join(sections)}")
