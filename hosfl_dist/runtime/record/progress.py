@@ -1,43 +1,97 @@
-"""Progress on the console: a samples bar with the last evaluation beside it, on the process that shows it."""
+"""Progress on the console, on the process that shows it: a samples bar with the last evaluation beside it where
+stderr is a terminal, periodic log lines where it is not (a file, a pipe, a batch system's log)."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
 from typing import Any
 
 from hosfl_dist.config import Config
 
+logger = logging.getLogger(__name__)
+
 EVAL_SHOWN = ("eval_accuracy", "eval_f1", "eval_exact_match", "eval_loss")
 """The evaluation statistics the progress bar shows (those a task reports)."""
+LINE_FRACTION = 0.1
+"""Without a terminal: a progress line each time this fraction of the budget is done ..."""
+LINE_SECONDS = 60.0
+"""... or this many seconds after the previous line, whichever comes first. A bar's carriage returns written to a
+file make one line of every redraw (61,172 characters for the quickstart)."""
 
 
 class Progress:
-    """A samples progress bar on stderr (nothing with ``job.progress=false``)."""
+    """The run's processed samples on stderr (nothing with ``job.progress=false``): a tqdm bar on a terminal,
+    otherwise an INFO line every :data:`LINE_FRACTION` of the budget or :data:`LINE_SECONDS`, whichever comes first.
 
-    def __init__(self, cfg: Config) -> None:
+    ``terminal``: whether stderr is one (default: ask it)."""
+
+    def __init__(self, cfg: Config, terminal: bool | None = None) -> None:
         self.total = cfg.train.budget_samples
+        self.name = cfg.job.name
         self.bar: Any = None
-        if cfg.job.progress:
+        self.lines = False
+        self.shown = ""
+        if not cfg.job.progress:
+            return
+        if terminal is None:
+            terminal = sys.stderr.isatty()
+        if terminal:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, unit="samples", desc=cfg.job.name, dynamic_ncols=True)
+        else:
+            self.lines = True
+            self.start = self.last_time = time.monotonic()
+            self.next_samples = self._step()
+
+    def _step(self) -> int:
+        return max(1, round(self.total * LINE_FRACTION))
 
     def advance_to(self, processed: int) -> None:
+        processed = min(processed, self.total)
         if self.bar is not None:
-            self.bar.update(min(processed, self.total) - self.bar.n)
+            self.bar.update(processed - self.bar.n)
+        elif self.lines:
+            now = time.monotonic()
+            if processed >= self.next_samples or now - self.last_time >= LINE_SECONDS:
+                self._line(processed, now)
+
+    def _line(self, processed: int, now: float) -> None:
+        elapsed = now - self.start
+        rate = f", {processed / elapsed:,.0f} samples/s" if elapsed > 0 else ""
+        shown = f"; {self.shown}" if self.shown else ""
+        logger.info(f"{self.name}: {processed:,}/{self.total:,} samples ({processed / self.total:.0%}), "
+                    f"{elapsed:.0f} s{rate}{shown}")  # fmt: skip
+        self.last_time = now
+        while self.next_samples <= processed:
+            self.next_samples += self._step()
 
     def show(self, row: dict[str, Any] | None) -> None:
-        show_eval(self.bar, row)
+        if self.lines:
+            self.shown = eval_text(row)
+        else:
+            show_eval(self.bar, row)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.lines = False
+
+
+def eval_text(row: dict[str, Any] | None) -> str:
+    """The last evaluation in words, e.g. ``round 120: eval_accuracy 85.3%, eval_loss 0.412`` ("" without one)."""
+    if not row:
+        return ""
+    shown = [f"{k} {row[k]:.1%}" if k.endswith(("accuracy", "f1", "exact_match")) else f"{k} {row[k]:.3g}"
+             for k in EVAL_SHOWN if isinstance(row.get(k), (int, float))]  # fmt: skip
+    return f"round {row['round']}: " + ", ".join(shown)
 
 
 def show_eval(bar: Any, row: dict[str, Any] | None) -> None:
     """The last evaluation beside the progress bar (e.g. ``round 120: eval_accuracy 85.3%, eval_loss 0.412``)."""
     if bar is None or not row:
         return
-    shown = [f"{k} {row[k]:.1%}" if k.endswith(("accuracy", "f1", "exact_match")) else f"{k} {row[k]:.3g}"
-             for k in EVAL_SHOWN if isinstance(row.get(k), (int, float))]  # fmt: skip
-    bar.set_postfix_str(f"round {row['round']}: " + ", ".join(shown), refresh=True)
+    bar.set_postfix_str(eval_text(row), refresh=True)
