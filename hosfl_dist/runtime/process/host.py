@@ -120,15 +120,30 @@ def check_devices(cfg: Config) -> None:
 SMALL_MODEL_PARAMS = 10_000_000
 """Below this many parameters a process runs on one intra-op thread (``job.threads=0``): the work per kernel is too
 small to split, and threads that wait for cores other processes hold cost more than they save. In one process on a
-2-core machine under load (results/bench/README.md, "threads") the quickstart CNN took 0.18 s per round with one
-thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s, so under load one thread wins there too,
-while on an idle machine a model that size gains from every core (the auto rule's other branch)."""
+2-core machine under a load of 2-5 (results/bench/README.md, "threads") the quickstart CNN took 0.18 s per round with
+one thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s: a larger model gains from a core only while
+no other work holds it, hence the rule's other branch (:func:`free_cores`)."""
 
 
-def set_threads(cfg: Config, params: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """Set this process's intra-op threads from ``job.threads`` (see its docstring); (threads, why) for the log.
+def free_cores(cores: int, load: float) -> int:
+    """The cores no other work holds: ``cores`` less the 1-minute load average, rounded, at least 1 and at most
+    ``cores`` (2 cores at a load of 0.2 -> 2; at 1.0 -> 1; at 5 -> 1). The load counts this process's own start-up
+    (imports, the build) only as the few seconds it has run, a fraction of one."""
+    return max(1, min(cores, round(cores - load)))
 
-    ``params``: the parameters of the model this process runs (both parts in one process)."""
+
+def set_threads(
+    cfg: Config, params: int, environ: Mapping[str, str] | None = None, load: float | None = None
+) -> tuple[int, str]:
+    """Set this process's intra-op threads from ``job.threads``; (threads, why) for the log.
+
+    ``job.threads=0`` (auto): ``OMP_NUM_THREADS`` where the environment sets it (torchrun sets 1 where it is unset,
+    ``launch/torchrun.sh`` too; an experiment command sets its ``--threads``); else one thread for a model under
+    :data:`SMALL_MODEL_PARAMS` parameters, and for a larger one the cores no other work holds now
+    (:func:`free_cores`: the core count less the 1-minute load average, at least 1).
+
+    ``params``: the parameters of the model this process runs (both parts in one process); ``load``: the 1-minute
+    load average (default: ``os.getloadavg()``, where the system has one)."""
     import torch
 
     environ = os.environ if environ is None else environ
@@ -136,11 +151,19 @@ def set_threads(cfg: Config, params: int, environ: Mapping[str, str] | None = No
         n, why = cfg.job.threads, "job.threads"
     elif environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
         n = int(environ["OMP_NUM_THREADS"])
-        why = f"job.threads=0 (auto): OMP_NUM_THREADS={n} from the environment (torchrun sets 1)"
+        launcher = ("torchrun's (it sets 1 where the variable is unset)" if "WORLD_SIZE" in environ
+                    else "its launcher's (an experiment command's --threads) or the shell's")  # fmt: skip
+        why = f"job.threads=0 (auto): OMP_NUM_THREADS={n}, set in the environment this process started with: {launcher}"
     elif params < SMALL_MODEL_PARAMS:
         n, why = 1, f"job.threads=0 (auto): a model of {params / 1e6:.2g}M parameters runs fastest on one"
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        n, why = cores, f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters, every core"
+        if load is None and hasattr(os, "getloadavg"):
+            load = os.getloadavg()[0]
+        size = f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters"
+        if load is None:
+            n, why = cores, f"{size}, every core (this system has no load average)"
+        else:
+            n, why = free_cores(cores, load), f"{size}, the cores other work leaves free ({cores}, load {load:.2f})"
     torch.set_num_threads(n)
     return n, why
