@@ -8,8 +8,11 @@ tokenizer alone; both turn every way that can fail into one `ConfigError` line n
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -154,19 +157,46 @@ def load_causal_lm(
     gguf_file: str | None = None,
     dtype: torch.dtype = torch.float32,
     local_files_only: bool = False,
+    progress: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM in eval() mode from a hub id, a local HF directory, a directory holding `gguf_file`, or a
-    path to a `.gguf` file. GGUF weights are dequantised to `dtype`.
+    path to a `.gguf` file. GGUF weights are dequantised to `dtype`. transformers' own progress bars of the load
+    (de-quantising GGUF tensors, loading weights) are shown only with `progress`.
 
     Raises ConfigError naming `source` when the model cannot be loaded or its type is not supported.
     """
     config = load_causal_config(source, gguf_file, local_files_only)
     source, where, kwargs = _checked(source, gguf_file, local_files_only)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
+        with _load_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
     except Exception as err:
         raise ConfigError(f"cannot load model {where!r}: {_one_line(err)}") from err
     return model.eval()
+
+
+@contextlib.contextmanager
+def _load_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars while a model loads, shown only when ``shown``: its "Loading weights" bar goes
+    through its tqdm hook; the GGUF reader's "Converting and de-quantizing GGUF tensors..." calls ``tqdm.auto``
+    directly (transformers 5.x), past that hook, so its module's name is pointed at a disabled bar meanwhile. In a
+    log file each bar is one line of carriage returns."""
+    if shown:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.set_tqdm_hook(lambda factory, args, kwargs: factory(*args, **{**kwargs, "disable": True}))
+    gguf_bar = getattr(gguf_utils, "tqdm", None)
+    if gguf_bar is not None:
+        gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar
 
 
 def load_tokenizer(
