@@ -5,16 +5,16 @@ from __future__ import annotations
 import io
 
 
-def test_transformers_load_bars_are_silent_unless_asked(monkeypatch):
+def test_transformerstransformers_bars_are_silent_unless_asked(monkeypatch):
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    from hosfl_dist.models.hf_load import _load_bars
+    from hosfl_dist.models.hf_load import transformers_bars
 
     before = gguf_utils.tqdm
     for shown in (False, True):
         err = io.StringIO()
-        with _load_bars(shown):
+        with transformers_bars(shown):
             for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...", file=err):
                 pass
             for _ in hf_logging.tqdm(range(3), desc="Loading weights", file=err):

@@ -168,7 +168,7 @@ def load_causal_lm(
     config = load_causal_config(source, gguf_file, local_files_only)
     source, where, kwargs = _checked(source, gguf_file, local_files_only)
     try:
-        with _load_bars(progress):
+        with transformers_bars(progress):
             model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, **kwargs)
     except Exception as err:
         raise ConfigError(f"cannot load model {where!r}: {_one_line(err)}") from err
@@ -176,7 +176,7 @@ def load_causal_lm(
 
 
 @contextlib.contextmanager
-def _load_bars(shown: bool) -> Iterator[None]:
+def transformers_bars(shown: bool) -> Iterator[None]:
     """transformers' progress bars while a model loads, shown only when ``shown``: its "Loading weights" bar goes
     through its tqdm hook; the GGUF reader's "Converting and de-quantizing GGUF tensors..." calls ``tqdm.auto``
     directly (transformers 5.x), past that hook, so its module's name is pointed at a disabled bar meanwhile. In a
