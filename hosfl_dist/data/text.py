@@ -179,7 +179,7 @@ def load_text_split(
     elif source == "local":
         if not path:
             raise ConfigError(f"source 'local' for task {task!r} needs a path to a JSONL, CSV or parquet file")
-        rows, where = _read_local(path), path
+        rows, where = read_local_rows(path), path
     else:
         raise ConfigError(f"unknown data source {source!r}; use 'hub' or 'local'")
     if max_examples:
@@ -213,7 +213,8 @@ def _read_hub(spec: TextTaskSpec, split: str, max_examples: int | None) -> list[
         raise DataError(f"cannot load {spec.name} from the Hugging Face hub with {call}: {exc}; {hint}") from exc
 
 
-def _read_local(path: str) -> list[dict]:
+def read_local_rows(path: str) -> list[dict]:
+    """The rows of a local JSONL, JSON, CSV, TSV or parquet file as dicts (DataError naming what is wrong)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"data file not found: {path}")

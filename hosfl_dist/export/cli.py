@@ -1,0 +1,168 @@
+"""``python -m hosfl_dist.export RUN_DIR [--checkpoint latest|round-N] --out DIR [--format merged|peft]``.
+
+The checkpoint is restored (:func:`~hosfl_dist.export.restore.restore`: verified, checked against the run, both
+parts loaded), written into a hidden folder beside DIR, and renamed to DIR once complete, so DIR never holds half an
+export: a crash or a full disk leaves DIR as it was. Formats: ``merged`` (default for LMs) and ``peft`` for a split
+decoder LM (:mod:`~hosfl_dist.export.hf`); ``state_dict`` (the only one, and the default) for a vision model
+(:mod:`~hosfl_dist.export.vision`). Every export also holds the model card (README.md) and hosfl_export.json.
+
+Bad input (no run, no checkpoint, one that fails verification, a checkpoint of another model, a base model that
+changed, a DIR that exists or cannot be written) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.errors import HosflError
+from hosfl_dist.export.restore import ExportError, restore
+
+logger = logging.getLogger("hosfl_dist.export")
+
+FORMATS = ("merged", "peft", "state_dict")
+DEFAULT_SHARD = "2GB"
+
+
+def export(
+    run_dir: str | Path,
+    out: str | Path,
+    checkpoint: str = "latest",
+    fmt: str | None = None,
+    max_shard_size: str = DEFAULT_SHARD,
+    force: bool = False,
+    command: str = "",
+) -> dict[str, Any]:
+    """Export checkpoint ``checkpoint`` of the run in ``run_dir`` to the folder ``out``; returns hosfl_export.json's
+    record. ``fmt`` None: ``merged`` for an LM, ``state_dict`` for a vision model. ``force`` replaces an ``out``
+    that holds files (only once the new export is complete)."""
+    run_dir, out = Path(run_dir), Path(out)
+    if fmt is not None and fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    _check_out(out, force)
+    tmp = _scratch(out)
+    try:
+        restored = restore(run_dir, checkpoint)
+        lm = restored.cfg.model.name == "hf"
+        fmt = fmt or ("merged" if lm else "state_dict")
+        if lm and fmt == "state_dict":
+            raise ExportError("--format state_dict is for vision models; a language model exports as merged or peft")
+        if not lm and fmt != "state_dict":
+            raise ExportError(f"--format {fmt}: a {restored.cfg.model.name} (vision) model exports as state_dict")
+        from hosfl_dist.export.card import write_card, write_record
+
+        if fmt == "merged":
+            from hosfl_dist.export.hf import write_merged
+
+            written = write_merged(restored, tmp, max_shard_size)
+        elif fmt == "peft":
+            from hosfl_dist.export.hf import write_peft
+
+            written = write_peft(restored, tmp, max_shard_size)
+        else:
+            from hosfl_dist.export.vision import write_vision
+
+            written = write_vision(restored, tmp)
+        if lm:
+            from hosfl_dist.models.sources import is_hub_id
+
+            if is_hub_id(restored.cfg.model.source):
+                written["base_hub"] = restored.cfg.model.source
+        record = write_record(restored, tmp, written, command or _command(run_dir, out, checkpoint, fmt))
+        write_card(restored, tmp, record)
+        if fmt == "peft":
+            from hosfl_dist.export.hf import fix_base_path
+
+            fix_base_path(tmp, out)
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str) -> str:
+    return shlex.join(["python", "-m", "hosfl_dist.export", str(run_dir), "--checkpoint", checkpoint, "--out",
+                       str(out), "--format", fmt])  # fmt: skip
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out} already holds files (--force replaces them once the new export is complete)")
+
+
+def _scratch(out: Path) -> Path:
+    """A fresh hidden folder beside ``out`` (on its file system, so the final rename is atomic)."""
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".{out.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
+    except OSError as exc:
+        raise ExportError(f"--out {out}: cannot write in {parent} ({exc.strerror or exc})") from None
+    return tmp
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Put the complete export in its place: an empty (or --force'd) ``out`` is replaced by ``tmp``."""
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+        else:
+            out.rmdir()
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hosfl_dist.export",
+        description="Export a run's fine-tuned model: a Hugging Face folder with LoRA merged (merged), one PEFT "
+        "adapter of the unsplit model (peft), or a vision model's state dict, with a model card.",
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder (runs/<name>/latest, job.out_dir)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|round-N",
+                   help="which checkpoint (default: the newest; it is verified first)")  # fmt: skip
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default=None,
+                   help="merged (LM default): config.json, safetensors, tokenizer, for AutoModelForCausalLM; peft: "
+                   "adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained (with the base in "
+                   "DIR/base when the run's base was no Hugging Face folder); state_dict: vision models")  # fmt: skip
+    p.add_argument("--max-shard-size", default=DEFAULT_SHARD,
+                   help=f"safetensors shard size of LM weights (default {DEFAULT_SHARD})")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace the files in --out once the new export is complete")
+    args = p.parse_args(argv)
+    from hosfl_dist.logs import init_logging
+
+    init_logging("export")
+    start = time.perf_counter()
+    command = shlex.join(["python", "-m", "hosfl_dist.export", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        record = export(args.run_dir, args.out, args.checkpoint, args.fmt, args.max_shard_size, args.force, command)
+    except (HosflError, OSError) as exc:
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+        print(f"error: {message}{where}", file=sys.stderr)
+        return 2
+    metrics = record.get("metrics") or {}
+    score = f", eval_accuracy {metrics['eval_accuracy']:.4f} in the run" if metrics.get("eval_accuracy") else ""
+    print(f"exported round {record['round']} ({record['processed_samples']:,} samples{score}) of {args.run_dir} as "
+          f"{record['format']} to {args.out}: {_size(args.out) / 2**20:.1f} MiB in "
+          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    return 0

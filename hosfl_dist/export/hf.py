@@ -1,0 +1,203 @@
+"""A split decoder LM back in one piece, as Hugging Face and PEFT folders.
+
+The two parts of a restored run hold the model's own submodules (``hf_split``), with peft's LoRA layers injected on
+each side. The unsplit model is rebuilt on the meta device and cut at the same block (:func:`split_causal_lm` with
+``untie=False``): its two halves are skeletons that name every submodule of the parts, so loading the parts' state
+dicts into them (``assign``) fills the whole model without a copy, and a LoRA module of a part is found under the
+whole model's name. Two outputs:
+
+- ``merged``: each LoRA layer merged into its base weight (B·A·α/r added in float32, cast to the weight's dtype) and
+  unwrapped; the whole model saved with ``save_pretrained`` (config.json, safetensors shards, generation_config.json)
+  and the tokenizer beside it;
+- ``peft``: one adapter of the whole model (adapter_config.json, adapter_model.safetensors) naming the client's and
+  the server's LoRA modules by their full names, for ``PeftModel.from_pretrained(base, DIR)``; the base is the hub
+  model or local folder the run read, or, for GGUF, package, tiny and architecture-only sources, a Hugging Face
+  folder of the frozen weights the run used, written to ``DIR/base``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from hosfl_dist.export.restore import ExportError, Restored
+from hosfl_dist.models.hf_split import HFClient, HFServer, split_causal_lm
+from hosfl_dist.models.sources import DTYPES, is_hub_id, load_tokenizer, model_config, resolve
+
+ADAPTER = "default"
+"""The adapter name ``inject_adapter_in_model`` gives the LoRA layers."""
+BASE = "base"
+"""The folder of the base model inside a ``peft`` export whose base the run did not read from a Hugging Face folder."""
+
+
+def hf_parts(restored: Restored) -> tuple[HFClient, HFServer]:
+    """The decoder halves inside the run's client and server modules (past ZeroOrderClient and the task heads)."""
+    client = next(m for m in restored.split.client.modules() if isinstance(m, HFClient))
+    server = next(m for m in restored.split.server.modules() if isinstance(m, HFServer))
+    return client, server
+
+
+def lora_layers(part: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in ``part``, layer) of every LoRA layer peft injected."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in part.named_modules() if isinstance(m, LoraLayer)]
+
+
+def fold_lora(part: nn.Module, merge: bool) -> None:
+    """Replace each LoRA layer of ``part`` by its base layer, with the adapter merged into it (``merge``) or dropped."""
+    for name, layer in lora_layers(part):
+        if merge:
+            layer.merge(safe_merge=True, adapter_names=[ADAPTER])  # NaN-checked; the weight keeps its dtype
+        parent, _, child = name.rpartition(".")
+        setattr(part.get_submodule(parent) if parent else part, child, layer.get_base_layer())
+
+
+def skeleton(restored: Restored) -> tuple[PreTrainedModel, HFClient, HFServer]:
+    """The unsplit model on the meta device (buffers real) and its halves cut as the run cut it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    cfg = restored.cfg
+    config = model_config(resolve(cfg.model.source, cfg.model.gguf_file))
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.model.dtype], attn_implementation="sdpa")
+    client, server = split_causal_lm(model, cfg.split.cut, untie=False)
+    return model.eval(), client, server
+
+
+def full_names(model: nn.Module, part: nn.Module) -> dict[str, str]:
+    """{name in ``part``: name in ``model``} of every submodule ``part`` shares with ``model``."""
+    where = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return {n: where[id(m)] for n, m in part.named_modules() if id(m) in where}
+
+
+def join(restored: Restored, client: HFClient, server: HFServer) -> PreTrainedModel:
+    """The whole model holding the parts' tensors (LoRA folded already); tied embeddings stay tied where the two
+    copies are still equal (LoRA never trained either of them), else the config unties them."""
+    model, skel_c, skel_s = skeleton(restored)
+    for skel, part in ((skel_c, client), (skel_s, server)):
+        try:
+            skel.load_state_dict(part.state_dict(), strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ExportError(f"the restored model does not fit {restored.cfg.model.source}: {exc}") from None
+    left = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    if left:
+        raise ExportError(f"the restored parts leave {left[:3]} of the whole model without values")
+    text = model.config.get_text_config()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(text, "tie_word_embeddings", False):
+        if torch.equal(head.weight, embed.weight):
+            head.weight = embed.weight
+        else:
+            text.tie_word_embeddings = False
+            model.config.tie_word_embeddings = False
+    return model
+
+
+def save_tokenizer(restored: Restored, out: Path) -> None:
+    cfg = restored.cfg
+    load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file)).save_pretrained(out)
+
+
+def save_model(restored: Restored, model: PreTrainedModel, out: Path, max_shard_size: str) -> None:
+    """``save_pretrained`` + tokenizer + a generation config that names the tokenizer's special tokens."""
+    tok = load_tokenizer(resolve(restored.cfg.model.source, restored.cfg.model.gguf_file))
+    gen = model.generation_config
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(gen, key, None) is None and getattr(tok, key, None) is not None:
+            setattr(gen, key, getattr(tok, key))
+    from hosfl_dist.models.hf_load import transformers_bars
+
+    with transformers_bars(False):  # "Writing model shards": a line of carriage returns in a log
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    if not (out / "generation_config.json").is_file():
+        gen.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def write_merged(restored: Restored, out: Path, max_shard_size: str) -> dict[str, Any]:
+    """The unsplit model with both sides' LoRA merged in (see the module docstring)."""
+    client, server = hf_parts(restored)
+    adapters = len(lora_layers(client)) + len(lora_layers(server))
+    fold_lora(client, merge=True)
+    fold_lora(server, merge=True)
+    save_model(restored, join(restored, client, server), out, max_shard_size)
+    return {"format": "merged", "lora_layers_merged": adapters}
+
+
+def base_of(restored: Restored) -> str | None:
+    """The base model a ``peft`` export points at when the run read a Hugging Face model (a hub id or a local folder);
+    None when the export must write one."""
+    cfg = restored.cfg
+    source = resolve(cfg.model.source, cfg.model.gguf_file)
+    if source.tiny or source.arch or source.gguf_file is not None or cfg.model.source.startswith("pkg:"):
+        return None
+    if is_hub_id(cfg.model.source):
+        return cfg.model.source
+    return str(Path(source.path).resolve())
+
+
+def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, Any]:
+    """One adapter over the unsplit model, client and server LoRA together (see the module docstring)."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    client, server = hf_parts(restored)
+    model, skel_c, skel_s = skeleton(restored)
+    tensors: dict[str, torch.Tensor] = {}
+    targets = []
+    for part, skel in ((client, skel_c), (server, skel_s)):
+        names = full_names(model, skel)
+        for name, layer in lora_layers(part):
+            full = names[name]
+            targets.append(full)
+            for kind in ("lora_A", "lora_B"):
+                weight = getattr(layer, kind)[ADAPTER].weight
+                tensors[f"base_model.model.{full}.{kind}.weight"] = weight.detach().contiguous().clone()
+    if not targets:
+        raise ExportError("the run trained no LoRA adapter (lora.client_targets and lora.server_targets are empty): "
+                          "export --format merged")  # fmt: skip
+    del model, skel_c, skel_s
+    base = base_of(restored)
+    if base is None:  # the frozen weights the run used, as a Hugging Face folder
+        fold_lora(client, merge=False)
+        fold_lora(server, merge=False)
+        save_model(restored, join(restored, client, server), out / BASE, max_shard_size)
+        base = str((out / BASE).resolve())
+    lora = restored.cfg.lora
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=sorted(targets),
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(restored, out)
+    return {"format": "peft", "base": _shown_base(base, out), "lora_modules": len(targets)}
+
+
+def _shown_base(base: str, out: Path) -> str:
+    """The base as the model card names it: ``base/`` for the folder written beside the adapter."""
+    inside = os.path.join(str(out.resolve()), BASE)
+    return f"{BASE}/" if base == inside else base
+
+
+def fix_base_path(out: Path, final: Path) -> None:
+    """Point a ``peft`` export's adapter_config.json at ``final/base`` once the folder is in its place (it is written
+    in a temporary folder first)."""
+    path = out / "adapter_config.json"
+    config = json.loads(path.read_text())
+    written = str((out / BASE).resolve())
+    if config.get("base_model_name_or_path") == written:
+        config["base_model_name_or_path"] = str((final / BASE).resolve())
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

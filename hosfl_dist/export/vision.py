@@ -1,0 +1,119 @@
+"""A split vision model back in one piece: the whole model's state dict as safetensors, and its one-call loader.
+
+The whole model (:class:`~hosfl_dist.models.vision.SmallCNN`, :class:`~hosfl_dist.models.vision.ResNet18`) is built
+and cut at the run's cut with the split's own part classes, so its halves share the whole model's modules; the
+restored parts' state dicts load into them, and the whole model's state dict is what is saved (ResNet-18 in
+torchvision's layout). Its BatchNorm layers are plain ones: in eval mode they normalise with the running statistics,
+which is what every ``model.freeze_bn`` mode does in evaluation.
+
+    model = load_vision("exported/")        # nn.Module in eval mode; inputs normalised as vision.json says
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hosfl_dist.export.restore import ExportError, Restored
+
+WEIGHTS = "model.safetensors"
+DESCRIPTION = "vision.json"
+"""What :func:`load_vision` builds: model name, classes, input shape, width, and the inputs' normalisation."""
+
+
+def whole_model(name: str, num_classes: int, input_shape: tuple[int, ...], width: int) -> nn.Module:
+    from hosfl_dist.models import vision
+
+    if name == "resnet18":
+        return vision.ResNet18(num_classes, input_shape[0], frozen_bn=False)
+    if name == "small_cnn":
+        return vision.SmallCNN(num_classes, tuple(input_shape), width)
+    raise ExportError(f"model.name={name!r} has no whole-model export")
+
+
+def _halves(net: nn.Module, name: str, cut: int) -> tuple[nn.Module, nn.Module]:
+    """The run's two parts over ``net``'s own modules (what ``resnet18_split`` / ``small_cnn_split`` make)."""
+    from hosfl_dist.models import vision
+
+    if name == "resnet18":
+        return vision.ResNetClient(net, cut), vision.ResNetServer(net, cut)
+    blocks = list(net.blocks)
+    client = vision.SmallCNNClient(nn.ModuleList(blocks[:cut]))
+    return client, vision.SmallCNNServer(nn.ModuleList(blocks[cut:]), net.head)
+
+
+def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
+    """model.safetensors (the whole model's state dict) and vision.json."""
+    from safetensors.torch import save_file
+
+    cfg = restored.cfg
+    info = _info(restored)
+    net = whole_model(cfg.model.name, info["num_classes"], info["input_shape"], cfg.model.width)
+    client, server = _halves(net, cfg.model.name, cfg.split.cut)
+    for half, part in ((client, restored.split.client), (server, restored.split.server)):
+        try:
+            half.load_state_dict(part.state_dict(), strict=True)
+        except RuntimeError as exc:
+            raise ExportError(f"the restored parts do not fit the whole {cfg.model.name}: {exc}") from None
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    description = {
+        "model": cfg.model.name,
+        "num_classes": info["num_classes"],
+        "input_shape": list(info["input_shape"]),
+        "width": cfg.model.width,
+        "normalize": _normalisation(restored),
+    }
+    (out / DESCRIPTION).write_text(json.dumps(description, indent=2) + "\n")
+    return {"format": "state_dict", "parameters": sum(v.numel() for v in state.values())}
+
+
+def _info(restored: Restored) -> dict[str, Any]:
+    from hosfl_dist.data import data_info
+
+    info = data_info(restored.cfg)
+    return {"num_classes": int(info["num_classes"]), "input_shape": tuple(int(d) for d in info["input_shape"])}
+
+
+def _normalisation(restored: Restored) -> dict[str, list[float]] | None:
+    """The per-channel (mean, std) the run normalised [0, 1] pixels with (None where its images cannot be read here)."""
+    from hosfl_dist.data.vision import load_images
+    from hosfl_dist.errors import HosflError
+
+    cfg = restored.cfg
+    try:
+        images = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
+    except HosflError:
+        return None
+    return {"mean": list(images.mean), "std": list(images.std)}
+
+
+def load_vision(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The exported vision model in ``folder``, whole, in eval mode: ``(B, C, H, W)`` normalised images -> logits.
+    vision.json's ``normalize`` says how: ``(pixels / 255 - mean) / std`` per channel."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        d = json.loads((folder / DESCRIPTION).read_text())
+        state = load_file(str(folder / WEIGHTS))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{folder} holds no exported vision model ({DESCRIPTION}, {WEIGHTS}): {exc}") from None
+    net = whole_model(d["model"], int(d["num_classes"]), tuple(d["input_shape"]), int(d["width"]))
+    net.load_state_dict(state, strict=True)
+    return net.to(device).eval()
+
+
+def normalise(pixels: torch.Tensor, description: dict[str, Any]) -> torch.Tensor:
+    """uint8 (B, C, H, W) -> the model's inputs, as vision.json's ``normalize`` says (float pixels as they are when
+    it names none)."""
+    norm = description.get("normalize")
+    if norm is None:
+        return pixels.float()
+    from hosfl_dist.data.vision import normalize
+
+    return normalize(pixels, tuple(norm["mean"]), tuple(norm["std"]))
