@@ -121,6 +121,14 @@ def test_an_earlier_checkpoint_exports_its_own_round(tmp_path, capsys, lm_run, t
     assert record["round"] == 1 and record["metrics"]["round"] == 1
     got = predicted(capsys, out, text_files / "sst2.jsonl", tmp_path / "p.jsonl", "--max-examples", str(EVAL))
     assert got["accuracy"] == rows[1]["eval_accuracy"]
+    # weights past --max-shard-size are sharded, with the index transformers reads
+    sharded = tmp_path / "sharded"
+    assert export_main([str(run_dir), "--checkpoint", "1", "--out", str(sharded), "--max-shard-size", "200KB"]) == 0
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    again = predicted(capsys, sharded, text_files / "sst2.jsonl", tmp_path / "q.jsonl", "--max-examples", str(EVAL))
+    assert again["accuracy"] == got["accuracy"]
+    assert (tmp_path / "q.jsonl").read_text() == (tmp_path / "p.jsonl").read_text()
     torch.testing.assert_close(torch.tensor([json.loads(line)["scores"] for line in (tmp_path / "p.jsonl").open()]),
                                split_scores(run_dir, "round-1"), rtol=0, atol=1e-5)  # fmt: skip
 
@@ -151,10 +159,16 @@ def test_generation_export_predicts_the_runs_f1(tmp_path, capsys, text_files):
     assert got["exact_match"] == pytest.approx(rows[-1]["eval_exact_match"], abs=1e-12)
 
 
-def test_vision_state_dict_round_trip(tmp_path, capsys):
+@pytest.mark.parametrize("model", ["small_cnn", pytest.param("resnet18", marks=pytest.mark.slow)])  # resnet18: ~8 s
+def test_vision_state_dict_round_trip(tmp_path, capsys, model):
+    """The whole model's state dict (ResNet-18's with the BatchNorm statistics the server updated) evaluates to the
+    run's accuracy."""
+    from test_vision import RESNET_TINY
+
     from hosfl_dist.data import build_data
 
-    cfg, _, summary, rows = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'run'}"])
+    overrides = TINY_OVERRIDES if model == "small_cnn" else [*RESNET_TINY, "model.freeze_bn=client", "job.plots=false"]
+    cfg, _, summary, rows = run_in_process([*overrides, f"job.out_dir={tmp_path / 'run'}"])
     out = tmp_path / "vision"
     assert export_main([str(tmp_path / "run"), "--out", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == {"README.md", "hosfl_export.json", "model.safetensors", "vision.json"}
