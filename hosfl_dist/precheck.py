@@ -20,7 +20,9 @@ see README "Bad input"); vision configs import nothing here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import os
 
 from hosfl_dist.config import TEXT_DATASETS, Config
@@ -49,6 +51,15 @@ def check_build(cfg: Config, world: int) -> None:
     from hosfl_dist.models import build_split_model
 
     build_split_model(cfg, text_data_info(cfg), parts=())
+
+
+def build_key(cfg: Config) -> str:
+    """What :func:`check_build` reads of ``cfg``: two configs with the same key pass or fail it alike (the grid
+    points of a sweep over P, μ or the budget are checked once)."""
+    d = dataclasses.asdict(cfg)
+    read = {k: d[k] for k in ("algorithm", "model", "split", "lora", "data", "server")}
+    read["clients.batch_size"], read["job.device"] = cfg.clients.batch_size, cfg.job.device
+    return json.dumps(read, sort_keys=True, default=str)
 
 
 def _unjoined(source: str, gguf_file: str) -> bool:

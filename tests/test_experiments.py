@@ -252,3 +252,29 @@ def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp
     assert pretrain.main([*make, "job.seed=1"]) == 0  # other weights under the same path: the config is unchanged
     assert not is_finished(spec, run_cfg)
     assert command(str(cfg), spec, run_cfg)[-1] == "job.overwrite=true"
+
+
+def test_a_point_its_model_cannot_build_stops_the_grid_before_any_run(tmp_path, capsys, monkeypatch):
+    """split.cut=5 fits a 28-block model and not a 4-block one: that point is named with its cause, nothing runs; the
+    build is checked once per model, not once per value of P."""
+    import hosfl_dist.precheck as precheck
+    from hosfl_dist.experiments import scaling
+    from tiny import lm_overrides, write_text_files
+
+    built = []
+    check = precheck.check_build
+    monkeypatch.setattr(precheck, "check_build", lambda cfg, world: (built.append(cfg.model.source), check(cfg, world)))
+    files = write_text_files(tmp_path)
+    sets = [o for o in lm_overrides(tmp_path / "unused", files) if not o.startswith(("job.out_dir", "split.cut"))]
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    out = tmp_path / "out"
+    argv = ["--config", str(tmp_path / "empty.yaml"), "--grid", "model.source=tiny:llama,arch:qwen3-0.6b"]
+    argv += ["--grid", "zo.num_perturbations=1,2", "split.cut=5", "--out", str(out)]
+    assert scaling.main([*argv, *(x for o in sets for x in ("--set", o))]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"error: grid point model.source=tiny:llama,zo.num_perturbations={p}: invalid value for split.cut: 5 "
+        "(tiny:llama has 4 decoder blocks; need 1 <= cut < 4)"
+        for p in (1, 2)
+    ] + ["error: 2 of 4 grid points cannot be built: nothing was run"]
+    assert built == ["tiny:llama", "arch:qwen3-0.6b"] and not out.exists()

@@ -82,15 +82,48 @@ def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
             raise ConfigError(f"{name}: {exc}") from None
 
 
+def check_builds(config: str | None, variants: dict[str, list[str]], row: str = "grid point") -> None:
+    """Check every row's config as its run would build it (:func:`hosfl_dist.precheck.check_build`: an LM's split on
+    the meta device, a text task's files), before any run starts; one line per row that fails, naming the row and
+    the cause. Rows that read the same fields are checked once."""
+    from hosfl_dist.precheck import build_key, check_build
+
+    seen: dict[str, str | None] = {}
+    failed = []
+    for name, overrides in variants.items():
+        cfg = load_config(config, overrides)
+        key = build_key(cfg)
+        if key not in seen:
+            try:
+                check_build(cfg, 1)  # every run of an experiment is one process
+                seen[key] = None
+            except HosflError as exc:
+                seen[key] = str(exc)
+        if seen[key] is not None:
+            failed.append(f"{row} {name}: {seen[key]}")
+    if failed:
+        rows = f"{row}s" if len(variants) > 1 else row
+        failed.append(f"{len(failed)} of {len(variants)} {rows} cannot be built: nothing was run")
+        raise ConfigError("\n".join(failed))
+
+
 def run_experiment(
-    prog: str, args: argparse.Namespace, argv: list[str] | None, build: Build, plan: Plan | None = None
+    prog: str,
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    build: Build,
+    plan: Plan | None = None,
+    row: str = "grid point",
 ) -> int:
-    """Check the overrides (with ``plan``), build the runs, launch the unfinished ones, write the report; a bad
-    input or a failed run is one line (exit code 2)."""
+    """Check the overrides and the builds of every row (with ``plan``; ``row`` names a row in the errors), build the
+    runs, launch the unfinished ones, write the report; a bad input or a failed run is one line each (exit code
+    2)."""
     try:
         parse_list(args.seeds, "--seeds", int)
         if plan is not None:
-            check_overrides(args.config, plan(args))
+            variants = plan(args)
+            check_overrides(args.config, variants)
+            check_builds(args.config, variants, row)  # imports torch (and transformers for an LM)
         # the runner and the report import torch: only once the input is known to be usable
         from hosfl_dist.experiments.report import write_report
         from hosfl_dist.experiments.runs import launch, load
@@ -112,7 +145,7 @@ def run_experiment(
         print(write_report(out, {n: [load(s) for s in v] for n, v in specs.items()}, args.metric, title, extra))
         print(f"wall time of this invocation: {record['wall_time_s']} s -> {out}")
     except HosflError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)
         return 2
     return 0
 

@@ -11,7 +11,9 @@ Every method runs with the config plus ``algorithm.name=<method>``, then the pap
 differs (App. B.4: MU-SplitFed uses plain SGD with client lr 0.005, server lr 0.01, global lr 0.3; unless
 --no-paper-defaults), then the overrides for all methods (``--set KEY=VALUE``, or positional ``KEY=VALUE`` as for
 ``python -m hosfl_dist.run``; positional ones after --set), then --method-set overrides (one method). Every method's
-config is checked before anything starts: a mistyped key is one line ``error: ...`` (exit code 2).
+config is checked before anything starts, and built as its run would build it (an LM's split on the meta device, a
+text task's files): a mistyped key is one line ``error: ...``, a method that cannot be built one line each, naming
+the method (exit code 2, nothing run).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build, plan)
+    return run_experiment(PROG, parse_args(argv), argv, build, plan, row="method")
 
 
 if __name__ == "__main__":

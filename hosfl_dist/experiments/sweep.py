@@ -9,7 +9,9 @@ labelled by its overrides; runs go to --out/runs/<label>/seed<k>/ and finished o
 
 Overrides common to every point: ``--set KEY=VALUE`` or positional ``KEY=VALUE`` (as for ``python -m
 hosfl_dist.run``; positional ones after --set, the grid's last). Every point's config is checked before anything
-starts: a mistyped key is one line ``error: ...`` (exit code 2).
+starts, and built as its run would build it (an LM's split on the meta device, a text task's files): a mistyped key
+is one line ``error: ...``, a point that cannot be built (a cut the model does not have) one line each, naming the
+point by its overrides (exit code 2, nothing run, no run folder made).
 """
 
 from __future__ import annotations
