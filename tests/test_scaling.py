@@ -18,9 +18,38 @@ def test_the_fit_recovers_one_exponent_per_axis_and_needs_enough_points():
     assert fit["exponents"]["size"] == pytest.approx(0.5) and fit["exponents"]["cut"] == pytest.approx(1.0)
     assert fit["a"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0) and fit["points"] == 5
     assert loglinear_fit({"x": [1e3, 1e4]}, [2.0, 20.0])["exponents"]["x"] == pytest.approx(1.0)
-    assert loglinear_fit({"x": [10, 10]}, [1.0, 2.0]) is None  # one value of the axis
-    assert loglinear_fit({"x": [1, 2]}, [0.0, None]) is None  # no positive value
-    assert loglinear_fit({"a": [1, 2, 3], "b": [1, 2, 4]}, [1.0, 2.0, 3.0]) is None  # 3 points, 2 exponents + 1
+    one = loglinear_fit({"x": [10, 10]}, [1.0, 2.0])
+    assert one["exponents"] == {} and one["a"] is None and one["axes"]["x"]["why"] == "one value (10)"
+    assert loglinear_fit({"x": [1, 2]}, [0.0, None])["why"] == "no axis whose values are positive with a value"
+    few = loglinear_fit({"a": [1, 2, 3], "b": [1, 2, 4]}, [1.0, 2.0, 3.0])  # 3 points, 2 exponents + a
+    assert few["why"] == "3 point(s) with a value, 4 needed for 2 exponent(s) and a" and few["r2"] is None
+    together = loglinear_fit({"a": [1, 2, 4, 8], "b": [2, 4, 8, 16]}, [1.0, 2.0, 3.0, 4.0])
+    assert together["exponents"] == {} and "vary together" in together["why"]
+
+
+def test_an_axis_that_barely_varies_gets_no_exponent_and_says_why(tmp_path):
+    """Two models of 97,536 and 97,472 parameters: b(model size) would be noise over a 1.0007x range (it printed +73.6
+    with a = 0); the axis is left out, the cut still fitted, and scaling.md and scaling.json say so."""
+    size, cut = [97_536.0, 97_472.0, 97_536.0, 97_472.0, 97_536.0], [1.0, 1.0, 2.0, 2.0, 4.0]
+    ys = [3.0 * c * (1.01 if s > 97_500 else 0.99) for s, c in zip(size, cut)]  # a 2% wobble between the models
+    fit = loglinear_fit({"model size": size, "cut": cut}, ys)
+    assert list(fit["exponents"]) == ["cut"] and fit["exponents"]["cut"] == pytest.approx(1.0, abs=0.01)
+    flag = fit["axes"]["model size"]
+    assert not flag["fitted"] and flag["spread"] == pytest.approx(97_536 / 97_472) and "less than 1.5x" in flag["why"]
+    assert fit["axes"]["cut"] == {"distinct": 3, "min": 1.0, "max": 4.0, "spread": 4.0, "fitted": True, "why": None}
+    alone = loglinear_fit({"model size": size[:2]}, ys[:2])
+    assert alone["a"] is None and alone["exponents"] == {} and alone["why"] == "no axis whose values are 1.5x apart"
+
+    points = {f"model.source=tiny:{m},split.cut={c}": point(s, c, 2) for m, s in (("qwen3", 97_536), ("llama", 97_472))
+              for c in (1, 2, 4)}  # fmt: skip
+    text = write_scaling(tmp_path, points, "eval_accuracy", "python -m hosfl_dist.experiments.scaling …", "T")
+    said = "- axis model size: 2 values, 97,472 to 97,536 (spread 1.001x): no exponent, its values are 1.001x apart"
+    assert said in text
+    assert "- axis split.cut: 3 values, 1 to 4 (spread 4x)" in text
+    assert "b(model size)" not in text and "b(split.cut) = +1.00 (spread 4x); a = " in text
+    saved = json.loads((tmp_path / "scaling.json").read_text())
+    assert saved["axis_checks"]["model size"]["fitted"] is False and saved["min_spread"] == 1.5
+    assert saved["fits"]["client_peak_bytes"]["axes"]["model size"]["fitted"] is False
 
 
 def point(size: float, cut: int, p: int) -> dict:
@@ -50,7 +79,8 @@ def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
     assert traffic["exponents"]["split.cut"] == pytest.approx(0.0, abs=1e-9)
     assert step["exponents"]["split.cut"] == pytest.approx(1.0)
     assert step["exponents"]["zo.num_perturbations"] == pytest.approx(1.0)
-    assert "client peak memory: b(model size) = +0.00, b(split.cut) = +1.00, b(zo.num_perturbations) = +0.00" in text
+    assert ("client peak memory: b(model size) = +0.00 (spread 4x), b(split.cut) = +1.00 (spread 2x), "
+            "b(zo.num_perturbations) = +0.00 (spread 2x); a = ") in text  # fmt: skip
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
 

@@ -24,9 +24,11 @@ per grid point (mean over seeds), ``scaling.md`` / ``scaling.json`` give:
 Fitted: for each quantity, a power law in every swept axis at once, log y = log a + Σ_k b_k log x_k, by least
 squares over the grid points (R² given), where x_k is the model's parameter count for a model key
 (``model.source``, ``model.name``, ``model.width``) and the value itself for a numeric key (``split.cut``, P, …); an
-axis with one value is left out, and a quantity is fitted only with more points than exponents + 1. So the exponent
-of model size says how a cost grows with the model at a fixed cut and P. ``scaling.png`` plots each quantity
-against each swept axis, one line per value of the other axes.
+axis with one value is left out, and so is an axis whose values span less than 1.5x (``MIN_SPREAD``: two models of
+nearly the same size give an exponent that is noise); scaling.md and scaling.json give each axis's spread, and for
+each quantity its exponents, R² and the axes left out with the reason. A quantity is fitted only with more points
+than exponents + 1. So the exponent of model size says how a cost grows with the model at a fixed cut and P.
+``scaling.png`` plots each quantity against each swept axis, one line per value of the other axes.
 """
 
 from __future__ import annotations
@@ -212,26 +214,73 @@ def axes_of(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     return {k: v for k, v in out.items() if len(set(v.values())) > 1}
 
 
-def loglinear_fit(axes: dict[str, list[float]], ys: list[float | None]) -> dict[str, Any] | None:
+MIN_SPREAD = 1.5
+"""Least ratio of an axis's largest to smallest value for its exponent to be fitted. Over a narrower range log x
+barely varies, and b is the noise of y divided by that small difference: two models of 97,472 and 97,536 parameters
+gave b(model size) = +73.6 with a = 0, and -9.8 with a = 7.5e+50."""
+
+
+def axis_check(values: list[float]) -> dict[str, Any]:
+    """An axis's distinct values, range and spread (max / min) over the points fitted, and whether an exponent of
+    it means anything (``why`` says why not)."""
+    distinct = sorted(set(values))
+    spread = distinct[-1] / distinct[0] if distinct and distinct[0] > 0 else None
+    why = None
+    if len(distinct) < 2:
+        why = f"one value ({distinct[0]:g})" if distinct else "no value"
+    elif spread is None:
+        why = f"a value of {distinct[0]:g} has no logarithm"
+    elif spread < MIN_SPREAD:
+        why = f"its values are {spread:.4g}x apart, less than {MIN_SPREAD:g}x: log x barely varies, b would be noise"
+    return {"distinct": len(distinct), "min": distinct[0] if distinct else None,
+            "max": distinct[-1] if distinct else None, "spread": spread, "fitted": why is None, "why": why}  # fmt: skip
+
+
+def loglinear_fit(axes: dict[str, list[float]], ys: list[float | None]) -> dict[str, Any]:
     """y ≈ a·Π_k x_k^b_k by least squares on log y = log a + Σ_k b_k log x_k, over the points where y > 0.
 
-    None with no more points than coefficients (the exponents and a: nothing left to check the fit against), or
-    with an axis of one value; a single axis needs only two points (the line through them: R² = 1 says nothing)."""
+    Only the axes whose values over those points are at least :data:`MIN_SPREAD` apart get an exponent (``axes``
+    says each one's spread and why one is left out). No fit (``a``, ``exponents`` and ``r2`` empty, ``why`` says why)
+    with no such axis, with the axes varying together (no unique exponents), or with no more points than
+    coefficients (the exponents and a: nothing left to check the fit against); a single axis needs only two points
+    (the line through them: R² = 1 says nothing)."""
     names = list(axes)
     rows = [(i, y) for i, y in enumerate(ys) if y is not None and y > 0 and all(axes[k][i] > 0 for k in names)]
-    if not names or len(rows) < (2 if len(names) == 1 else len(names) + 2):
-        return None
-    x = np.array([[math.log(axes[k][i]) for k in names] for i, _ in rows])
-    if any(len(set(col)) < 2 for col in x.T):
-        return None
+    checks = {k: axis_check([axes[k][i] for i, _ in rows]) for k in names}
+    fitted = [k for k in names if checks[k]["fitted"]]
+    out: dict[str, Any] = {"a": None, "exponents": {}, "r2": None, "points": len(rows), "axes": checks, "why": None}
+    need = 2 if len(fitted) == 1 else len(fitted) + 2
+    if not fitted:
+        out["why"] = "no axis whose values are " + (f"{MIN_SPREAD:g}x apart" if rows else "positive with a value")
+        return out
+    if len(rows) < need:
+        out["why"] = f"{len(rows)} point(s) with a value, {need} needed for {len(fitted)} exponent(s) and a"
+        return out
     ly = np.log([y for _, y in rows])
-    design = np.column_stack([np.ones(len(rows)), x])
+    design = np.column_stack([np.ones(len(rows)), [[math.log(axes[k][i]) for k in fitted] for i, _ in rows]])
+    if np.linalg.matrix_rank(design) < design.shape[1]:
+        out["why"] = f"the axes {', '.join(fitted)} vary together over these points: their exponents are not unique"
+        return out
     coef, *_ = np.linalg.lstsq(design, ly, rcond=None)
     resid = ly - design @ coef
     total = float(((ly - ly.mean()) ** 2).sum())
-    r2 = 1.0 - float((resid**2).sum()) / total if total > 0 else 1.0
-    return {"a": float(math.exp(coef[0])), "exponents": dict(zip(names, map(float, coef[1:]))), "r2": r2,
-            "points": len(rows)}  # fmt: skip
+    constant = np.ptp(ly) <= 1e-12 * max(1.0, float(np.abs(ly).max()))  # rounding noise alone: R² would be noise
+    r2 = 1.0 if constant else 1.0 - float((resid**2).sum()) / total
+    out.update(a=float(math.exp(coef[0])), exponents=dict(zip(fitted, map(float, coef[1:]))), r2=r2)
+    return out
+
+
+def fit_line(label: str, fit: dict[str, Any], grid: dict[str, dict[str, Any]]) -> str:
+    """One line of scaling.md: the exponents with their axis's spread, a and R², and each axis left out and why
+    (where ``grid``, the axes' checks over every point, has not said it already)."""
+    left = [f"{k}: no exponent, {c['why']}" for k, c in fit["axes"].items() if not c["fitted"] and grid[k]["fitted"]]
+    if fit["why"] is not None:
+        return f"- {label}: not fitted: {fit['why']}" + "".join(f"; {w}" for w in left)
+    exps = ", ".join(f"b({k}) = {b:+.2f} (spread {fit['axes'][k]['spread']:.3g}x)" for k, b in fit["exponents"].items())
+    exact = fit["points"] == len(fit["exponents"]) + 1
+    exact_words = " (as many points as coefficients: the line through them)" if exact else ""
+    return (f"- {label}: {exps}; a = {fit['a']:.3g}, R² = {fit['r2']:.3f}{exact_words} over {fit['points']} points"
+            + "".join(f"; {w}" for w in left))  # fmt: skip
 
 
 def _mib(b: float | None) -> str:
@@ -250,8 +299,9 @@ def write_scaling(
     names = list(points)
     fits = {q: loglinear_fit({a: [axes[a][n] for n in names] for a in axes}, [points[n].get(q) for n in names])
             for q in QUANTITIES}  # fmt: skip
-    (out / "scaling.json").write_text(json.dumps({"points": points, "axes": axes, "fits": fits, "command": command},
-                                                 indent=1))  # fmt: skip
+    checks = {a: axis_check(list(axes[a].values())) for a in axes}
+    (out / "scaling.json").write_text(json.dumps({"points": points, "axes": axes, "axis_checks": checks, "fits": fits,
+                                                  "min_spread": MIN_SPREAD, "command": command}, indent=1))  # fmt: skip
     categories = [c for c in sorted({k for p in points.values() for k in p if k.startswith("traffic/")})
                   if any(p.get(c) for p in points.values()) and c != "traffic/eval"]  # fmt: skip
     lines = [f"# {title}", "", f"`{command}`", "",
@@ -275,15 +325,16 @@ def write_scaling(
               "peak RSS: the in-process run (every client and the server in one process). "
               f"{metric}: final, none for architectures without weights.", ""]  # fmt: skip
     if axes:
-        lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b({a})" for a in axes) + " (least squares in log-log "
-                  "over the grid; the model size axis is its parameter count):", ""]  # fmt: skip
-        for q, f in fits.items():
-            label = QUANTITIES[q][0].split(" [")[0]
-            if f is None:
-                lines.append(f"- {label}: not fitted (too few points with a value)")
-                continue
-            exps = ", ".join(f"b({a}) = {b:+.2f}" for a, b in f["exponents"].items())
-            lines.append(f"- {label}: {exps}; a = {f['a']:.3g}, R² = {f['r2']:.3f} over {f['points']} points")
+        fitted = [a for a in axes if checks[a]["fitted"]] or list(axes)
+        lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b({a})" for a in fitted) + " (least squares in log-log "
+                  "over the grid; the model size axis is its parameter count). An axis gets an exponent only where "
+                  f"its values span at least {MIN_SPREAD:g}x (spread: largest / smallest value):", ""]  # fmt: skip
+        for a, c in checks.items():
+            spread = "" if c["spread"] is None else f" (spread {c['spread']:.4g}x)"
+            lines.append(f"- axis {a}: {c['distinct']} values, {c['min']:,.6g} to {c['max']:,.6g}{spread}"
+                         + ("" if c["fitted"] else f": no exponent, {c['why']}"))  # fmt: skip
+        lines.append("")
+        lines += [fit_line(QUANTITIES[q][0].split(" [")[0], f, checks) for q, f in fits.items()]
     else:
         lines.append("No axis with several numeric values (or model sizes): nothing fitted.")
     text = "\n".join(lines) + "\n"
@@ -325,8 +376,11 @@ def _plot(path: Path, points: dict[str, dict[str, Any]], axes: dict[str, dict[st
                     ax.plot(*zip(*pts), marker="o", ms=4, label=g)
             fit = fits.get(q)
             b = None if fit is None else fit["exponents"].get(axis)
-            ax.set_title(label.split(" [")[0] + ("" if b is None else f"   (fit: ∝ x^{b:.2f}, R² {fit['r2']:.2f})"),
-                         fontsize=8.5)  # fmt: skip
+            check = None if fit is None else fit["axes"].get(axis)
+            note = "" if b is None else f"   (fit: ∝ x^{b:.2f}, R² {fit['r2']:.2f})"
+            if check is not None and not check["fitted"] and check["spread"] is not None:
+                note = f"   (no fit: spread {check['spread']:.3g}x)"
+            ax.set_title(label.split(" [")[0] + note, fontsize=8.5)
             ax.set_ylabel(label.split(" (")[0] if " [" in label else label, fontsize=8)
             if axis == "model size":
                 ax.set_xscale("log")
