@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from tiny import lm_overrides, write_text_files
 
-from hosfl_dist.experiments.scaling import axes_of, loglinear_fit, main, server_seconds, write_scaling
+from hosfl_dist.experiments.scaling import (
+    axes_of,
+    loglinear_fit,
+    main,
+    scaling_figure,
+    server_seconds,
+    write_scaling,
+)
 
 
 def test_the_fit_recovers_one_exponent_per_axis_and_needs_enough_points():
@@ -82,6 +90,39 @@ def test_the_report_lists_every_point_fits_every_axis_and_plots(tmp_path):
     assert ("client peak memory: b(model size) = +0.00 (spread 4x), b(split.cut) = +1.00 (spread 2x), "
             "b(zo.num_perturbations) = +0.00 (spread 2x); a = ") in text  # fmt: skip
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_each_line_of_the_plot_is_one_setting_of_the_other_keys_with_a_legend_and_plain_ticks():
+    """Two tiny models of nearly the same size (both "0M" when labelled by size) and two methods (no axis): the P
+    column drew one zigzag through all 12 points with no legend, and the memory panel read "+3.173" above its ticks."""
+    points = {}
+    for model, size in (("qwen3", 97_536), ("llama", 97_472)):
+        for method in ("hosfl", "sfl"):
+            for p in (4, 1, 2):  # not in x order
+                pt = point(size, 2, p)
+                pt["client_peak_bytes"] = 2**20 * (3.173 + 1e-4 * p + (2e-4 if model == "llama" else 0))
+                pt["client_step_s"] = 0.01 * p * (2 if method == "sfl" else 1) * (1.3 if model == "llama" else 1)
+                points[f"model.source=tiny:{model},algorithm.name={method},zo.num_perturbations={p}"] = pt
+    axes = axes_of(points)
+    fits = {q: loglinear_fit({a: [axes[a][n] for n in points] for a in axes}, [pt.get(q) for pt in points.values()])
+            for q in ("client_peak_bytes", "client_step_s")}  # fmt: skip
+    fig = scaling_figure(points, axes, fits, "eval_accuracy", "T")
+    fig.canvas.draw()
+    grid = np.array(fig.axes).reshape(-1, 2)  # rows: quantities; columns: model size, P
+    step = grid[1][1]
+    assert sorted(line.get_label() for line in step.lines) == ["tiny:llama, hosfl", "tiny:llama, sfl",
+                                                              "tiny:qwen3, hosfl", "tiny:qwen3, sfl"]  # fmt: skip
+    for line in step.lines:
+        assert list(line.get_xdata()) == [1, 2, 4]  # one point per x: no vertical jump inside a line
+    assert step.get_ylabel() == "client step [ms]" and grid[0][0].get_ylabel() == "client peak memory [MiB]"
+    legends = [ax.get_legend() for ax in grid[-1]]
+    assert [t.get_text() for t in legends[1].get_texts()] == ["tiny:qwen3, hosfl", "tiny:qwen3, sfl",
+                                                             "tiny:llama, hosfl", "tiny:llama, sfl"]  # fmt: skip
+    assert len(legends[0].get_texts()) == 6  # the model column: a line per (method, P)
+    for ax in fig.axes:
+        assert ax.yaxis.get_offset_text().get_text() == "" and ax.xaxis.get_offset_text().get_text() == ""
+        assert all("+" not in t.get_text() and "e-" not in t.get_text() for t in ax.get_yticklabels())
+    assert "no fit: spread 1" in grid[0][0].get_title() and "fit: ∝ x^1.00" in step.get_title()
 
 
 def test_the_server_cost_counts_training_calls_not_evaluation():

@@ -48,6 +48,8 @@ from hosfl_dist.experiments.cli import parse, parser, quote_arg, run_experiment
 from hosfl_dist.experiments.sweep import build, plan
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from hosfl_dist.config import Config
     from hosfl_dist.experiments.runs import RunData
 
@@ -265,9 +267,14 @@ def loglinear_fit(axes: dict[str, list[float]], ys: list[float | None]) -> dict[
     resid = ly - design @ coef
     total = float(((ly - ly.mean()) ** 2).sum())
     constant = np.ptp(ly) <= 1e-12 * max(1.0, float(np.abs(ly).max()))  # rounding noise alone: R² would be noise
-    r2 = 1.0 if constant else 1.0 - float((resid**2).sum()) / total
+    r2 = 1.0 if constant else max(0.0, 1.0 - float((resid**2).sum()) / total)  # >= 0 with an intercept: no "-0.00"
     out.update(a=float(math.exp(coef[0])), exponents=dict(zip(fitted, map(float, coef[1:]))), r2=r2)
     return out
+
+
+def _exponent(b: float, sign: str = "") -> str:
+    """``b`` to two decimals, without the minus of a negative value that rounds to zero."""
+    return format(0.0 if round(b, 2) == 0 else b, f"{sign}.2f")
 
 
 def fit_line(label: str, fit: dict[str, Any], grid: dict[str, dict[str, Any]]) -> str:
@@ -276,7 +283,8 @@ def fit_line(label: str, fit: dict[str, Any], grid: dict[str, dict[str, Any]]) -
     left = [f"{k}: no exponent, {c['why']}" for k, c in fit["axes"].items() if not c["fitted"] and grid[k]["fitted"]]
     if fit["why"] is not None:
         return f"- {label}: not fitted: {fit['why']}" + "".join(f"; {w}" for w in left)
-    exps = ", ".join(f"b({k}) = {b:+.2f} (spread {fit['axes'][k]['spread']:.3g}x)" for k, b in fit["exponents"].items())
+    exps = ", ".join(f"b({k}) = {_exponent(b, '+')} (spread {fit['axes'][k]['spread']:.3g}x)"
+                     for k, b in fit["exponents"].items())  # fmt: skip
     exact = fit["points"] == len(fit["exponents"]) + 1
     exact_words = " (as many points as coefficients: the line through them)" if exact else ""
     return (f"- {label}: {exps}; a = {fit['a']:.3g}, R² = {fit['r2']:.3f}{exact_words} over {fit['points']} points"
@@ -345,70 +353,104 @@ def write_scaling(
 
 def _plot(path: Path, points: dict[str, dict[str, Any]], axes: dict[str, dict[str, float]], fits: dict[str, Any],
           metric: str, title: str) -> None:  # fmt: skip
-    """A row per quantity, a column per swept axis; in a panel one line per value of the other axes (legend under
-    the column), the fitted exponent of that axis in the row's title."""
+    fig = scaling_figure(points, axes, fits, metric, title)  # selects the Agg backend before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scaling_figure(points: dict[str, dict[str, Any]], axes: dict[str, dict[str, float]], fits: dict[str, Any],
+                   metric: str, title: str) -> Figure:  # fmt: skip
+    """A row per quantity, a column per swept axis; in a panel one line per setting of the other grid keys, sorted by
+    x, one colour per setting down the column (legend under the column), the fitted exponent of that axis (or why
+    there is none) in the panel's title. Tick labels are plain numbers in the unit of the axis label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
 
-    rows = [(q, *QUANTITIES[q]) for q in PLOTTED if any(p.get(q) is not None for p in points.values())]
+    rows = [q for q in PLOTTED if any(p.get(q) is not None for p in points.values())]
     if any(p.get(metric) is not None for p in points.values()):
-        rows.append((metric, f"final {metric}", 1.0))
+        rows.append(metric)
     cols = list(axes) or ["point"]
     fig, grid = plt.subplots(len(rows), len(cols), figsize=(4.6 * len(cols), 2.7 * len(rows) + 0.9),
                              layout="constrained", squeeze=False)  # fmt: skip
     names = list(points)
     for j, axis in enumerate(cols):
         xs = axes.get(axis, {n: float(i) for i, n in enumerate(names)})
-        others = [a for a in cols if a != axis]
-        groups: dict[str, list[str]] = {}
-        for n in names:
-            label = ", ".join(f"{_short(o)} {_tick(o, axes[o][n])}" for o in others) if others else "all points"
-            groups.setdefault(label, []).append(n)
-        for i, (q, label, scale) in enumerate(rows):
+        groups = _groups(names, axis)
+        for i, q in enumerate(rows):
             ax = grid[i][j]
-            for g, members in groups.items():
-                members = sorted(members, key=lambda n: xs[n])
-                pts = [(xs[n], points[n][q] * scale) for n in members if points[n].get(q) is not None]
+            name, unit, scale = _unit(q, [points[n][q] for n in names if points[n].get(q) is not None], metric)
+            for k, (g, members) in enumerate(groups.items()):
+                pts = sorted((xs[n], points[n][q] * scale) for n in members if points[n].get(q) is not None)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=4, label=g)
+                    ax.plot(*zip(*pts), marker="o", ms=4, color=f"C{k % 10}", label=g)
             fit = fits.get(q)
             b = None if fit is None else fit["exponents"].get(axis)
             check = None if fit is None else fit["axes"].get(axis)
-            note = "" if b is None else f"   (fit: ∝ x^{b:.2f}, R² {fit['r2']:.2f})"
+            note = "" if b is None else f"   (fit: ∝ x^{_exponent(b)}, R² {fit['r2']:.2f})"
             if check is not None and not check["fitted"] and check["spread"] is not None:
                 note = f"   (no fit: spread {check['spread']:.3g}x)"
-            ax.set_title(label.split(" [")[0] + note, fontsize=8.5)
-            ax.set_ylabel(label.split(" (")[0] if " [" in label else label, fontsize=8)
+            ax.set_title(name + note, fontsize=8.5)
+            ax.set_ylabel(name if unit is None else f"{name} [{unit}]", fontsize=8)
+            ax.ticklabel_format(axis="y", style="plain", useOffset=False)  # no "+3.173" or "1e-6" above the axis
             if axis == "model size":
                 ax.set_xscale("log")
                 ax.xaxis.set_major_formatter(EngFormatter(sep=""))
                 ax.xaxis.set_minor_formatter(EngFormatter(sep=""))
             else:
                 ax.set_xticks(sorted(set(xs.values())))
+                ax.ticklabel_format(axis="x", style="plain", useOffset=False)
             ax.tick_params(labelsize=7.5, which="both")
             ax.grid(alpha=0.3, which="both")
             if i == len(rows) - 1:
                 ax.set_xlabel("model parameters" if axis == "model size" else axis, fontsize=8.5)
-        handles, labels = grid[0][j].get_legend_handles_labels()
-        if len(labels) > 1:
-            grid[-1][j].legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncols=2,
-                               frameon=False)  # fmt: skip
+        shown = {}  # every line of the column once, in the order of the groups (a row may lack some)
+        for ax in grid[:, j]:
+            shown.update(zip(*reversed(ax.get_legend_handles_labels())))
+        if len(groups) > 1:
+            order = [g for g in groups if g in shown]
+            grid[-1][j].legend([shown[g] for g in order], order, fontsize=7, loc="upper center",
+                               bbox_to_anchor=(0.5, -0.32), ncols=2, frameon=False)  # fmt: skip
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def _short(axis: str) -> str:
-    return {"model size": "model", "split.cut": "cut", "zo.num_perturbations": "P", "zo.mu": "μ"}.get(axis, axis)
+def _groups(names: list[str], axis: str) -> dict[str, list[str]]:
+    """The points of each line in the column of ``axis``: those alike in every other grid key (the model keys are
+    the model size axis together), labelled by those keys' values."""
+    if axis == "point":
+        return {"all points": names}
+    own = MODEL_KEYS if axis == "model size" else (axis,)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        items = [item.split("=", 1) for item in n.split(",")]
+        groups.setdefault(", ".join(_setting(k, v) for k, v in items if k not in own) or "all points", []).append(n)
+    return groups
 
 
-def _tick(axis: str, x: float) -> str:
-    if axis == "model size":
-        return f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.0f}M"
-    return f"{x:g}"
+def _setting(key: str, value: str) -> str:
+    if key in ("model.source", "model.name", "model.gguf_file", "algorithm.name"):
+        return value  # tiny:qwen3, hosfl: the value says what it is
+    short = {"split.cut": "cut", "zo.num_perturbations": "P", "zo.mu": "μ", "model.width": "width"}.get(key)
+    return f"{short} {value}" if short else f"{key}={value}"
+
+
+def _unit(q: str, values: list[float], metric: str) -> tuple[str, str | None, float]:
+    """A quantity's name, the unit its values read best in (bytes in binary units, seconds in s, ms or µs) and the
+    scale to it."""
+    if q not in QUANTITIES:
+        return f"final {metric}", None, 1.0
+    name, top = QUANTITIES[q][0].split(" [")[0], max((abs(v) for v in values), default=0.0)
+    if "bytes" in q:
+        unit, size = next(((u, z) for u, z in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= z),
+                          ("bytes", 1))  # fmt: skip
+        return name, unit, 1 / size
+    unit, scale = ("s", 1.0) if top >= 1 else ("ms", 1e3) if top >= 1e-3 else ("µs", 1e6)
+    return name, unit, scale
 
 
 def main(argv: list[str] | None = None) -> int:
