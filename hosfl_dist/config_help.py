@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import sys
 import textwrap
 import typing
 from functools import cache
@@ -105,3 +106,87 @@ def help_config(section: str = "") -> str:
         for para in doc.split("\n\n"):  # the source's line breaks are layout: reflow each paragraph
             lines += textwrap.wrap(" ".join(para.split()), WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines).rstrip() + "\n"
+
+
+MARKDOWN_COMMAND = "python -m hosfl_dist.config_help --markdown > docs/configuration.md"
+"""The command that writes docs/configuration.md (tests/test_docs.py compares the committed file with its output)."""
+
+
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell: one line, pipes escaped, and no ``<name>`` read as an HTML tag or ``*`` as
+    emphasis (backslash escapes, which GitHub renders as the bare character)."""
+    for char in ("\\", "|", "*", "<"):
+        text = text.replace(char, "\\" + char)
+    return text
+
+
+def _code(text: str) -> str:
+    """``text`` as a code span of a table cell (a pipe still needs its backslash inside a span)."""
+    return "`" + text.replace("|", "\\|") + "`"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return "".join(c for c in heading.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def markdown_config() -> str:
+    """Every config key as Markdown (docs/configuration.md): a section per config section, each a table of key,
+    type, default and meaning, generated like :func:`help_config` from :mod:`hosfl_dist.config`."""
+    entries = _entries(default_tree(), "")
+    sections = [(key, doc) for key, _, _, doc, is_section in entries if is_section]
+    intro = (
+        "Every key of the config tree (`hosfl_dist/config.py`) with its type, default and meaning, a table per"
+        " section. A run's config is the defaults, then a YAML file (`--config`), then dotted overrides on the"
+        " command line (`section.key=value`); an unknown key, a wrongly typed value or an invalid combination stops"
+        " the run with one `error:` line naming the key ([running.md](running.md#configuration) says how files and"
+        " overrides are read). `python -m hosfl_dist.run --help-config [SECTION]` prints the same in a terminal."
+    )
+    index = "Sections: " + ", ".join(f"[`{key}`](#{_anchor(key)})" for key, _ in sections) + "."
+    lines = [
+        "# Configuration",
+        "",
+        textwrap.fill(intro, 120, break_on_hyphens=False),
+        "",
+        f"<!-- Generated from hosfl_dist/config.py by `{MARKDOWN_COMMAND}`;",
+        "     edit the docstrings there, not this file. -->",
+        "",
+        textwrap.fill(index, 120, break_on_hyphens=False),
+    ]
+    for key, type_name, default, doc, is_section in entries:
+        if is_section:
+            lines += ["", f"## {key}", ""]
+            if doc:
+                lines += [" ".join(doc.split()), ""]
+            lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+            continue
+        meaning = "<br><br>".join(_cell(" ".join(para.split())) for para in doc.split("\n\n"))
+        lines.append(f"| {_code(key)} | {_code(type_name)} | {_code(repr(default))} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m hosfl_dist.config_help",
+        description="Every config key with its type, default and meaning (as python -m hosfl_dist.run --help-config).",
+    )
+    p.add_argument("section", nargs="?", default="", help="only the keys of this section (e.g. zo, clients.optim)")
+    p.add_argument("--markdown", action="store_true", help=f"all keys as Markdown: {MARKDOWN_COMMAND}")
+    args = p.parse_args(argv)
+    if args.markdown:
+        if args.section:
+            p.error("--markdown writes every section; leave SECTION out")
+        print(markdown_config(), end="")
+        return 0
+    try:
+        print(help_config(args.section), end="")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
