@@ -15,7 +15,7 @@ This module adds what needs the model's architecture or the task's files:
 - one process: ``server.ranks`` > 1 needs torchrun.
 
 Importing the model code costs what ``import torch, transformers, peft`` costs (2-4 s on the 2-core test machine,
-see README "Bad input"); vision configs import nothing here.
+see docs/checkpoints.md, "Bad input"); vision configs import nothing here.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ PYTHON=python3
 if [ "$NPROC" -gt 1 ]; then
   export OMP_NUM_THREADS="${OMP_NUM_THREADS-1}"
 fi
-# The server refuses RPC calls without the job's token (README, "Trust boundary"): a secret made here reaches every
-# rank through the environment, never through the network, and is printed nowhere.
+# The server refuses RPC calls without the job's token (docs/checkpoints.md, "Trust boundary"): a secret made here
+# reaches every rank through the environment, never through the network, and is printed nowhere.
 if [ -z "${HOSFL_JOB_TOKEN:-}" ]; then
   HOSFL_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 fi
@@ -48,7 +48,7 @@ while :; do
 done
 trap - TERM INT
 # Processes killed before they could record how the run ended (OOM, SIGKILL) leave summary.json at "running": say
-# so, and record "died" there (README, "A live run owns its folder").
+# so, and record "died" there (docs/checkpoints.md, "A live run owns its folder").
 if ((rc != 0)); then
   "$PYTHON" -m hosfl_dist.run --config "$CONFIG" --record-death "$@" >&2 || true
 fi

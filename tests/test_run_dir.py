@@ -83,7 +83,7 @@ def test_threads_auto_follows_the_environment_then_the_model_size():
 
 
 def test_auto_threads_take_the_cores_the_load_leaves_free():
-    # README "Threads": on 2 cores under a load of 2-5 one thread beat two for the 135M LM (25.6 s vs 59.0 s)
+    # docs/running.md, "Threads": on 2 cores under a load of 2-5 one thread beat two for the 135M LM (25.6 s vs 59.0 s)
     assert [free_cores(2, load) for load in (0.0, 0.3, 0.6, 1.0, 1.4, 2.0, 5.0)] == [2, 2, 1, 1, 1, 1, 1]
     assert free_cores(16, 4.2) == 12 and free_cores(16, 40.0) == 1
 

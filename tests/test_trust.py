@@ -1,4 +1,4 @@
-"""The trust boundary (README, "Checkpoints, resume and faults"): the job's token and where the job listens.
+"""The trust boundary (docs/checkpoints.md, "Trust boundary"): the job's token and where the job listens.
 
 - every RPC entry point on rank 0 refuses a caller without the job's token, in one line that names nothing secret,
   before it touches the server; a refusal reaches the caller as an error, not as a value;
