@@ -122,7 +122,7 @@ def test_each_line_of_the_plot_is_one_setting_of_the_other_keys_with_a_legend_an
     for ax in fig.axes:
         assert ax.yaxis.get_offset_text().get_text() == "" and ax.xaxis.get_offset_text().get_text() == ""
         assert all("+" not in t.get_text() and "e-" not in t.get_text() for t in ax.get_yticklabels())
-    assert "no fit: spread 1" in grid[0][0].get_title() and "fit: ∝ x^1.00" in step.get_title()
+    assert "no fit: spread 1.001x" in grid[0][0].get_title() and "fit: ∝ x^1.00" in step.get_title()
 
 
 def test_the_server_cost_counts_training_calls_not_evaluation():

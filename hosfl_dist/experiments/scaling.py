@@ -393,7 +393,7 @@ def scaling_figure(points: dict[str, dict[str, Any]], axes: dict[str, dict[str, 
             check = None if fit is None else fit["axes"].get(axis)
             note = "" if b is None else f"   (fit: ∝ x^{_exponent(b)}, R² {fit['r2']:.2f})"
             if check is not None and not check["fitted"] and check["spread"] is not None:
-                note = f"   (no fit: spread {check['spread']:.3g}x)"
+                note = f"   (no fit: spread {check['spread']:.4g}x)"
             ax.set_title(name + note, fontsize=8.5)
             ax.set_ylabel(name if unit is None else f"{name} [{unit}]", fontsize=8)
             ax.ticklabel_format(axis="y", style="plain", useOffset=False)  # no "+3.173" or "1e-6" above the axis
