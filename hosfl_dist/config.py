@@ -69,7 +69,8 @@ class JobConfig:
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = auto: OMP_NUM_THREADS where it is set
     (torchrun sets 1), else 1 for a model under 10M parameters (measured fastest: results/bench/README.md,
-    'threads') and every core for a larger one. Printed at start."""
+    'threads') and, for a larger one, the cores other work leaves free (cores less the 1-minute load average, at
+    least 1). Printed at start, with where the number came from."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True

