@@ -97,6 +97,10 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     specs, _, _ = compare.build(compare.parse_args(argv))
     finish_in_process(cfg, [s for v in specs.values() for s in v])
     assert compare.main(argv) == 0
+    said = capsys.readouterr().out.splitlines()
+    reusing = [line for line in said if line.startswith("reusing ")]
+    assert reusing[0] == f"reusing {out / 'runs/hosfl/seed0'} (completed, same identity: config and inputs)"
+    assert len(reusing) == 4 and said[-1].endswith(f" s; 0 run(s) launched (0.0 s), 4 reused -> {out}")
     for name in ("table.md", "table.json", "accuracy.png", "traffic.png"):
         assert (out / name).stat().st_size > 0, name
     table = json.loads((out / "table.json").read_text())

@@ -205,6 +205,10 @@ class WorkerBase:
         """Bring what the worker holds to round t at the end of the run, so that digests are comparable."""
         raise NotImplementedError
 
+    def sync_all_words(self, t: int) -> str:
+        """What :meth:`sync_all` does at round t, in words for the end-of-run log line."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict[str, Any]:
         """What the worker keeps between rounds: its clients' data-stream positions and the samples processed."""
         return {"data": self.data.state_dict(sorted(self.hosted)), "processed": self.processed}

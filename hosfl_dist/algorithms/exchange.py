@@ -289,6 +289,9 @@ class ExchangeWorker(WorkerBase):
         """Fetch θc^t at the end of the run: every worker digests the same global client model."""
         self.final_params = list(self.eval_params(t))
 
+    def sync_all_words(self, t: int) -> str:
+        return f"fetching the global client model θc of round {t} (no replicas to bring up to date)"
+
     def client_digest(self) -> str:
         if self.final_params is None:
             raise RuntimeError("client_digest before sync_all")

@@ -498,6 +498,11 @@ class HOSFLWorker(WorkerBase):
         for m in sorted(self.hosted):
             self._catch_up(t, m)
 
+    def sync_all_words(self, t: int) -> str:
+        if not self.per_client:
+            return f"the shared client replica is at round {t} already (clients.replicas=shared)"
+        return f"bringing the {len(self.hosted)} client replicas to round {t} by replaying the history (Algorithm 3)"
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "client_round": dict(self.client_round)}
 

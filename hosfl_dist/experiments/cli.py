@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,39 +116,70 @@ def run_experiment(
     plan: Plan | None = None,
     row: str = "grid point",
 ) -> int:
-    """Check the overrides and the builds of every row (with ``plan``; ``row`` names a row in the errors), build the
-    runs, launch the unfinished ones, write the report; a bad input or a failed run is one line each (exit code
+    """:func:`run_rows`, then the invocation's wall time; a bad input or a failed run is one line each (exit code
     2)."""
+    start = time.perf_counter()
     try:
-        parse_list(args.seeds, "--seeds", int)
-        if plan is not None:
-            variants = plan(args)
-            check_overrides(args.config, variants)
-            check_builds(args.config, variants, row)  # imports torch (and transformers for an LM)
-        # the runner and the report import torch: only once the input is known to be usable
-        from hosfl_dist.experiments.report import write_report
-        from hosfl_dist.experiments.runs import launch, load
-
-        specs, title, extra = build(args)
-        record = launch(args.config, [s for v in specs.values() for s in v], args.jobs, args.threads, args.dry_run)
-        if args.dry_run:
-            return 0
-        if record["failed"]:
-            raise HosflError(f"{len(record['failed'])} run(s) failed: {record['failed'][0]}")
-        words = argv if argv is not None else sys.argv[1:]
-        extra = {
-            "config": args.config,
-            "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words),
-            **extra,
-            "this_invocation": record,
-        }
-        out = Path(args.out)
-        print(write_report(out, {n: [load(s) for s in v] for n, v in specs.items()}, args.metric, title, extra))
-        print(f"wall time of this invocation: {record['wall_time_s']} s -> {out}")
+        record = run_rows(prog, args, argv, build, plan, row)
+        if record is not None:
+            print(done_line(start, record, Path(args.out)))
     except HosflError as exc:
-        print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)
+        print_error(exc)
         return 2
     return 0
+
+
+def run_rows(
+    prog: str,
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    build: Build,
+    plan: Plan | None = None,
+    row: str = "grid point",
+) -> dict[str, Any] | None:
+    """Check the overrides and the builds of every row (with ``plan``; ``row`` names a row in the errors), build the
+    runs, launch the unfinished ones, write the report; returns the record of what ran (None for a dry run)."""
+    parse_list(args.seeds, "--seeds", int)
+    if plan is not None:
+        variants = plan(args)
+        check_overrides(args.config, variants)
+        check_builds(args.config, variants, row)  # imports torch (and transformers for an LM)
+    # the runner and the report import torch: only once the input is known to be usable
+    from hosfl_dist.experiments.report import few_evaluations, write_report
+    from hosfl_dist.experiments.runs import launch, load
+
+    specs, title, extra = build(args)
+    record = launch(args.config, [s for v in specs.values() for s in v], args.jobs, args.threads, args.dry_run)
+    if args.dry_run:
+        return None
+    if record["failed"]:
+        raise HosflError(f"{len(record['failed'])} run(s) failed: {record['failed'][0]}")
+    words = argv if argv is not None else sys.argv[1:]
+    extra = {
+        "config": args.config,
+        "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words),
+        **extra,
+        "this_invocation": record,
+    }
+    out = Path(args.out)
+    variants = {n: [load(s) for s in v] for n, v in specs.items()}
+    print(write_report(out, variants, args.metric, title, extra))
+    for name, runs in variants.items():
+        note = few_evaluations(name, [r.rows for r in runs], args.metric, runs[0].summary.get("processed_samples"))
+        if note is not None:
+            print(note)
+    return record
+
+
+def done_line(start: float, record: dict[str, Any], out: Path) -> str:
+    """The last line of an experiment command: its wall time from start to end, and what its runs were."""
+    runs = f"{len(record['launched'])} run(s) launched ({record['wall_time_s']} s), {len(record['reused'])} reused"
+    return f"wall time of this invocation: {time.perf_counter() - start:.1f} s; {runs} -> {out}"
+
+
+def print_error(exc: HosflError) -> None:
+    """``error: ...`` on stderr, one line per line of the message."""
+    print("\n".join(f"error: {line}" for line in str(exc).splitlines()), file=sys.stderr)
 
 
 def quote_arg(arg: str) -> str:

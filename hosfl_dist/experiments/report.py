@@ -224,6 +224,23 @@ def curve(runs: list[RunData], metric: str) -> tuple[np.ndarray, np.ndarray, np.
     return grid, ys_arr.mean(axis=0), std
 
 
+MIN_EVALUATIONS = 3
+"""Fewer evaluations of a run than this and its curve is a line drawn between measurements: the command says so."""
+
+
+def few_evaluations(name: str, runs: list[list[dict[str, Any]]], metric: str, samples: float | None) -> str | None:
+    """A note when a run of ``name`` (its metrics rows in ``runs``, one list per run) has fewer than
+    :data:`MIN_EVALUATIONS` evaluations of ``metric``, with a ``train.eval_every_samples`` that gives about five
+    (from the run's processed ``samples``); None otherwise."""
+    n = min(sum(isinstance(r.get(metric), (int, float)) for r in rows) for rows in runs)
+    if n >= MIN_EVALUATIONS:
+        return None
+    hint = f"train.eval_every_samples={int(samples) // 4}" if samples and samples >= 4 else "train.eval_every_samples"
+    each = " each" if len(runs) > 1 else ""
+    return (f"note: {label(name)}: {n} evaluation(s) of {metric}{each}; its curve joins {n} measurement(s) with a "
+            f"straight line: {hint} gives about five")  # fmt: skip
+
+
 def wrap_title(title: str, width: int = 75) -> str:
     """A figure title on as many lines as it needs at ``width`` characters, so a long one is never cut off."""
     return "\n".join(textwrap.wrap(title, width)) or title
@@ -240,7 +257,8 @@ def metric_figure(variants: dict[str, list[RunData]], metric: str, title: str) -
     fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
     for name, runs in variants.items():
         x, mean, std = curve(runs, metric)
-        (line,) = ax.plot(x, mean * scale, label=f"{label(name)} (n={len(runs)})")
+        # a marker per evaluation: two measurements joined by a line must not read as a measured straight line
+        (line,) = ax.plot(x, mean * scale, marker="o", ms=3.5, label=f"{label(name)} (n={len(runs)})")
         ax.fill_between(x, (mean - std) * scale, (mean + std) * scale, color=line.get_color(), alpha=0.2, lw=0)
     ax.set_xlabel("processed samples")
     ax.set_ylabel(metric + (" (%)" if scale == 100 else ""))
@@ -343,6 +361,14 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):
             algorithm = ""
         series[f"{folder.name} ({algorithm})" if algorithm else folder.name] = rows
+    from hosfl_dist.runtime.record.curves import SCORES
+
+    for name, rows in series.items():
+        score = next((k for k in SCORES if any(isinstance(r.get(k), (int, float)) for r in rows)), "eval_loss")
+        samples = max((r.get("processed_samples") or 0 for r in rows), default=0)
+        note = few_evaluations(name, [rows], score, samples)
+        if note is not None:
+            print(note)
     out = args.out or (args.runs[0] / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
     title = ", ".join(series) if len(series) > 1 else f"{next(iter(series))}: {args.runs[0]}"
     try:

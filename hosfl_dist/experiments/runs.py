@@ -88,6 +88,8 @@ def launch(
     for spec in specs:
         cfgs[spec.out_dir] = cfg = resolve(config, spec)
         (reused if is_finished(spec, cfg) else todo).append(spec)
+    for spec in reused:  # a comment line in a dry run's list of commands
+        print(f"{'# ' if dry_run else ''}reusing {spec.out_dir} (completed, same identity: config and inputs)")
     if dry_run:
         for spec in todo:
             print(" ".join(command(config, spec, cfgs[spec.out_dir])))

@@ -38,13 +38,14 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.cli import parse, parser, quote_arg, run_experiment
+from hosfl_dist.experiments.cli import done_line, parse, parser, print_error, quote_arg, run_rows
 from hosfl_dist.experiments.sweep import build, plan
 
 if TYPE_CHECKING:
@@ -146,8 +147,12 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     if path.is_file():
         cached = json.loads(path.read_text())
         if cached.get("mode") == mode and cached.get("spec") == dataclasses.asdict(spec):
+            print(f"client profile of {name}: reusing {path} (measured before for this client)")
             return cached  # measured before for exactly this client; another setting is measured again
-    result = profile(spec, [mode], threads=threads)["modes"][mode]  # its own process, the runs' thread count
+    t0 = time.perf_counter()
+    result = profile(spec, [mode], threads=threads, label=name)["modes"][mode]  # its own process, the runs' threads
+    print(f"client profile of {name}: {mode} client measured in {time.perf_counter() - t0:.1f} s, peak "
+          f"{result['peak_bytes'] / 2**20:,.1f} MiB of live tensors")  # fmt: skip
     record = {"mode": mode, "spec": dataclasses.asdict(spec), **result}
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
@@ -455,10 +460,11 @@ def _unit(q: str, values: list[float], metric: str) -> tuple[str, str | None, fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rc = run_experiment(PROG, args, argv, build, plan)  # the runs, and the sweep's accuracy report
-    if rc != 0 or args.dry_run:
-        return rc
+    start = time.perf_counter()
     try:
+        record = run_rows(PROG, args, argv, build, plan)  # the runs, and the sweep's accuracy report
+        if record is None:  # a dry run
+            return 0
         from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
 
         specs, title, _ = build(args)
@@ -471,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         words = argv if argv is not None else sys.argv[1:]
         command = f"python -m {PROG} " + " ".join(quote_arg(a) for a in words)
         print(write_scaling(out, points, args.metric, command, title if args.title else f"Scaling: {title}"))
+        print(done_line(start, record, out))
     except HosflError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     return 0
 

@@ -166,14 +166,21 @@ def check_modes(modes: Sequence[str]) -> None:
 
 
 def profile(
-    spec: ProfileSpec, modes: Sequence[str] = MODES, isolate: bool = True, steps: int = 1, threads: int = 0
+    spec: ProfileSpec,
+    modes: Sequence[str] = MODES,
+    isolate: bool = True,
+    steps: int = 1,
+    threads: int = 0,
+    label: str = "",
 ) -> dict[str, Any]:
     """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios;
-    ``threads``: the torch threads of each mode's process (0: torch's default)."""
+    ``threads``: the torch threads of each mode's process (0: torch's default); ``label`` begins each progress line
+    (a scaling study's grid point)."""
     check_modes(modes)
     results = {}
+    prefix = f"{label}: " if label else ""
     for i, mode in enumerate(modes, 1):
-        say(f"[{i}/{len(modes)}] {mode}: started")
+        say(f"{prefix}[{i}/{len(modes)}] {mode}: started")
         t0 = time.perf_counter()
         if isolate:
             with tempfile.TemporaryDirectory() as tmp:
@@ -181,15 +188,15 @@ def profile(
                 proc = subprocess.run(_child_command(spec, mode, steps, path, threads), capture_output=True, text=True)
                 if proc.returncode != 0:
                     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                    raise HosflError(f"profiling mode {mode} failed: {tail}")
+                    raise HosflError(f"{prefix}profiling mode {mode} failed: {tail}")
                 results[mode] = json.loads(path.read_text())
         else:
             results[mode] = profile_mode(spec, mode, steps)
             gc.collect()
         r = results[mode]
         rss = f", {size(r['rss_peak_bytes'])} process RSS" if isolate and r.get("rss_peak_bytes") else ""
-        say(f"[{i}/{len(modes)}] {mode}: done in {time.perf_counter() - t0:.1f} s, peak {size(r['peak_bytes'])} "
-            f"of live tensors{rss}")  # fmt: skip
+        say(f"{prefix}[{i}/{len(modes)}] {mode}: done in {time.perf_counter() - t0:.1f} s, peak "
+            f"{size(r['peak_bytes'])} of live tensors{rss}")  # fmt: skip
     ref = results.get("inference", {}).get("peak_bytes")
     ratios = {m: r["peak_bytes"] / ref for m, r in results.items()} if ref else {}
     rss_ref = results.get("inference", {}).get("rss_peak_bytes") if isolate else None

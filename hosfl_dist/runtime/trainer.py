@@ -180,8 +180,8 @@ class Trainer:
         if self.progress is not None:
             self.progress.close()
         if self.peers.is_leader:
-            logger.info(f"budget reached after {t} rounds: bringing the client replicas to round {t}, checking them "
-                        "against the server, writing summary.json")  # fmt: skip
+            logger.info(f"budget reached after {t} rounds: {self.worker.sync_all_words(t)}, checking the client "
+                        "digests against the server's, writing summary.json")  # fmt: skip
         self.worker.transport.flush()
         self.worker.sync_all(t)  # e.g. Algorithm 3 up to round t for every hosted replica: digests are comparable
         link = self.link.summary() if self.link is not None else None
