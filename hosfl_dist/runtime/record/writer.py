@@ -229,11 +229,13 @@ def done_line(summary: dict[str, Any], folder: str | Path) -> str:
         if last.get("best_eval_accuracy") is None
         else f" (best {_fraction(last['best_eval_accuracy'])} at round {last['best_round']})"
     )
+    curves = "curves.png: the curves; " if (Path(folder) / "curves.png").is_file() else ""
     return (
         f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
         f"eval_accuracy={_fraction(last.get('eval_accuracy'))}{best}, wall {summary['wall_time_s']} s -> {folder}\n"
-        "      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; plots and tables of "
-        "several runs: python -m hosfl_dist.experiments.compare"
+        f"      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; {curves}several runs' "
+        "curves: python -m hosfl_dist.experiments.report DIR...; the model: python -m hosfl_dist.export "
+        f"{folder} --out DIR"
     )
 
 
