@@ -108,7 +108,12 @@ def test_a_two_evaluation_curve_shows_its_two_measurements_and_the_command_says_
                     "line: train.eval_every_samples=768 gives about five")  # fmt: skip
     assert few_evaluations("sfl", [[{"eval_accuracy": 0.3}] * 3], "eval_accuracy", 3072) is None
 
-    rows = [{"round": r, "processed_samples": 3072 * r, "eval_accuracy": 0.5, "comm": {}} for r in (0, 1)]
+    rows = [{"round": r, "processed_samples": 384 * r, "eval_accuracy": 0.5, "comm": {}} for r in (0, 8)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
     assert "train.eval_every_samples=768 gives about five" in capsys.readouterr().out
+    # one SFL round of the whole budget: evaluations come at round ends, no interval adds a point
+    rows = [{"round": r, "processed_samples": 3072 * r, "eval_accuracy": 0.5, "comm": {}} for r in (0, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
+    assert "evaluations come at the end of a round and it ran 1 round(s)" in capsys.readouterr().out

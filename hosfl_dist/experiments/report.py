@@ -231,14 +231,20 @@ MIN_EVALUATIONS = 3
 def few_evaluations(name: str, runs: list[list[dict[str, Any]]], metric: str, samples: float | None) -> str | None:
     """A note when a run of ``name`` (its metrics rows in ``runs``, one list per run) has fewer than
     :data:`MIN_EVALUATIONS` evaluations of ``metric``, with a ``train.eval_every_samples`` that gives about five
-    (from the run's processed ``samples``); None otherwise."""
+    (from the run's processed ``samples``), or, where every round was evaluated already, the number of rounds (an
+    SFL round can be a whole budget); None otherwise."""
     n = min(sum(isinstance(r.get(metric), (int, float)) for r in rows) for rows in runs)
     if n >= MIN_EVALUATIONS:
         return None
-    hint = f"train.eval_every_samples={int(samples) // 4}" if samples and samples >= 4 else "train.eval_every_samples"
     each = " each" if len(runs) > 1 else ""
-    return (f"note: {label(name)}: {n} evaluation(s) of {metric}{each}; its curve joins {n} measurement(s) with a "
-            f"straight line: {hint} gives about five")  # fmt: skip
+    note = (f"note: {label(name)}: {n} evaluation(s) of {metric}{each}; its curve joins {n} measurement(s) with a "
+            "straight line")  # fmt: skip
+    known = [[r["round"] for r in rows if isinstance(r.get("round"), int)] for rows in runs]
+    rounds = min(max(k) for k in known) if all(known) else None
+    if rounds is not None and n >= rounds + 1:  # every round evaluated already: no interval adds a point
+        return f"{note}: evaluations come at the end of a round and it ran {rounds} round(s)"
+    hint = f"train.eval_every_samples={int(samples) // 4}" if samples and samples >= 4 else "train.eval_every_samples"
+    return f"{note}: {hint} gives about five"
 
 
 def wrap_title(title: str, width: int = 75) -> str:
