@@ -235,6 +235,12 @@ def test_export_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run):
     line = refused(str(broken), "--out", str(tmp_path / "o"))
     assert "failed verification" in line and "round-1" in line
 
+    # a folder an export killed with SIGKILL left behind is removed by the next export to that place
+    stale = tmp_path / ".again.partial-999999999-1"
+    stale.mkdir()
+    assert export_main([str(run_dir), "--out", str(tmp_path / "again")]) == 0
+    assert not stale.exists() and (tmp_path / "again" / "config.json").is_file()
+
     # --force replaces a folder once the new export is complete
     assert export_main([str(run_dir), "--out", str(full), "--force"]) == 0
     assert not (full / "x").exists() and (full / "config.json").is_file()

@@ -17,6 +17,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -101,8 +102,13 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def _scratch(out: Path) -> Path:
-    """A fresh hidden folder beside ``out`` (on its file system, so the final rename is atomic)."""
+    """A fresh hidden folder beside ``out`` (on its file system, so the final rename is atomic); the ones an export
+    killed with SIGKILL left there (their process is gone) are removed first."""
     parent = out.parent
+    for stale in parent.glob(f".{out.name}.partial-*") if parent.is_dir() else ():
+        pid = stale.name.removeprefix(f".{out.name}.partial-").split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = parent / f".{out.name}.partial-{os.getpid()}-{time.monotonic_ns()}"
@@ -110,6 +116,16 @@ def _scratch(out: Path) -> Path:
     except OSError as exc:
         raise ExportError(f"--out {out}: cannot write in {parent} ({exc.strerror or exc})") from None
     return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _commit(tmp: Path, out: Path) -> None:
@@ -151,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     from hosfl_dist.logs import init_logging
 
     init_logging("export")
+    # SIGTERM (a scheduler, `timeout`) unwinds like Ctrl-C: the half-written folder is removed, --out is untouched
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.perf_counter()
     command = shlex.join(["python", "-m", "hosfl_dist.export", *(sys.argv[1:] if argv is None else argv)])
     try:
