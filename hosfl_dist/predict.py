@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None and (value < 0 or (value == 0 and flag in ("batch_size", "max_length"))):
                 raise PredictError(f"--{flag.replace('_', '-')} {value}: expected a positive number")
+        if args.out.resolve() == args.data.resolve():
+            raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
         record = _record(args.model)
         task = record.get("task") or {}
         spec, columns = task_of(record, args)

@@ -235,11 +235,21 @@ def test_export_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run):
     line = refused(str(broken), "--out", str(tmp_path / "o"))
     assert "failed verification" in line and "round-1" in line
 
+    assert "holds the run" in refused(str(run_dir), "--out", str(run_dir.parent), "--force")
+    assert "holds the run" in refused(str(run_dir), "--out", str(run_dir), "--force")
+    assert (run_dir / "config.yaml").is_file()
+
     # a folder an export killed with SIGKILL left behind is removed by the next export to that place
     stale = tmp_path / ".again.partial-999999999-1"
     stale.mkdir()
     assert export_main([str(run_dir), "--out", str(tmp_path / "again")]) == 0
     assert not stale.exists() and (tmp_path / "again" / "config.json").is_file()
+
+    # runs/<job.name> names its newest run through its latest link
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "latest").symlink_to(run_dir)
+    assert export_main([str(named), "--out", str(tmp_path / "via-latest")]) == 0
 
     # --force replaces a folder once the new export is complete
     assert export_main([str(run_dir), "--out", str(full), "--force"]) == 0
@@ -264,6 +274,7 @@ def test_predict_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run, text_fi
                                                     "--label-words", "a,b")  # fmt: skip
     assert "not found" in refused("--model", str(out), "--data", str(tmp_path / "none.jsonl"), "--out", preds)
     assert "no column" in refused("--model", str(out), "--data", data, "--out", preds, "--template", "{missing}")
+    assert "would replace the examples" in refused("--model", str(out), "--data", data, "--out", data)
     assert "--batch-size 0" in refused("--model", str(out), "--data", data, "--out", preds, "--batch-size", "0")
     assert not Path(preds).exists()
 

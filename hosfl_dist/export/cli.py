@@ -44,9 +44,12 @@ def export(
     """Export checkpoint ``checkpoint`` of the run in ``run_dir`` to the folder ``out``; returns hosfl_export.json's
     record. ``fmt`` None: ``merged`` for an LM, ``state_dict`` for a vision model. ``force`` replaces an ``out``
     that holds files (only once the new export is complete)."""
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = run_folder(Path(run_dir)), Path(out)
     if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    run, target = run_dir.resolve(), out.resolve()
+    if target == run or run.is_relative_to(target):
+        raise ExportError(f"--out {out} holds the run {run_dir}: export to a folder of its own")
     _check_out(out, force)
     tmp = _scratch(out)
     try:
@@ -87,6 +90,15 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return record
+
+
+def run_folder(path: Path) -> Path:
+    """The run in ``path``: the folder itself, or the newest run of ``runs/<job.name>`` (its ``latest`` link)."""
+    from hosfl_dist.export.restore import CONFIG
+
+    if not (path / CONFIG).is_file() and (path / "latest" / CONFIG).is_file():
+        return path / "latest"
+    return path
 
 
 def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str) -> str:
