@@ -120,7 +120,7 @@ class JobConfig:
 class AlgorithmConfig:
     name: str = "hosfl"
     """Training method: a name registered in hosfl_dist.algorithms (hosfl, sfl, splitlora, fsl_sage, zo_sfl,
-    mu_splitfed)."""
+    mu_splitfed; frozen_client: HO-SFL with the client frozen, the server-only reference)."""
     local_epochs: int = 1
     """E: local epochs per round of the methods that aggregate models (SFL, SplitLoRA, FSL-SAGE, ZO-SFL)."""
     server_update_interval: int = 5
@@ -581,7 +581,7 @@ class Config:
                f"clients.batch_size={batch}: a client's batch must not be cut into pieces")  # fmt: skip
 
     def _check_algorithm(self) -> None:
-        from hosfl_dist.algorithms import get_algorithm  # the registry; imports the algorithm modules
+        from hosfl_dist.algorithms import algorithm_names, get_algorithm  # the registry; imports the algorithm modules
 
         spec = get_algorithm(self.algorithm.name)
         family = "hf" if self.model.name == "hf" else "vision"
@@ -604,9 +604,10 @@ class Config:
             if problem is not None and spec.zeroth_order_client:
                 raise ConfigError(problem)
         for side in ("clients", "server"):
-            _check(not getattr(self, side).optim.scheduled or spec.name == "hosfl", f"{side}.optim.schedule",
-                   getattr(self, side).optim.schedule, f"learning-rate schedules are implemented for hosfl, not "
-                   f"algorithm.name={spec.name}")  # fmt: skip
+            scheduling = "/".join(n for n in algorithm_names() if get_algorithm(n).lr_schedules)
+            _check(not getattr(self, side).optim.scheduled or spec.lr_schedules, f"{side}.optim.schedule",
+                   getattr(self, side).optim.schedule, f"learning-rate schedules are implemented for {scheduling}, "
+                   f"not algorithm.name={spec.name}")  # fmt: skip
         _check(
             self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
             "train.on_nonfinite",

@@ -55,9 +55,9 @@ def test_a_method_is_one_registry_entry_and_the_config_and_runtimes_find_it(monk
 
 
 def test_the_registry_lists_the_papers_methods_with_their_capabilities():
-    assert algorithm_names() == ["fsl_sage", "hosfl", "mu_splitfed", "sfl", "splitlora", "zo_sfl"]
+    assert algorithm_names() == ["frozen_client", "fsl_sage", "hosfl", "mu_splitfed", "sfl", "splitlora", "zo_sfl"]
     zo = {n for n in algorithm_names() if get_algorithm(n).zeroth_order_client}
-    assert zo == {"hosfl", "zo_sfl", "mu_splitfed"}
+    assert zo == {"hosfl", "zo_sfl", "mu_splitfed", "frozen_client"}  # frozen_client: HO-SFL's client forward
     assert get_algorithm("hosfl").server_parts == ("server",)  # the HO-SFL server never holds θc
     assert "client" in get_algorithm("sfl").server_parts  # model-exchanging servers keep θc^t
     assert get_algorithm("fsl_sage").worker_parts == ("client", "server") and get_algorithm("fsl_sage").families == (

@@ -26,6 +26,7 @@ def tiny_llama(name: str, tmp_path: Path) -> list[str]:
 
 CASES = {  # golden file -> (algorithm, overrides)
     "hosfl_tiny": ("hosfl", vision),
+    "frozen_client_tiny": ("frozen_client", vision),
     "sfl_tiny": ("sfl", vision),
     "fsl_sage_tiny": ("fsl_sage", vision),
     "zo_sfl_tiny": ("zo_sfl", vision),

@@ -44,6 +44,9 @@ class AlgorithmSpec:
     """Trains LoRA adapters on both sides (model.name=hf with client and server targets)."""
     skips_nonfinite: bool = False
     """Can leave a client with a non-finite upload out of a round (``train.on_nonfinite=skip``); else it stops."""
+    lr_schedules: bool = False
+    """Follows ``optim.schedule`` and ``optim.warmup_rounds`` (its optimizers step once a round); else they are
+    refused."""
     uploads_perturbed_pair: bool = False
     """The server takes the difference of two uploaded activations (z₊ − z₋): their rounding to a half-precision
     model.dtype bounds μ from below (``ZOConfig.precision_problem``)."""

@@ -141,21 +141,15 @@ def replay(rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor, mu: float, rn
 
 
 # ------------------------------------------------------------------------------------------------------ server
-class HOSFLServer(ServerBase):
+class BackpropServer(ServerBase):
+    """HO-SFL's server step: θs trained by backprop on each round's K gathered activations, one step per round with
+    the mean gradient (Eq. 11), answering each client λ_m. The client side's bookkeeping is :class:`HOSFLServer`'s;
+    ``frozen_client`` (:mod:`.frozen_client`) runs this step alone."""
+
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         super().__init__(cfg, split)
         self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
-        self.P = cfg.zo.num_perturbations
-        self.history = SeedScalarHistory(self.P)
-        # t'_m of Algorithm 1: the round each replica is current at (the evaluation replica included).
-        self.client_round = dict.fromkeys([*range(cfg.clients.total), EVAL_CLIENT], 0)
         self.rounds_done = 0
-        # θc at the round the history starts from, kept current by replaying each row the server trims: workers
-        # rebuild replicas from it after a restart, and the server checks the final replicas against it.
-        params = [
-            nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
-        ]
-        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
         # Batch-statistics BatchNorm (model.freeze_bn=client|none): client m's λ_m must come from its own batch's
         # statistics, so each client gets its own pass (running statistics updated K times, in client-id order).
         self.per_client_passes = uses_batch_stats(self.model)
@@ -163,55 +157,6 @@ class HOSFLServer(ServerBase):
     @property
     def optimizer(self) -> Any:
         return self.opt
-
-    def seeds_of(self, t: int) -> Tensor:
-        return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
-
-    def _window(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
-        """The history rows a replica at round ``since`` replays to reach round t."""
-        if client not in self.client_round:
-            raise ProtocolError(f"round {t}: unknown client {client}")
-        if since != self.client_round[client]:
-            raise ProtocolError(
-                f"round {t}: client {client} reports its replica at round {since}, the server has it at "
-                f"{self.client_round[client]}"
-            )
-        return self.history.window(since, t)
-
-    def _trim(self) -> None:
-        """Drop the rows no replica still needs, replaying them onto the base replica first."""
-        keep_from = min(self.client_round.values())
-        if keep_from > self.history.offset:
-            replay(
-                self.base, *self.history.window(self.history.offset, keep_from), self.cfg.zo.mu, self.cfg.zo.rng_device
-            )
-            self.history.trim(keep_from)
-
-    @wire(
-        args={"since": CONTROL},
-        result={
-            "seeds": DOWNLINK_SCALARS_SEEDS,
-            "hist_seeds": DOWNLINK_SCALARS_SEEDS,
-            "hist_scalars": DOWNLINK_SCALARS_SEEDS,
-        },
-        after_previous_round=True,
-    )
-    def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
-        """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
-        self.check_sampled(t, client, "sync")
-        hist_seeds, hist_scalars = self._window(t, client, since)  # t'_m moves when the round closes
-        return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
-
-    @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)
-    def eval_sync(self, t: int, since: int, client: int = EVAL_CLIENT) -> dict[str, Tensor]:
-        """History for the evaluation replica, or for the end-of-run check that every replica agrees.
-
-        Counted as evaluation traffic: it is monitoring, not part of training.
-        """
-        hist_seeds, hist_scalars = self._window(t, client, since)
-        self.client_round[client] = t
-        self._trim()
-        return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
@@ -280,6 +225,73 @@ class HOSFLServer(ServerBase):
 
     def _finite_loss(self, t: int, client: int, loss: Tensor) -> bool:
         return bool(torch.isfinite(loss)) or self.nonfinite(t, client, "loss")
+
+
+class HOSFLServer(BackpropServer):
+    """HO-SFL's server: :class:`BackpropServer`'s step, plus the seeds, the (seeds, v̄) history and each replica's
+    round (Algorithms 1 and 3)."""
+
+    def __init__(self, cfg: Config, split: SplitModel) -> None:
+        super().__init__(cfg, split)
+        self.P = cfg.zo.num_perturbations
+        self.history = SeedScalarHistory(self.P)
+        # t'_m of Algorithm 1: the round each replica is current at (the evaluation replica included).
+        self.client_round = dict.fromkeys([*range(cfg.clients.total), EVAL_CLIENT], 0)
+        # θc at the round the history starts from, kept current by replaying each row the server trims: workers
+        # rebuild replicas from it after a restart, and the server checks the final replicas against it.
+        params = [
+            nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
+        ]
+        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
+
+    def seeds_of(self, t: int) -> Tensor:
+        return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
+
+    def _window(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
+        """The history rows a replica at round ``since`` replays to reach round t."""
+        if client not in self.client_round:
+            raise ProtocolError(f"round {t}: unknown client {client}")
+        if since != self.client_round[client]:
+            raise ProtocolError(
+                f"round {t}: client {client} reports its replica at round {since}, the server has it at "
+                f"{self.client_round[client]}"
+            )
+        return self.history.window(since, t)
+
+    def _trim(self) -> None:
+        """Drop the rows no replica still needs, replaying them onto the base replica first."""
+        keep_from = min(self.client_round.values())
+        if keep_from > self.history.offset:
+            replay(
+                self.base, *self.history.window(self.history.offset, keep_from), self.cfg.zo.mu, self.cfg.zo.rng_device
+            )
+            self.history.trim(keep_from)
+
+    @wire(
+        args={"since": CONTROL},
+        result={
+            "seeds": DOWNLINK_SCALARS_SEEDS,
+            "hist_seeds": DOWNLINK_SCALARS_SEEDS,
+            "hist_scalars": DOWNLINK_SCALARS_SEEDS,
+        },
+        after_previous_round=True,
+    )
+    def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
+        """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
+        self.check_sampled(t, client, "sync")
+        hist_seeds, hist_scalars = self._window(t, client, since)  # t'_m moves when the round closes
+        return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
+
+    @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)
+    def eval_sync(self, t: int, since: int, client: int = EVAL_CLIENT) -> dict[str, Tensor]:
+        """History for the evaluation replica, or for the end-of-run check that every replica agrees.
+
+        Counted as evaluation traffic: it is monitoring, not part of training.
+        """
+        hist_seeds, hist_scalars = self._window(t, client, since)
+        self.client_round[client] = t
+        self._trim()
+        return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(args={"scalars": CONTROL}, closes_round=True)
     def finish_round(self, t: int, scalars: Tensor) -> None:
@@ -546,5 +558,6 @@ register(
         zeroth_order_client=True,
         traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_SCALARS, DOWNLINK_GRADIENTS, DOWNLINK_SCALARS_SEEDS}),
         skips_nonfinite=True,
+        lr_schedules=True,
     )
 )
