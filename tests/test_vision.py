@@ -11,7 +11,7 @@ import torch
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.data.vision import FASHION_MNIST_DEFAULT, load_cifar10_npz, load_fashion_mnist, shared_data_dir
 from hosfl_dist.errors import ConfigError, DataError
-from hosfl_dist.models.vision import ResNet18, ResNetClient, ResNetServer, resnet18_split
+from hosfl_dist.models.vision import MaxPool2d, ResNet18, ResNetClient, ResNetServer, SmallCNN, resnet18_split
 
 
 def test_iid_partition_covers_everything_once():
@@ -68,6 +68,25 @@ def test_resnet_cut_reproduces_the_whole_network():
             torch.testing.assert_close(ResNetServer(net, cut)(z), full, rtol=0, atol=0)
     z = ResNetClient(net, 2)(x)
     assert z.shape == (2, 128, 4, 4)  # the paper's cut on 32x32 inputs: 2048 floats per sample
+
+
+@pytest.mark.parametrize("args, shape", [((2,), (4, 16, 28, 28)), ((3, 2, 1), (4, 64, 16, 16))])
+def test_channels_last_pool_equals_the_nchw_pool_bit_for_bit(args, shape):
+    """The pool of both vision models (small CNN 2x2, ResNet-18 stem 3x3/2 with overlapping windows) runs on a
+    channels_last copy: output, input gradient and layout must be those of nn.MaxPool2d, ties (ReLU zeros) included."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).relu()
+    results = []
+    for pool in (MaxPool2d(*args), torch.nn.MaxPool2d(*args)):
+        xi = x.clone().requires_grad_(True)
+        y = pool(xi)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        assert y.is_contiguous()
+        results.append((y, xi.grad))
+    (y, dx), (y_ref, dx_ref) = results
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
+    assert isinstance(ResNet18(10).maxpool, MaxPool2d)
+    assert all(isinstance(b[2], MaxPool2d) for b in SmallCNN(10, (1, 28, 28), 16).blocks)
 
 
 def test_frozen_bn_never_trains():
