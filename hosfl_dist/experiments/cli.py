@@ -2,19 +2,28 @@
 
 This module imports nothing that imports torch: a command checks its overrides with the config loader first, so a
 mistyped key is reported in a second, and only then imports the runner and the report (which pull in torch).
+
+Before anything starts every row is checked as its run would start (:func:`check_builds`): its build, its world
+against its roles (``--launcher torchrun|slurm``), and its memory floor against the node's or GPU's memory where that
+is known; one line per row that fails, exit code 2, nothing launched or submitted. After the runs, the report holds
+those that completed and names the others with their cause (table.md's "Missing" section, table.json's ``missing``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.experiments.launch import LAUNCHERS
+from hosfl_dist.experiments.launch.worlds import Rule, World
 
 if TYPE_CHECKING:
     from hosfl_dist.experiments.runs import RunSpec
@@ -42,6 +51,38 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do; run nothing")
+    g = p.add_argument_group("launchers (docs/experiments.md, Launchers)")
+    g.add_argument("--launcher", choices=LAUNCHERS, default="inprocess",
+                   help="how each run starts: inprocess (python -m hosfl_dist.run, one process; the default), "
+                        "torchrun (a local torchrun job, launch/torchrun.sh) or slurm (a task of a Slurm job array, "
+                        "slurm/study_array.sbatch; an array per world)")  # fmt: skip
+    g.add_argument("--nproc", type=int, metavar="N",
+                   help="torchrun/slurm: processes of every run no --world rule matches (default: its server.ranks "
+                        "+ 1, the server group and one client worker)")  # fmt: skip
+    g.add_argument("--world", action="append", default=[], metavar="WHEN:NPROC[,nodes=N][,gpus=G][,KEY=VALUE...]",
+                   help="torchrun/slurm: the world of the rows whose config matches WHEN (* or key=value[&key=value]), "
+                        "with overrides it adds, e.g. --world=model.source=arch:qwen3-8b:6,server.ranks=2 "
+                        "(repeatable; the first match wins)")  # fmt: skip
+    g.add_argument("--worlds", metavar="FILE",
+                   help="torchrun/slurm: a YAML list of worlds ({when: {key: value}, nproc, nodes, gpus, set: "
+                        "[key=value]}), after the --world rules")  # fmt: skip
+    g.add_argument("--node-memory", type=float, metavar="GIB",
+                   help="refuse, before anything starts, a CPU run whose node needs more than GIB GiB for its weights "
+                        "and optimizer state (slurm: default from --sbatch=--mem=SIZE)")  # fmt: skip
+    g.add_argument("--gpu-memory", type=float, metavar="GIB",
+                   help="refuse, before anything starts, a CUDA run whose rank needs more than GIB GiB for its "
+                        "weights and optimizer state")  # fmt: skip
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="slurm: an sbatch option for every array, e.g. --sbatch=--partition=gpu "
+                        "--sbatch=--time=04:00:00 (repeatable; after the study's own, so it wins)")  # fmt: skip
+    g.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="slurm: return once the arrays are submitted (their ids and the collect command are printed)",
+    )
+    g.add_argument("--collect", action="store_true",
+                   help="report the runs in --out as they stand; launch and submit nothing (python -m "
+                        "hosfl_dist.experiments.collect OUT runs this)")  # fmt: skip
     p.add_argument(
         "overrides",
         nargs="*",
@@ -83,29 +124,126 @@ def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
             raise ConfigError(f"{name}: {exc}") from None
 
 
-def check_builds(config: str | None, variants: dict[str, list[str]], row: str = "grid point") -> None:
-    """Check every row's config as its run would build it (:func:`hosfl_dist.precheck.check_build`: an LM's split on
-    the meta device, a text task's files), before any run starts; one line per row that fails, naming the row and
-    the cause. Rows that read the same fields are checked once."""
+@dataclass(frozen=True)
+class Launch:
+    """How a study starts its runs (its launcher options, validated)."""
+
+    launcher: str = "inprocess"
+    rules: tuple[Rule, ...] = ()
+    nproc: int | None = None
+    node_gib: float | None = None
+    gpu_gib: float | None = None
+    sbatch: tuple[str, ...] = ()
+
+
+def launch_options(args: argparse.Namespace) -> Launch:
+    """The launcher options of ``args``; one that the launcher does not take is refused, naming both."""
+    from hosfl_dist.experiments.launch.memory import slurm_mem_gib
+    from hosfl_dist.experiments.launch.worlds import parse_world, read_worlds
+
+    launcher = getattr(args, "launcher", "inprocess")
+    given = {"--nproc": args.nproc is not None, "--world": bool(args.world), "--worlds": bool(args.worlds)}
+    if launcher == "inprocess" and any(given.values()):
+        used = ", ".join(k for k, v in given.items() if v)
+        raise ConfigError(f"{used}: every run of --launcher inprocess is one process; use --launcher torchrun or "
+                          "slurm")  # fmt: skip
+    slurm_only = {"--sbatch": bool(args.sbatch), "--no-wait": args.no_wait}
+    if launcher != "slurm" and any(slurm_only.values()):
+        used = ", ".join(k for k, v in slurm_only.items() if v)
+        raise ConfigError(f"{used}: only --launcher slurm submits jobs (got --launcher {launcher})")
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
+    for flag, value in (("--node-memory", args.node_memory), ("--gpu-memory", args.gpu_memory)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be a number of GiB > 0 (got {value})")
+    rules = [parse_world(w) for w in args.world] + (read_worlds(args.worlds) if args.worlds else [])
+    node = args.node_memory if args.node_memory is not None else slurm_mem_gib(args.sbatch)
+    return Launch(launcher, tuple(rules), args.nproc, node, args.gpu_memory, tuple(args.sbatch))
+
+
+def assign_worlds(config: str | None, variants: dict[str, list[str]], launch: Launch) -> dict[str, World]:
+    """Each row's world (:func:`hosfl_dist.experiments.launch.worlds.assign`); one process each in-process."""
+    if launch.launcher == "inprocess":
+        return {name: World() for name in variants}
+    from hosfl_dist.experiments.launch.worlds import assign
+
+    return assign(config, variants, launch.rules, launch.nproc)
+
+
+def check_builds(
+    config: str | None,
+    variants: dict[str, list[str]],
+    row: str = "grid point",
+    worlds: dict[str, World] | None = None,
+    launch: Launch | None = None,
+) -> None:
+    """Check every row's config as its run would start, before any run starts; one line per row that fails, naming
+    the row and the cause:
+
+    - its build (:func:`hosfl_dist.precheck.check_build`: an LM's split on the meta device, a text task's files), once
+      per distinct build;
+    - under torchrun or Slurm its world against its roles (the server group and at least one client worker; no more
+      workers than clients.total), nodes and GPUs (:func:`hosfl_dist.experiments.launch.worlds.misfit`);
+    - on this machine, its devices (a CUDA run needs one);
+    - with ``--node-memory`` / ``--gpu-memory`` (or Slurm's ``--mem``), the floor of its memory per node or rank
+      (:mod:`hosfl_dist.experiments.launch.memory`)."""
     from hosfl_dist.precheck import build_key, check_build
 
-    seen: dict[str, str | None] = {}
+    launch = launch or Launch()
+    worlds = worlds or {}
+    seen: dict[tuple[str, bool], str | None] = {}
+    sizes: dict[str, Any] = {}
+    builds_only = True
     failed = []
     for name, overrides in variants.items():
         cfg = load_config(config, overrides)
+        world = worlds.get(name, World())
         key = build_key(cfg)
-        if key not in seen:
+        if (key, world.nproc > 1) not in seen:
             try:
-                check_build(cfg, 1)  # every run of an experiment is one process
-                seen[key] = None
+                check_build(cfg, world.nproc)  # in-process: one process
+                seen[key, world.nproc > 1] = None
             except HosflError as exc:
-                seen[key] = str(exc)
-        if seen[key] is not None:
-            failed.append(f"{row} {name}: {seen[key]}")
+                seen[key, world.nproc > 1] = str(exc)
+        cause = seen[key, world.nproc > 1]
+        if cause is None:
+            cause = _start_cause(cfg, world, launch, key, sizes, name, row)
+            builds_only = builds_only and cause is None
+        if cause is not None:
+            failed.append(f"{row} {name}: {cause}")
     if failed:
         rows = f"{row}s" if len(variants) > 1 else row
-        failed.append(f"{len(failed)} of {len(variants)} {rows} cannot be built: nothing was run")
+        what = "cannot be built" if builds_only else "cannot start"
+        nothing = "nothing was submitted" if launch.launcher == "slurm" else "nothing was run"
+        failed.append(f"{len(failed)} of {len(variants)} {rows} {what}: {nothing}")
         raise ConfigError("\n".join(failed))
+
+
+def _start_cause(cfg: Any, world: World, launch: Launch, key: str, sizes: dict[str, Any], name: str,
+                 row: str) -> str | None:  # fmt: skip
+    """Why a row that builds cannot start in its world (roles, devices, memory); None if it may."""
+    from hosfl_dist.experiments.launch.memory import sizes_or_none, too_big
+    from hosfl_dist.experiments.launch.worlds import misfit
+
+    if launch.launcher != "inprocess":
+        why = misfit(cfg, world, launch.launcher)
+        if why is not None:
+            return why
+    if launch.launcher != "slurm":  # this machine runs it: its devices are these
+        from hosfl_dist.runtime.process.host import check_devices
+
+        try:
+            check_devices(cfg)
+        except HosflError as exc:
+            return str(exc)
+    if launch.node_gib is None and launch.gpu_gib is None:
+        return None
+    if key not in sizes:
+        sizes[key] = sizes_or_none(cfg)
+        if sizes[key][0] is None:
+            print(f"note: {row} {name}: memory not estimated: {sizes[key][1]}")
+    found = sizes[key][0]
+    return None if found is None else too_big(cfg, world, found, launch.node_gib, launch.gpu_gib)
 
 
 def run_experiment(
@@ -116,12 +254,13 @@ def run_experiment(
     plan: Plan | None = None,
     row: str = "grid point",
 ) -> int:
-    """:func:`run_rows`, then the invocation's wall time; a bad input or a failed run is one line each (exit code
-    2)."""
+    """:func:`run_rows`, then the invocation's wall time; a bad input or a run that did not complete is one line each
+    (exit code 2)."""
     start = time.perf_counter()
     try:
         record = run_rows(prog, args, argv, build, plan, row)
         if record is not None:
+            complete(record, row)
             print(done_line(start, record, Path(args.out)))
     except HosflError as exc:
         print_error(exc)
@@ -137,33 +276,44 @@ def run_rows(
     plan: Plan | None = None,
     row: str = "grid point",
 ) -> dict[str, Any] | None:
-    """Check the overrides and the builds of every row (with ``plan``; ``row`` names a row in the errors), build the
-    runs, launch the unfinished ones, write the report; returns the record of what ran (None for a dry run)."""
+    """Check the overrides, worlds and builds of every row (with ``plan``; ``row`` names a row in the errors), build
+    the runs, launch the unfinished ones (or, with ``--collect``, none), write the report of those that completed;
+    returns the record of what ran, its ``missing`` runs named with their cause (None for a dry run, or a Slurm
+    submission not waited for). ``args.study_specs`` holds the runs as launched (with their worlds)."""
     parse_list(args.seeds, "--seeds", int)
+    launch = launch_options(args)
+    worlds = None
     if plan is not None:
         variants = plan(args)
         check_overrides(args.config, variants)
-        check_builds(args.config, variants, row)  # imports torch (and transformers for an LM)
+        worlds = assign_worlds(args.config, variants, launch)  # imports torch (the config's algorithm registry)
+        if not args.collect:
+            placed_rows = {n: [*o, *worlds[n].overrides] for n, o in variants.items()}
+            check_builds(args.config, placed_rows, row, worlds, launch)  # and transformers for an LM
     # the runner and the report import torch: only once the input is known to be usable
     from hosfl_dist.experiments.report import few_evaluations, write_report
-    from hosfl_dist.experiments.runs import launch, load
+    from hosfl_dist.experiments.runs import load
 
     specs, title, extra = build(args)
-    record = launch(args.config, [s for v in specs.values() for s in v], args.jobs, args.threads, args.dry_run)
-    if args.dry_run:
-        return None
-    if record["failed"]:
-        raise HosflError(f"{len(record['failed'])} run(s) failed: {record['failed'][0]}")
+    specs = placed(specs, worlds, launch.launcher)
+    args.study_specs = specs
     words = argv if argv is not None else sys.argv[1:]
+    record = start(prog, args, [w for w in words if w != "--collect"], specs, launch)
+    if record is None:
+        return None
+    out = Path(args.out)
+    finished, record["missing"] = gather(args.config, specs, out)
     extra = {
         "config": args.config,
-        "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words),
+        "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words if a != "--collect"),
         **extra,
+        "launcher": launch.launcher,
+        **({"worlds": {n: worlds[n].as_dict() for n in specs}} if worlds and launch.launcher != "inprocess" else {}),
         "this_invocation": record,
     }
-    out = Path(args.out)
-    variants = {n: [load(s) for s in v] for n, v in specs.items()}
-    print(write_report(out, variants, args.metric, title, extra))
+    variants = {n: [load(s) for s in v if s.out_dir in finished] for n, v in specs.items()}
+    variants = {n: runs for n, runs in variants.items() if runs}
+    print(write_report(out, variants, args.metric, title, extra, record["missing"]))
     for name, runs in variants.items():
         note = few_evaluations(name, [r.rows for r in runs], args.metric, runs[0].summary.get("processed_samples"))
         if note is not None:
@@ -171,9 +321,94 @@ def run_rows(
     return record
 
 
+def placed(specs: dict[str, list[RunSpec]], worlds: dict[str, World] | None, launcher: str) -> dict[str, list[RunSpec]]:
+    """The runs with their rows' worlds: the world's overrides after the row's; a torchrun or Slurm job gets its folder
+    as an absolute path (its launch script runs elsewhere)."""
+    if launcher == "inprocess" or not worlds:
+        return specs
+    return {
+        name: [
+            dataclasses.replace(
+                s, overrides=[*s.overrides, *worlds[name].overrides], out_dir=s.out_dir.resolve(), world=worlds[name]
+            )  # fmt: skip
+            for s in runs
+        ]
+        for name, runs in specs.items()
+    }
+
+
+def start(
+    prog: str, args: argparse.Namespace, words: list[str], specs: dict[str, list[RunSpec]], launch: Launch
+) -> dict[str, Any] | None:
+    """Launch (or submit) the runs still to do, or with ``--collect`` nothing; the record of what ran."""
+    from hosfl_dist.experiments.launch import study
+    from hosfl_dist.experiments.launch.slurm import queued
+    from hosfl_dist.experiments.runs import launch as launch_here
+    from hosfl_dist.experiments.runs import split
+
+    runs = [s for v in specs.values() for s in v]
+    out = Path(args.out)
+    if args.collect:
+        _, reused, _ = split(args.config, runs, announce=False)
+        return {"launched": [], "reused": [str(s.out_dir) for s in reused], "failed": [], "wall_time_s": 0.0,
+                "collected": True, "launcher": launch.launcher}  # fmt: skip
+    record = study.read(out)
+    if launch.launcher != "slurm":
+        live = queued(record, required=False)
+        busy = [f"{s.out_dir} is {live[str(s.out_dir)][1].lower()} in Slurm as task {live[str(s.out_dir)][0]}"
+                for s in runs if str(s.out_dir) in live]  # fmt: skip
+        if busy:
+            raise ConfigError("\n".join([*busy, f"{len(busy)} run(s) of this study are Slurm tasks still in the "
+                                          "queue: wait for them (collect reports them) or scancel them"]))  # fmt: skip
+    if not args.dry_run:
+        record = study.begin(out, prog, words, launch.launcher, runs)
+    if launch.launcher == "slurm":
+        from hosfl_dist.experiments.launch import slurm
+
+        return slurm.launch(args.config, runs, out, record, args.threads, launch.sbatch, args.dry_run, args.no_wait)
+    record = launch_here(args.config, runs, args.jobs, args.threads, args.dry_run, launch.launcher)
+    return None if args.dry_run else record
+
+
+def gather(config: str | None, specs: dict[str, list[RunSpec]], out: Path) -> tuple[set[Path], list[dict[str, Any]]]:
+    """The runs that completed (folders), and the others with why (row, seed, run folder, cause in one line; a
+    Slurm task still queued says so)."""
+    from hosfl_dist.experiments.launch import study
+    from hosfl_dist.experiments.launch.slurm import queued
+    from hosfl_dist.experiments.runs import is_finished, resolve, why_missing
+
+    live = queued(study.read(out), required=False)
+    finished, missing = set(), []
+    for name, runs in specs.items():
+        for spec in runs:
+            cfg = resolve(config, spec)
+            if is_finished(spec, cfg):
+                finished.add(spec.out_dir)
+                continue
+            task = live.get(str(spec.out_dir))
+            queue = None if task is None else f"{task[1].lower()} in Slurm as task {task[0]}"
+            missing.append({"row": name, "seed": spec.seed, "run": str(spec.out_dir),
+                            "why": why_missing(spec, cfg, queue)})  # fmt: skip
+    return finished, missing
+
+
+def complete(record: dict[str, Any], row: str = "grid point") -> None:
+    """Refuse, naming each with its cause, a study whose runs did not all complete (its report holds the others)."""
+    missing = record.get("missing") or []
+    if missing:
+        total = len(missing) + len(record.get("reused") or []) + len(record.get("launched") or [])
+        lines = [f"{row} {m['row']} seed {m['seed']}: {m['why']}" for m in missing]
+        lines.append(f"{len(missing)} of {max(total, len(missing))} run(s) did not complete: the report holds the "
+                     "others and names these (Missing)")  # fmt: skip
+        raise HosflError("\n".join(lines))
+
+
 def done_line(start: float, record: dict[str, Any], out: Path) -> str:
     """The last line of an experiment command: its wall time from start to end, and what its runs were."""
-    runs = f"{len(record['launched'])} run(s) launched ({record['wall_time_s']} s), {len(record['reused'])} reused"
+    if record.get("collected"):
+        runs = f"{len(record['reused'])} completed run(s) collected"
+    else:
+        runs = f"{len(record['launched'])} run(s) launched ({record['wall_time_s']} s), {len(record['reused'])} reused"
     return f"wall time of this invocation: {time.perf_counter() - start:.1f} s; {runs} -> {out}"
 
 

@@ -55,6 +55,9 @@ class VariantSummary:
     """Per seed: the first round that reached it."""
     best_mean: float = float("nan")
     best_std: float = float("nan")
+    roles: dict[str, Any] = field(default_factory=dict)
+    """Per role, from the runs' summary.json (:func:`role_costs`, mean over seeds): how the runs were started, each
+    role's peak memory, the client workers' and the server's time per round."""
 
 
 def final_metric(run: RunData, metric: str) -> float:
@@ -92,6 +95,48 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
+def role_costs(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a run's summary.json says per role: its engine and processes, each role's peak RSS (and peak CUDA memory)
+    over its ranks (``server``, ``server-shard``, ``worker``; ``in-process`` for one process), the client workers'
+    time per round (the slowest worker's mean) and the server's compute per round (its calls' time over the rounds)."""
+    rounds = max(1, summary.get("rounds") or 1)
+    peaks: dict[str, dict[str, float]] = {"peak_rss_bytes": {}, "peak_cuda_bytes": {}}
+    for entry in summary.get("memory") or []:
+        for key, by_role in peaks.items():
+            value = entry.get(key)
+            if isinstance(value, (int, float)):
+                role = str(entry.get("role", "?"))
+                by_role[role] = max(by_role.get(role, 0), value)
+    transport = summary.get("transport") or {}
+    workers = [w for w in (transport.get("workers") or {}).values() if w.get("rounds")]
+    compute = (transport.get("server") or {}).get("compute_s") or {}
+    roles = summary.get("roles") or {}
+    return {
+        "engine": summary.get("engine", ""),
+        "processes": roles.get("world_size") or len(summary.get("memory") or []) or 1,
+        "server_ranks": len(roles.get("server_ranks") or [0]),
+        **{key: by_role for key, by_role in peaks.items() if by_role},
+        "worker_s_per_round": max((w["round_s"] / w["rounds"] for w in workers), default=None),
+        "server_compute_s_per_round": sum(compute.values()) / rounds if compute else None,
+    }
+
+
+def mean_roles(costs: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`role_costs` of a row's runs: numbers averaged over them (a number all share stays as it is), the rest
+    as the first run says."""
+
+    def mean(values: list[Any]) -> Any:
+        if values and all(isinstance(v, dict) for v in values):
+            keys = dict.fromkeys(k for v in values for k in v)
+            return {k: mean([v[k] for v in values if k in v]) for k in keys}
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if numbers:
+            return float(np.mean(numbers)) if len(set(numbers)) > 1 else numbers[0]
+        return values[0] if values else None
+
+    return mean(costs) if costs else {}
+
+
 def summarize(variants: dict[str, list[RunData]], metric: str) -> list[VariantSummary]:
     out = []
     for name, runs in variants.items():
@@ -115,6 +160,7 @@ def summarize(variants: dict[str, list[RunData]], metric: str) -> list[VariantSu
                 best_round=[r for _, r in bests],
                 best_mean=best_mean,
                 best_std=best_std,
+                roles=mean_roles([role_costs(r.summary) for r in runs]),
             )
         )
     return out
@@ -164,8 +210,17 @@ def _rounds(rounds: list[int | None]) -> str:
     return f" (round{'s' if len(known) > 1 else ''} {', '.join(known)})"
 
 
-def write_table(out: Path, rows: list[VariantSummary], metric: str, title: str, extra: dict[str, Any]) -> str:
-    """table.md (human) and table.json (every number, per seed); returns the markdown."""
+def write_table(
+    out: Path,
+    rows: list[VariantSummary],
+    metric: str,
+    title: str,
+    extra: dict[str, Any],
+    missing: list[dict[str, Any]] | None = None,
+) -> str:
+    """table.md (human) and table.json (every number, per seed); returns the markdown. Rows whose runs ran
+    distributed get a table per role; ``missing`` (runs that did not complete: row, seed, run, why) a section that
+    names each."""
     scale = 100.0 if _pct(metric) else 1.0
     pct = " (%)" if scale == 100 else ""
     unit, size = unit_for(max((r.training_total_bytes for r in rows), default=1.0))
@@ -197,6 +252,10 @@ def write_table(out: Path, rows: list[VariantSummary], metric: str, title: str, 
     ratio = traffic_ratio(rows)
     if ratio is not None:
         lines.append(f"Traffic ratio HO-SFL / SFL: {ratio:.3f} (paper, CIFAR-10 IID ResNet-18: 2.44 / 4.20 = 0.581).")
+    if any(r.roles.get("engine") == "torchrun" for r in rows):
+        lines += role_table(rows, row_header, names)
+    if missing:
+        lines += missing_section(missing, sum(len(r.seeds) for r in rows))
     md = "\n".join(lines) + "\n"
     (out / "table.md").write_text(md)
     payload = {
@@ -205,10 +264,53 @@ def write_table(out: Path, rows: list[VariantSummary], metric: str, title: str, 
         "rows": [asdict(r) for r in rows],
         "traffic_ratio_hosfl_over_sfl": ratio,
         "row_header": row_header,
+        "missing": list(missing or []),
         **extra,
     }
     (out / "table.json").write_text(json.dumps(payload, indent=2) + "\n")
     return md
+
+
+ROLE_ORDER = ("server", "server-shard", "worker", "in-process")
+
+
+def role_table(rows: list[VariantSummary], row_header: str, names: list[str]) -> list[str]:
+    """table.md's lines per role: each row's processes, each role's peak memory and the time per round."""
+    roles = {k: [r for r in ROLE_ORDER if any(r in row.roles.get(k, {}) for row in rows)]
+             for k in ("peak_rss_bytes", "peak_cuda_bytes")}  # fmt: skip
+    head = [row_header, "processes", "server ranks"]
+    head += [f"{role} peak RSS [MiB]" for role in roles["peak_rss_bytes"]]
+    head += [f"{role} peak CUDA [MiB]" for role in roles["peak_cuda_bytes"]]
+    head += ["worker s / round", "server compute s / round"]
+    lines = ["", "## Per role", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in zip(names, rows):
+        c = row.roles
+        cells = [name, str(c.get("processes", "")), str(c.get("server_ranks", ""))]
+        for key, shown in roles.items():
+            cells += [_mib(c.get(key, {}).get(role)) for role in shown]
+        cells += [_seconds(c.get("worker_s_per_round")), _seconds(c.get("server_compute_s_per_round"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "From each run's summary.json, mean over seeds: a role's peak memory is its largest rank's (peak "
+              "RSS, the kernel's VmHWM); worker s / round the slowest client worker's mean round; server compute s / "
+              "round the server's calls (evaluation included) over the rounds, on rank 0."]  # fmt: skip
+    return lines
+
+
+def _mib(value: float | None) -> str:
+    return "–" if value is None else f"{value / 2**20:,.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def missing_section(missing: list[dict[str, Any]], present: int) -> list[str]:
+    """table.md's lines naming every run the table lacks and why."""
+    total = present + len(missing)
+    lines = ["", "## Missing", "", f"{len(missing)} of {total} run(s) did not complete and are not in the table or "
+             "the plots:", ""]  # fmt: skip
+    lines += [f"- {m['row']}, seed {m['seed']}: {m['why']}" for m in missing]
+    return lines
 
 
 def curve(runs: list[RunData], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -329,13 +431,22 @@ def plot_traffic(path: Path, rows: list[VariantSummary], title: str) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, variants: dict[str, list[RunData]], metric: str, title: str, extra: dict[str, Any]) -> str:
-    """All outputs of an experiment into ``out``; returns table.md's text."""
+def write_report(
+    out: Path,
+    variants: dict[str, list[RunData]],
+    metric: str,
+    title: str,
+    extra: dict[str, Any],
+    missing: list[dict[str, Any]] | None = None,
+) -> str:
+    """All outputs of an experiment into ``out``; returns table.md's text. ``missing``: the runs that did not
+    complete (named in the table; no plots when no run completed)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(variants, metric)
-    md = write_table(out, rows, metric, title, extra)
-    plot_metric(out / ("accuracy.png" if metric == "eval_accuracy" else f"{metric}.png"), variants, metric, title)
-    plot_traffic(out / "traffic.png", rows, title)
+    md = write_table(out, rows, metric, title, extra, missing)
+    if rows:
+        plot_metric(out / ("accuracy.png" if metric == "eval_accuracy" else f"{metric}.png"), variants, metric, title)
+        plot_traffic(out / "traffic.png", rows, title)
     return md
 
 

@@ -1,10 +1,11 @@
-"""Launching the runs of an experiment (one subprocess each), reusing the ones already finished, and reading them.
+"""Launching the runs of an experiment on this machine (one job each: a ``python -m hosfl_dist.run`` process, or a
+torchrun job of the run's world), reusing the ones already finished, and reading them.
 
 A run lives in its own folder with the outputs of ``hosfl_dist.run`` (config.yaml, metrics.jsonl, summary.json,
 checkpoints/) plus ``log.txt`` (its stdout and stderr). A folder whose summary says ``completed`` and whose
 config.yaml is the config the run would get now is reused as is; an unfinished run of the same config is continued
 from its latest checkpoint (``job.resume=auto``); a folder holding another setting is run again
-(``job.overwrite=true``).
+(``job.overwrite=true``). A run that did not complete is named with its one-line cause (:func:`why_missing`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, HosflError
-from hosfl_dist.runtime.record.folder import config_differences, input_differences, run_status
+from hosfl_dist.experiments.launch.worlds import World
+from hosfl_dist.runtime.record.folder import config_differences, input_differences, recorded_summary, run_status
 
 
 @dataclass
@@ -34,6 +36,8 @@ class RunSpec:
     seed: int
     overrides: list[str]
     out_dir: Path
+    world: World = field(default_factory=World)
+    """The processes (nodes, GPUs) its job starts with; its overrides are in ``overrides`` already."""
 
     def all_overrides(self) -> list[str]:
         return [*self.overrides, f"job.seed={self.seed}", f"job.out_dir={self.out_dir}", "job.progress=false"]
@@ -68,43 +72,78 @@ def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> lis
     cmd = [sys.executable, "-m", "hosfl_dist.run"]
     if config:
         cmd += ["--config", str(config)]
+    return cmd + spec.all_overrides() + start_overrides(spec, cfg)
+
+
+def start_overrides(spec: RunSpec, cfg: Config | None) -> list[str]:
+    """``job.resume=auto`` for a folder holding this run unfinished, ``job.overwrite=true`` for one holding another
+    setting (or this config over inputs of other content), nothing for an empty one."""
     diff = config_differences(spec.out_dir, cfg) if cfg is not None else None
     if diff == [] and cfg is not None and input_differences(spec.out_dir, cfg):
         diff = ["inputs (other content)"]  # the same config over other data or weights: a new run
-    start = [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
-    return cmd + spec.all_overrides() + start
+    return [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
 
 
-def launch(
-    config: str | None, specs: Sequence[RunSpec], jobs: int = 1, threads: int = 1, dry_run: bool = False
-) -> dict[str, Any]:
-    """Run the unfinished specs, ``jobs`` at a time, each with ``threads`` intra-op threads; returns a record of
-    what ran (launched, reused, failed runs, and the wall time of this invocation)."""
-    if jobs < 1 or threads < 1:
-        raise ConfigError(f"--jobs and --threads must be >= 1 (got {jobs}, {threads})")
-    todo = []
-    reused = []
-    cfgs = {}
+def split(config: str | None, specs: Sequence[RunSpec], dry_run: bool = False, announce: bool = True) -> tuple[
+    dict[Path, Config], list[RunSpec], list[RunSpec]
+]:  # fmt: skip
+    """Each run's config (validated), and the runs to reuse (announced) and to do."""
+    todo, reused, cfgs = [], [], {}
     for spec in specs:
         cfgs[spec.out_dir] = cfg = resolve(config, spec)
         (reused if is_finished(spec, cfg) else todo).append(spec)
-    for spec in reused:  # a comment line in a dry run's list of commands
+    for spec in reused if announce else ():  # a comment line in a dry run's list of commands
         print(f"{'# ' if dry_run else ''}reusing {spec.out_dir} (completed, same identity: config and inputs)")
+    return cfgs, reused, todo
+
+
+def job(config: str | None, spec: RunSpec, cfg: Config, launcher: str) -> tuple[list[str], dict[str, str]]:
+    """The run's command on this machine and the environment it adds: ``python -m hosfl_dist.run`` (inprocess), or
+    ``launch/torchrun.sh`` with the run's processes (torchrun)."""
+    if launcher == "inprocess":
+        return command(config, spec, cfg), {}
+    from hosfl_dist.experiments.launch import torchrun
+
+    return torchrun.command(config, spec.world.nproc, spec.all_overrides() + start_overrides(spec, cfg))
+
+
+def launch(
+    config: str | None,
+    specs: Sequence[RunSpec],
+    jobs: int = 1,
+    threads: int = 1,
+    dry_run: bool = False,
+    launcher: str = "inprocess",
+) -> dict[str, Any]:
+    """Run the unfinished specs on this machine, ``jobs`` at a time, each process with ``threads`` intra-op threads:
+    one process each (``launcher`` inprocess) or a torchrun job of the run's world (torchrun); returns a record of
+    what ran (launched, reused, failed runs, and the wall time of this invocation)."""
+    if jobs < 1 or threads < 1:
+        raise ConfigError(f"--jobs and --threads must be >= 1 (got {jobs}, {threads})")
+    cfgs, reused, todo = split(config, specs, dry_run)
     if dry_run:
         for spec in todo:
-            print(" ".join(command(config, spec, cfgs[spec.out_dir])))
+            cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
+            if launcher == "inprocess":
+                print(" ".join(cmd))
+            else:
+                from hosfl_dist.experiments.launch.torchrun import shown
+
+                print(shown(cmd, added))
         return {"launched": [], "reused": [str(s.out_dir) for s in reused], "failed": [], "wall_time_s": 0.0}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.pop("HOSFL_JOB_TOKEN", None)  # every torchrun job makes a token of its own (launch/torchrun.sh)
     start = time.perf_counter()
 
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(spec.out_dir / "log.txt", "w") as log:
-            cmd = command(config, spec, cfgs[spec.out_dir])
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **added}).returncode
         took = time.perf_counter() - t0
-        line = f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}: {took:.1f} s\n"
+        world = "" if launcher == "inprocess" else f" ({spec.world.describe()})"
+        line = f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s\n"
         sys.stdout.write(line)  # one write per line: runs finish in parallel threads
         sys.stdout.flush()
         return spec, rc, took
@@ -118,7 +157,46 @@ def launch(
         "wall_time_s": round(time.perf_counter() - start, 1),
         "jobs": jobs,
         "threads": threads,
+        "launcher": launcher,
     }
+
+
+def last_error(log: Path) -> str | None:
+    """The last ``error: …`` line of a run's log (a rank's ``[worker 2] error: …`` too), without the word."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 200_000))  # the end of a long log is enough
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        head, sep, rest = line.partition("error: ")
+        if sep and (not head.strip() or head.rstrip().endswith("]")) and rest.strip():
+            found = rest.strip()
+    return found
+
+
+def why_missing(spec: RunSpec, cfg: Config, queued: str | None = None) -> str:
+    """Why the run of ``spec`` is not a completed run of ``cfg``, in one line: its record's status with the cause
+    (summary.json's ``error``, else the log's last ``error:`` line), or ``queued`` (e.g. ``pending in Slurm as task
+    12_3``) where the run has not ended."""
+    status = run_status(spec.out_dir)
+    log = spec.out_dir / "log.txt"
+    cause = ((recorded_summary(spec.out_dir) or {}).get("error") if status else None) or last_error(log)
+    see = f" (log: {log})" if log.is_file() else ""
+    if queued is not None and status not in ("completed", "failed"):
+        return queued + (f"; its run is {status}" if status else "")
+    if status is None:
+        return (f"not run: {cause}" if cause else "not run") + see
+    if status == "completed":
+        diff = config_differences(spec.out_dir, cfg) or ["inputs (other content)"]
+        return f"holds a completed run of another setting ({', '.join(diff[:3])})" + see
+    if status == "interrupted":
+        summary = recorded_summary(spec.out_dir) or {}
+        return (f"interrupted after round {summary.get('rounds')} ({cause}): the command run again resumes it from "
+                f"{summary.get('checkpoint')}") + see  # fmt: skip
+    return f"{status}" + (f": {cause}" if cause else "") + see
 
 
 def load(spec: RunSpec) -> RunData:

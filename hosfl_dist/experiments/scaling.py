@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.cli import done_line, parse, parser, print_error, quote_arg, run_rows
+from hosfl_dist.experiments.cli import complete, done_line, parse, parser, print_error, quote_arg, run_rows
 from hosfl_dist.experiments.sweep import build, plan
 
 if TYPE_CHECKING:
@@ -188,7 +188,25 @@ def point(
     out["client_step_s"] = None if prof is None else prof["step_s"]
     out["P"] = cfg.zo.num_perturbations
     out["seeds"] = len(runs)
+    out.update(roles_of(runs))
     return out
+
+
+def roles_of(runs: list[RunData]) -> dict[str, Any]:
+    """How the point's runs were started and, per role, their peak RSS and time per round (mean over seeds): the
+    distributed runs' own summary.json (:func:`hosfl_dist.experiments.report.role_costs`)."""
+    from hosfl_dist.experiments.report import mean_roles, role_costs
+
+    costs = mean_roles([role_costs(r.summary) for r in runs])
+    peaks = costs.get("peak_rss_bytes") or {}
+    return {
+        "engine": costs.get("engine"),
+        "processes": costs.get("processes"),
+        "server_ranks": costs.get("server_ranks"),
+        "server_peak_rss_bytes": max((v for k, v in peaks.items() if k.startswith("server")), default=None),
+        "worker_peak_rss_bytes": peaks.get("worker"),
+        "worker_s_per_round": costs.get("worker_s_per_round"),
+    }
 
 
 def axes_of(points: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -337,6 +355,16 @@ def write_scaling(
               "compute (clients run in parallel); server s: its training calls in the in-process run; wall s and run "
               "peak RSS: the in-process run (every client and the server in one process). "
               f"{metric}: final, none for architectures without weights.", ""]  # fmt: skip
+    distributed = {n: p for n, p in points.items() if p.get("engine") == "torchrun"}
+    if distributed:
+        lines += ["Points run under torchrun (server s, wall s and run peak RSS above are those runs': run peak RSS "
+                  "is the largest rank's), per role from their summary.json:", "",
+                  "| grid point | processes | server ranks | server peak RSS MiB | worker peak RSS MiB | worker s / "
+                  "round |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for name, p in distributed.items():
+            lines.append(f"| {name} | {p['processes']} | {p['server_ranks']} | {_mib(p['server_peak_rss_bytes'])} | "
+                         f"{_mib(p['worker_peak_rss_bytes'])} | {_num(p['worker_s_per_round'], '.4f')} |")  # fmt: skip
+        lines.append("")
     if axes:
         fitted = [a for a in axes if checks[a]["fitted"]] or list(axes)
         lines += ["Fitted y ≈ a · " + " · ".join(f"({a})^b({a})" for a in fitted) + " (least squares in log-log "
@@ -468,15 +496,20 @@ def main(argv: list[str] | None = None) -> int:
         from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
 
         specs, title, _ = build(args)
+        specs = getattr(args, "study_specs", None) or specs  # with their worlds, as launched
+        missing = {m["run"] for m in record.get("missing") or []}
         out = Path(args.out)
         profiles = out / "profiles" if args.client_profile else None
         points = {
-            name: point(args.config, name, [load(s) for s in runs], args.metric, profiles, args.threads)
+            name: point(args.config, name, [load(s) for s in done], args.metric, profiles, args.threads)
             for name, runs in specs.items()
+            if (done := [s for s in runs if str(s.out_dir) not in missing])
         }
-        words = argv if argv is not None else sys.argv[1:]
+        words = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--collect"]
         command = f"python -m {PROG} " + " ".join(quote_arg(a) for a in words)
-        print(write_scaling(out, points, args.metric, command, title if args.title else f"Scaling: {title}"))
+        if points:
+            print(write_scaling(out, points, args.metric, command, title if args.title else f"Scaling: {title}"))
+        complete(record)
         print(done_line(start, record, out))
     except HosflError as exc:
         print_error(exc)
