@@ -203,11 +203,17 @@ def test_overwriting_a_live_run_is_refused_and_the_live_run_completes_with_its_r
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-2000:]
             time.sleep(0.2)
-        other = subprocess.run([sys.executable, "-m", "hosfl_dist.run", *live, "job.seed=1", "job.overwrite=true"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        # paused (it keeps its lock, as a live run does) while the other starts: on a loaded machine the other's
+        # start-up (importing torch) can outlast the whole live run
+        assert proc.poll() is None, proc.communicate()[0][-2000:]
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            again = [sys.executable, "-m", "hosfl_dist.run", *live, "job.seed=1", "job.overwrite=true"]
+            other = subprocess.run(again, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         refused = f"error: job.out_dir {out} is in use by a live run (pid {proc.pid} on "
         assert other.returncode == 2 and other.stderr.strip().splitlines()[-1].startswith(refused), other.stderr
-        assert proc.poll() is None  # the live run was still running when the other was refused
         assert proc.wait(timeout=300) == 0
     finally:
         if proc.poll() is None:
