@@ -76,13 +76,13 @@ def too_big(cfg: Config, world: World, sizes: dict[str, dict[str, int]], node_gi
         worst = max(est["rank_bytes"])
         if worst > gpu_gib * GIB:
             rank = est["rank_bytes"].index(worst)
-            return (f"rank {rank} needs at least {worst / GIB:,.1f} GiB (weights and optimizer state) and a GPU has "
+            return (f"rank {rank} needs at least {worst / GIB:,.3g} GiB (weights and optimizer state) and a GPU has "
                     f"{gpu_gib:g} GiB (--gpu-memory){_hint(cfg, world)}")  # fmt: skip
     if not cuda and node_gib is not None:
         worst = max(est["node_bytes"])
         if worst > node_gib * GIB:
             where = "the process" if world.nproc <= 1 else f"node {est['node_bytes'].index(worst)}"
-            return (f"{where} needs at least {worst / GIB:,.1f} GiB (weights and optimizer state of "
+            return (f"{where} needs at least {worst / GIB:,.3g} GiB (weights and optimizer state of "
                     f"{world.describe()}) and a node has {node_gib:g} GiB{_hint(cfg, world)}")  # fmt: skip
     return None
 

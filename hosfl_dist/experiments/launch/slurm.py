@@ -57,7 +57,7 @@ def _tool(name: str) -> str:
 
 def queued(record: dict[str, Any] | None, required: bool = True) -> dict[str, tuple[str, str]]:
     """Run folder -> (task, state) for the study's array tasks still in the queue (``12_3``, ``RUNNING``). Without
-    ``squeue`` on PATH: nothing, unless ``required``."""
+    ``squeue`` on PATH, or where it fails: nothing, unless ``required``."""
     subs = (record or {}).get("submissions") or []
     if not subs:
         return {}
@@ -66,6 +66,8 @@ def queued(record: dict[str, Any] | None, required: bool = True) -> dict[str, tu
     proc = subprocess.run([_tool("squeue"), "--me", "--noheader", "--array", "--format=%F|%K|%T"],
                           capture_output=True, text=True, check=False)  # fmt: skip
     if proc.returncode != 0:
+        if not required:
+            return {}
         raise HosflError(f"squeue failed (exit code {proc.returncode}): {_last_line(proc.stderr)}")
     states = {}
     for line in proc.stdout.splitlines():
