@@ -104,6 +104,20 @@ def test_the_memory_floor_is_weights_and_optimizer_state_placed_by_the_role_map(
         slurm_mem_gib(["--mem=lots"])
 
 
+def test_an_array_asks_slurm_for_its_worlds_nodes_cpus_and_gpus_and_the_study_options_come_last(tmp_path):
+    from hosfl_dist.experiments.launch.slurm import ARRAY_SCRIPT, folder_name, sbatch_argv
+
+    world = World(8, 2, 4, ("server.ranks=2",))
+    assert folder_name(3, world) == "3-nproc8-nodes2-gpus4" and folder_name(1, World(2)) == "1-nproc2"
+    argv = sbatch_argv(world, 5, tmp_path, threads=2, options=["--partition=gpu"], name="hosfl-x", jobs=2)
+    assert argv[:7] == ["sbatch", "--parsable", "--array=0-4%2", "--job-name=hosfl-x", "--nodes=2",
+                        "--ntasks-per-node=1", "--cpus-per-task=8"]  # fmt: skip
+    assert "--gpus-per-node=4" in argv and "--requeue" in argv and "--signal=B:TERM@120" in argv
+    assert argv[-3:] == ["--partition=gpu", str(ARRAY_SCRIPT), str(tmp_path / "tasks")]
+    one = sbatch_argv(World(2), 1, tmp_path, 1, [], "n")
+    assert "--array=0-0" in one and "--cpus-per-task=2" in one and not any(a.startswith("--gpus") for a in one)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Checks before anything starts, and the report of runs that did not complete
 

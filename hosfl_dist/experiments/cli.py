@@ -48,7 +48,9 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     )
     p.add_argument("--metric", default="eval_accuracy", help="metric of the table and plot (default eval_accuracy)")
     p.add_argument("--title", default="", help="title of the table and plots")
-    p.add_argument("--jobs", type=int, default=1, help="runs at the same time (default 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at the same time (default 1; --launcher slurm: N > 1 caps each array's running tasks "
+                        "at N, 1 leaves it to Slurm)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     p.add_argument("--dry-run", action="store_true", help="print the commands of the runs still to do; run nothing")
     g = p.add_argument_group("launchers (docs/experiments.md, Launchers)")
@@ -151,6 +153,8 @@ def launch_options(args: argparse.Namespace) -> Launch:
     if launcher != "slurm" and any(slurm_only.values()):
         used = ", ".join(k for k, v in slurm_only.items() if v)
         raise ConfigError(f"{used}: only --launcher slurm submits jobs (got --launcher {launcher})")
+    if args.jobs < 1 or args.threads < 1:
+        raise ConfigError(f"--jobs and --threads must be >= 1 (got {args.jobs}, {args.threads})")
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1 (got {args.nproc})")
     for flag, value in (("--node-memory", args.node_memory), ("--gpu-memory", args.gpu_memory)):
@@ -365,7 +369,9 @@ def start(
     if launch.launcher == "slurm":
         from hosfl_dist.experiments.launch import slurm
 
-        return slurm.launch(args.config, runs, out, record, args.threads, launch.sbatch, args.dry_run, args.no_wait)
+        return slurm.launch(
+            args.config, runs, out, record, args.threads, launch.sbatch, args.dry_run, args.no_wait, args.jobs
+        )
     record = launch_here(args.config, runs, args.jobs, args.threads, args.dry_run, launch.launcher)
     return None if args.dry_run else record
 

@@ -94,12 +94,15 @@ def folder_name(number: int, world: World) -> str:
     return name + (f"-nodes{world.nodes}" if world.nodes > 1 else "") + (f"-gpus{world.gpus}" if world.gpus else "")
 
 
-def sbatch_argv(world: World, n: int, folder: Path, threads: int, options: Sequence[str], name: str) -> list[str]:
-    """The array's submission (our options first: an ``--sbatch`` option given again wins)."""
+def sbatch_argv(
+    world: World, n: int, folder: Path, threads: int, options: Sequence[str], name: str, jobs: int = 1
+) -> list[str]:
+    """The array's submission (our options first: an ``--sbatch`` option given again wins); ``jobs`` > 1: at most
+    that many of its tasks run at once (``%jobs``)."""
     argv = [
         "sbatch",
         "--parsable",
-        f"--array=0-{n - 1}",
+        f"--array=0-{n - 1}" + (f"%{jobs}" if jobs > 1 else ""),
         f"--job-name={name}",
         f"--nodes={world.nodes}",
         "--ntasks-per-node=1",
@@ -144,6 +147,7 @@ def submit(
     threads: int,
     options: Sequence[str],
     dry_run: bool,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
     """One array per world; returns the submissions (also appended to the study record, written after each)."""
     from hosfl_dist.experiments.runs import start_overrides
@@ -155,7 +159,7 @@ def submit(
         world = specs[0].world
         number += 1
         folder = out.resolve() / "slurm" / folder_name(number, world)
-        argv = sbatch_argv(world, len(specs), folder, threads, options, name)
+        argv = sbatch_argv(world, len(specs), folder, threads, options, name, jobs)
         tasks = [task_words(config, s, start_overrides(s, cfgs[s.out_dir])) for s in specs]
         if dry_run:
             env = environment(world, threads)
@@ -236,6 +240,7 @@ def launch(
     options: Sequence[str],
     dry_run: bool,
     no_wait: bool,
+    jobs: int = 1,
 ) -> dict[str, Any] | None:
     """Submit the runs still to do, one array per world, and wait for them (or not: ``no_wait``); returns the record
     of what ran, or None when nothing was waited for (a dry run, ``--no-wait``)."""
@@ -255,7 +260,7 @@ def launch(
     for s in fresh:
         groups.setdefault(s.world.key(), []).append(s)
     start = time.perf_counter()
-    subs = submit(config, groups, cfgs, out, record, threads, options, dry_run)
+    subs = submit(config, groups, cfgs, out, record, threads, options, dry_run, jobs)
     if dry_run:
         return None
     collect = f"python -m hosfl_dist.experiments.collect {shlex.quote(str(out))}"
