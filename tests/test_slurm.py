@@ -1,19 +1,24 @@
-"""Slurm tier: submit slurm/hosfl.sbatch to a real one-node Slurm cluster on this machine.
+"""Slurm tier: submit slurm/hosfl.sbatch to a real Slurm cluster of one or two nodes on this machine.
 
-slurm/local_cluster.sh starts munged, slurmctld and slurmd; the job runs srun -> torchrun (2 processes) ->
-c10d rendezvous -> a gloo all_reduce, so a pass proves the launch line works under Slurm, not just that the
-script parses. A second test preempts a running job the way `--signal=B:TERM@...` does and checks that it
-checkpoints, requeues itself and resumes to the results of an uninterrupted run.
+slurm/local_cluster.sh starts munged, slurmctld and a slurmd per node; the job runs srun -> torchrun (2 processes
+per node) -> c10d rendezvous -> the training run, so a pass proves the launch line works under Slurm, not just that
+the script parses. On one node, a job preempted the way `--signal=B:TERM@...` does checkpoints, requeues itself and
+resumes to the results of an uninterrupted run. On two nodes (Slurm's multiple-slurmd mode: hosfl-n1, hosfl-n2),
+a job's ranks span both and equal the in-process run; a job whose second node dies (its slurmd, slurmstepd and
+ranks SIGKILLed) is requeued by Slurm, resumes from its last checkpoint once the node is back and again ends equal
+to the uninterrupted run; a job array lands on both nodes.
 Needs root and the Debian packages slurm-wlm and munge; skipped otherwise.
 Run alone with `pytest -m slurm tests/test_slurm.py`; deselect with `-m "not slurm"`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tiny import read_run, run_one_thread
+from tiny import TINY_OVERRIDES, assert_same_as, read_run, run_one_thread
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,19 +95,21 @@ pytestmark = [
 ]
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (slurmctld, slurmd), so a developer's own cluster is left alone."""
+def _free_ports(count: int) -> int:
+    """A port p with p ... p + count - 1 free (slurmctld, then a slurmd per node), so a developer's own cluster is
+    left alone."""
     for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("", port + 1))
-                except OSError:
-                    continue
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("", 0))
+            port = first.getsockname()[1]
+            try:
+                for k in range(1, count):
+                    held.enter_context(socket.socket()).bind(("", port + k))
+            except OSError:
+                continue
             return port
-    raise RuntimeError("no free port pair for slurmctld/slurmd")
+    raise RuntimeError(f"no {count} consecutive free ports for slurmctld and slurmd")
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -110,21 +117,36 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 120) -> subproces
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-@pytest.fixture
-def slurm_env() -> Iterator[dict[str, str]]:
-    """Environment for Slurm client commands against a fresh local cluster, torn down afterwards."""
+@contextlib.contextmanager
+def _local_cluster(nodes: int) -> Iterator[dict[str, str]]:
+    """Environment for Slurm client commands against a fresh local cluster of ``nodes`` nodes; whatever happens, it
+    is torn down afterwards (`down`: leftover jobs cancelled, daemons stopped, steps of dead nodes killed)."""
     # a short path: slurmd puts per-step unix sockets (108-byte limit) under its spool directory
     state_dir = tempfile.mkdtemp(prefix="hosfl-slurm-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
-    env.update(PATH=SEARCH_PATH, HOSFL_SLURM_DIR=state_dir, HOSFL_SLURM_PORT=str(_free_port_pair()))
+    env.update(PATH=SEARCH_PATH, HOSFL_SLURM_DIR=state_dir, HOSFL_SLURM_PORT=str(_free_ports(nodes + 1)))
     try:
-        up = _run(["bash", str(LOCAL_CLUSTER), "up"], env)
+        up = _run(["bash", str(LOCAL_CLUSTER), "up", "--nodes", str(nodes)], env)
         assert up.returncode == 0, f"local_cluster.sh up failed:\n{up.stderr}"
         env["SLURM_CONF"] = f"{state_dir}/slurm.conf"
         yield env
     finally:
         down = _run(["bash", str(LOCAL_CLUSTER), "down"], env)
         assert down.returncode == 0, f"local_cluster.sh down failed:\n{down.stderr}"
+
+
+@pytest.fixture
+def slurm_env() -> Iterator[dict[str, str]]:
+    """A one-node cluster, named after this host."""
+    with _local_cluster(1) as env:
+        yield env
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[dict[str, str]]:
+    """A two-node cluster: hosfl-n1 and hosfl-n2, each with all of this machine's CPUs."""
+    with _local_cluster(2) as env:
+        yield env
 
 
 def _job_field(env: dict[str, str], job_id: str, field: str) -> str:
@@ -263,3 +285,170 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_identically(
     assert summary["server_digest"] == ref["server_digest"]
     assert summary["comm"] == ref["comm"] and summary["processed_samples"] == ref["processed_samples"] == 1280
     assert rows == ref_rows  # every row once: those after the checkpoint were dropped and written again
+
+
+# -- two nodes: hosfl-n1 and hosfl-n2, two slurmd daemons on this machine (Slurm's multiple-slurmd mode) -------------
+NODES = ("hosfl-n1", "hosfl-n2")
+TINY = [*TINY_OVERRIDES, "server.rpc_timeout_s=60"]
+"""K=3 of M=6 clients: 2 nodes x 2 processes are the server (rank 0) and three client workers."""
+NODE_TORCHRUN = """\
+#!/usr/bin/env bash
+# torchrun with each line of its output prefixed by the Slurm node it runs on; at LOGLEVEL=INFO its agent logs the
+# rendezvous result (global_ranks=[...]), so the job's log says which ranks ran on which node
+export LOGLEVEL=INFO
+"$PYTHON" -m torch.distributed.run "$@" 2>&1 | sed -u "s/^/[$SLURMD_NODENAME] /"
+exit "${PIPESTATUS[0]}"
+"""
+RANKS = re.compile(r"^\[(\S+)\] .*\bglobal_ranks=\[([\d, ]*)\]", flags=re.MULTILINE)
+
+
+def _two_node_job(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The environment of an sbatch of hosfl.sbatch with NPROC_PER_NODE=2 whose torchrun names its node in the log.
+
+    The config is the tiny synthetic one of tests/tiny.py, given as overrides of an empty YAML file."""
+    torchrun = tmp_path / "torchrun-on-node"
+    torchrun.write_text(NODE_TORCHRUN)
+    torchrun.chmod(0o755)
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    return dict(
+        env,
+        PYTHON=sys.executable,
+        TORCHRUN=str(torchrun),
+        TORCHRUN_ARGS="--tee=3",
+        NPROC_PER_NODE="2",
+        CONFIG=str(tmp_path / "empty.yaml"),
+    )
+
+
+def _ranks_by_node(log: str) -> list[dict[str, list[int]]]:
+    """Per start of the job (each torchrun rendezvous), the global ranks each node ran, from torchrun's agent log."""
+    starts: list[dict[str, list[int]]] = []
+    for node, ranks in RANKS.findall(log):
+        if not starts or node in starts[-1]:
+            starts.append({})
+        starts[-1][node] = [int(r) for r in ranks.split(",")]
+    return starts
+
+
+def _assert_spans_both_nodes(placement: dict[str, list[int]], log: str) -> None:
+    assert sorted(placement) == list(NODES), log[-6000:]
+    assert sorted(r for ranks in placement.values() for r in ranks) == [0, 1, 2, 3], log[-6000:]
+    assert all(len(ranks) == 2 for ranks in placement.values()), log[-6000:]
+
+
+def test_a_two_node_job_spans_both_nodes_and_equals_the_in_process_run(
+    two_nodes: dict[str, str], tmp_path: Path
+) -> None:
+    out_dir, log = tmp_path / "runs", tmp_path / "job.out"
+    env = _two_node_job(two_nodes, tmp_path)
+    cmd = ["sbatch", "--wait", "--nodes=2", "--cpus-per-task=1", "--time=00:05:00", "--job-name=hosfl-2n"]
+    try:
+        sub = _run([*cmd, f"--output={log}", str(SBATCH_SCRIPT), *TINY, f"job.out_dir={out_dir}"], env, JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # the fixture's `down` cancels the job
+        sub = None
+    text = _read(log)
+    assert sub is not None, f"job not done after {JOB_TIMEOUT_S}s; output so far:\n{text[-6000:]}"
+    assert sub.returncode == 0, f"sbatch --wait exited {sub.returncode}\n{sub.stdout}{sub.stderr}\n{text[-6000:]}"
+    job_id = re.search(r"Submitted batch job (\d+)", sub.stdout).group(1)
+    assert _job_field(two_nodes, job_id, "JobState") == "COMPLETED", text[-6000:]
+    assert _job_field(two_nodes, job_id, "NodeList") == "hosfl-n[1-2]", text[-6000:]
+    assert "on hosfl-n[1-2] (2 nodes x 2 procs), rendezvous hosfl-n1:" in text, text[-6000:]
+
+    (placement,) = _ranks_by_node(text)  # one rendezvous: 4 ranks, 2 on each node
+    _assert_spans_both_nodes(placement, text)
+    server_node = next(node for node, ranks in placement.items() if 0 in ranks)
+    assert f"[{server_node}] [default0]:[server] world size 4: 1 server rank(s), 3 client worker(s)" in text
+
+    assert_same_as(out_dir, run_one_thread([*TINY, f"job.out_dir={tmp_path / 'ref'}"]))
+
+
+NODE_DEATH = [
+    *TINY,
+    "train.budget_samples=4800",  # 200 rounds of K=3 clients x 8 samples: a few seconds, on after the node's death
+    "train.eval_every_samples=240",
+    "checkpoint.interval_samples=240",  # a checkpoint every 10 rounds
+]
+CHECKPOINT = re.compile(r"round-(\d{8})")
+
+
+def _last_checkpoint(out_dir: Path) -> int:
+    """The round of the newest complete checkpoint, -1 without one."""
+    done = [int(m.group(1)) for p in (out_dir / "checkpoints").glob("round-*") if (m := CHECKPOINT.fullmatch(p.name))]
+    return max(done, default=-1)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="kill-node finds a node's slurmstepd by its socket: needs ss")
+def test_a_job_whose_node_dies_is_requeued_and_resumes_identically(two_nodes: dict[str, str], tmp_path: Path) -> None:
+    out_dir, log = tmp_path / "runs", tmp_path / "job.out"
+    state_dir = Path(two_nodes["HOSFL_SLURM_DIR"])
+    env = _two_node_job(two_nodes, tmp_path)
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1", "--time=00:05:00", "--job-name=hosfl-node-death"]
+    sub = _run([*cmd, f"--output={log}", str(SBATCH_SCRIPT), *NODE_DEATH, f"job.out_dir={out_dir}"], env)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+
+    def state() -> str:
+        return _job_field(two_nodes, job_id, "JobState")
+
+    _wait_for("a first checkpoint", lambda: _last_checkpoint(out_dir) >= 0 or state() in FINISHED, log, 90)
+    assert state() == "RUNNING", f"the job ended before its node died:\n{_read(log)[-6000:]}"
+
+    # slurmd alone: the node's steps live on under their slurmstepd, and the run goes on
+    os.kill(int((state_dir / "slurmd-hosfl-n2.pid").read_text()), signal.SIGKILL)
+    seen = _last_checkpoint(out_dir)
+    _wait_for("a checkpoint after slurmd died", lambda: _last_checkpoint(out_dir) > seen, log, 30)
+    # the node dies: its slurmstepd and the ranks under it too
+    kill = _run(["bash", str(LOCAL_CLUSTER), "kill-node", "hosfl-n2"], two_nodes)
+    assert kill.returncode == 0, kill.stderr
+    status = json.loads((out_dir / "summary.json").read_text())["status"]
+    assert status != "completed", f"the run had ended when its node died:\n{_read(log)[-6000:]}"
+
+    # the uninterrupted reference, while slurmctld waits out SlurmdTimeout
+    ref = run_one_thread([*NODE_DEATH, f"job.out_dir={tmp_path / 'ref'}"])
+
+    # slurmctld sets the silent node DOWN and requeues the job, which then waits for both nodes
+    def requeued() -> bool:
+        return _job_field(two_nodes, job_id, "Restarts") == "1" and state() == "PENDING"
+
+    _wait_for("the requeue", requeued, log, 60)
+    start = _run(["bash", str(LOCAL_CLUSTER), "start-node", "hosfl-n2"], two_nodes)
+    assert start.returncode == 0, start.stderr
+    _wait_for("job finished", lambda: state() in FINISHED, log, JOB_TIMEOUT_S)
+
+    text = _read(log)
+    assert state() == "COMPLETED" and _job_field(two_nodes, job_id, "ExitCode") == "0:0", text[-6000:]
+    assert _job_field(two_nodes, job_id, "Restarts") == "1", text[-6000:]
+    ctld = (state_dir / "slurmctld.log").read_text()
+    assert f"requeue job JobId={job_id} due to failure of node hosfl-n2" in ctld, ctld[-3000:]
+    assert f"JOB {job_id} ON hosfl-n1 CANCELLED AT" in text and "DUE TO NODE FAILURE" in text, text[-6000:]
+    assert "start 2 (SLURM_RESTART_COUNT=1)" in text, text[-6000:]
+    first, second = _ranks_by_node(text)
+    _assert_spans_both_nodes(first, text)
+    _assert_spans_both_nodes(second, text)
+
+    resumed = re.search(r"\[server\] resuming from (\S+) \(round (\d+), ", text)
+    assert resumed, text[-6000:]
+    assert seen < int(resumed.group(2)) < 200, (seen, resumed.group(0))  # a checkpoint written after slurmd died
+    summary = assert_same_as(out_dir, ref)
+    assert summary["resumed_from"] == resumed.group(1), summary
+
+
+ARRAY_TASK = """\
+#!/usr/bin/env bash
+echo "task $SLURM_ARRAY_TASK_ID on $SLURMD_NODENAME"
+sleep 2
+"""
+
+
+def test_a_job_array_lands_on_both_nodes(two_nodes: dict[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "task.sh"
+    script.write_text(ARRAY_TASK)
+    # each task takes a whole node's CPUs, so two run at a time, one on each node
+    cmd = ["sbatch", "--wait", "--array=0-3", "--cpus-per-task=2", "--time=00:01:00", "--job-name=hosfl-array"]
+    sub = _run([*cmd, f"--output={tmp_path}/task-%a.out", str(script)], two_nodes, JOB_TIMEOUT_S)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    lines = [_read(tmp_path / f"task-{i}.out").strip() for i in range(4)]
+    placed = [re.fullmatch(r"task (\d) on (\S+)", line) for line in lines]
+    assert all(placed), lines
+    assert [int(m.group(1)) for m in placed] == [0, 1, 2, 3], lines
+    assert {m.group(2) for m in placed} == set(NODES), lines
