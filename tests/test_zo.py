@@ -34,6 +34,24 @@ def test_noise_is_regenerated_identically_per_tensor():
     assert noise_like(p.double(), 7, 0).dtype == torch.float64
 
 
+def test_a_shared_generator_and_scratch_draw_the_same_numbers():
+    """perturbed and reconstruct reseed one generator per pass and draw into a scratch buffer: the numbers must be
+    those of a fresh generator per tensor (the replicas' contract), for every dtype a parameter can have."""
+    gen, scratch = torch.Generator(), torch.empty(64)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for i, shape in enumerate([(3, 5), (4, 1, 2, 2), (7,)]):
+            p = torch.zeros(shape, dtype=dtype)
+            want = noise_like(p, 11, i)
+            got = noise_like(p, 11, i, "cpu", gen, scratch)
+            assert got.shape == p.shape and got.dtype == dtype and torch.equal(got, want)
+    p = torch.randn(6, 5)
+    seeds, coeffs = [3, 4, 5], [0.5, -1.25, 2.0]
+    naive = torch.zeros_like(p)
+    for s, c in zip(seeds, coeffs):
+        naive.add_(noise_like(p, s, 2), alpha=c)
+    assert torch.equal(reconstruct(p, 2, seeds, coeffs), naive)
+
+
 def test_perturbed_forward_matches_explicit_parameters_and_leaves_theta_bit_identical():
     model = small_model()
     x = torch.randn(6, 4, dtype=torch.float64)

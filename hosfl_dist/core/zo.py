@@ -23,21 +23,44 @@ def tensor_seed(seed: int, index: int) -> int:
     return mix_seed(seed, index)
 
 
-def noise_like(param: Tensor, seed: int, index: int, rng_device: str | torch.device = "cpu") -> Tensor:
+def noise_like(
+    param: Tensor,
+    seed: int,
+    index: int,
+    rng_device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """u_{p,i} ~ N(0, I) shaped like ``param``, regenerated from (s_p, i) on ``rng_device`` then moved to param.
 
     The draw is always float32 on ``rng_device`` so that replicas on different devices or dtypes see the same stream.
+    ``generator`` (on ``rng_device``) is reseeded here, so one generator serves a whole pass over θc instead of one
+    per tensor; ``out`` (float32, contiguous, at least ``param.numel()`` elements, on ``rng_device``) receives the
+    draw instead of a fresh tensor. Neither changes a number: the stream is a function of the seed alone.
     """
-    gen = torch.Generator(device=rng_device)
+    gen = generator if generator is not None else torch.Generator(device=rng_device)
     gen.manual_seed(tensor_seed(seed, index))
-    u = torch.randn(param.shape, generator=gen, device=rng_device, dtype=torch.float32)
-    return u.to(device=param.device, dtype=param.dtype)
+    if out is None:
+        u = torch.randn(param.numel(), generator=gen, device=rng_device, dtype=torch.float32)
+    else:
+        u = torch.randn(param.numel(), generator=gen, out=out[: param.numel()])
+    u = u.view(param.shape)
+    if u.dtype != param.dtype or u.device != param.device:  # .to() parses its arguments even when it does nothing
+        u = u.to(device=param.device, dtype=param.dtype)
+    return u
 
 
-def perturbed_tensor(param: Tensor, seed: int, index: int, mu: float, rng_device: str | torch.device = "cpu") -> Tensor:
+def perturbed_tensor(
+    param: Tensor,
+    seed: int,
+    index: int,
+    mu: float,
+    rng_device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """θ_i + μ·u_i as one new tensor: the fresh noise is scaled and shifted in place, so no other θ-sized buffer is
     alive at the same time. Bit-identical to ``param + mu * noise_like(...)`` (same multiply, and a + b == b + a)."""
-    return noise_like(param, seed, index, rng_device).mul_(mu).add_(param)
+    return noise_like(param, seed, index, rng_device, generator).mul_(mu).add_(param)
 
 
 @contextlib.contextmanager
@@ -57,12 +80,13 @@ def perturbed(
     mode="copy": perturbed copies of all trainable tensors are swapped in for the whole block (d_c extra memory,
     works for any access pattern).
     """
+    gen = torch.Generator(device=rng_device)  # one generator, reseeded per tensor
     if mode == "copy":
         originals = [mod._parameters[name] for mod, name in slots]
         try:
             with torch.no_grad():
                 for i, ((mod, name), p) in enumerate(zip(slots, originals)):
-                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device)
+                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen)
             yield
         finally:
             for (mod, name), p in zip(slots, originals):
@@ -84,7 +108,7 @@ def perturbed(
         saved[id(mod)] = [mod._parameters[name] for _, name in entries]
         with torch.no_grad():
             for (i, name), p in zip(entries, saved[id(mod)]):
-                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device)
+                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen)
                 seen.add(i)
 
     def post_hook(mod: nn.Module, args: object, out: object) -> None:
@@ -160,8 +184,14 @@ def scalar_coefficients(scalars: Sequence[float] | Tensor, mu: float) -> list[fl
 def reconstruct(
     param: Tensor, index: int, seeds: Sequence[int], coeffs: Sequence[float], rng_device: str | torch.device = "cpu"
 ) -> Tensor:
-    """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds."""
+    """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds.
+
+    The P draws share one generator and one float32 scratch buffer on ``rng_device`` (numbers as
+    :func:`noise_like`'s), so the loop allocates nothing beyond ĝ_i itself.
+    """
     g = torch.zeros_like(param)
+    gen = torch.Generator(device=rng_device)
+    scratch = torch.empty(param.numel(), device=rng_device, dtype=torch.float32)
     for s, c in zip(seeds, coeffs):
-        g.add_(noise_like(param, s, index, rng_device), alpha=c)
+        g.add_(noise_like(param, s, index, rng_device, gen, scratch), alpha=c)
     return g
