@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from hosfl_dist.runtime.process.groups import Distributed
-from hosfl_dist.runtime.process.host import MALLOC_ARENAS, MMAP_THRESHOLD, fix_mmap_threshold, limit_malloc_arenas
+from hosfl_dist.runtime.process.host import (
+    MALLOC_ARENAS,
+    MMAP_THRESHOLD,
+    WORKER_MMAP_THRESHOLD,
+    fix_mmap_threshold,
+    keep_freed_memory,
+    limit_malloc_arenas,
+)
 from hosfl_dist.runtime.process.launch import LaunchEnv, RoleMap
 from hosfl_dist.transport.endpoint import ServerEndpoint, ServerThread
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, UPLINK_ACTIVATIONS, wire
@@ -124,6 +131,15 @@ def test_the_mmap_threshold_is_fixed_unless_the_environment_sets_it():
     assert fix_mmap_threshold({"MALLOC_MMAP_THRESHOLD_": "65536"}) == 65536  # glibc read it at start
     expected = MMAP_THRESHOLD if platform.libc_ver()[0] == "glibc" else None
     assert fix_mmap_threshold({}) == expected
+
+
+def test_a_client_worker_keeps_freed_memory_unless_the_environment_says_otherwise():
+    assert keep_freed_memory({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}) == 65536
+    expected = WORKER_MMAP_THRESHOLD if platform.libc_ver()[0] == "glibc" else None
+    try:
+        assert keep_freed_memory({}) == expected
+    finally:
+        fix_mmap_threshold({})  # back to the setting the test above leaves this process with
 
 
 def test_a_worker_waits_for_a_key_posted_by_a_peer_and_a_missing_key_times_out_with_its_name():

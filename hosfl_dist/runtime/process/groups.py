@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.runtime.process.host import bind_interface, fix_mmap_threshold, limit_malloc_arenas
+from hosfl_dist.runtime.process.host import (
+    bind_interface,
+    fix_mmap_threshold,
+    keep_freed_memory,
+    limit_malloc_arenas,
+)
 from hosfl_dist.runtime.process.launch import LaunchEnv, RoleMap
 
 if TYPE_CHECKING:  # torch is imported where a process group is made: a bad config fails before that import
@@ -148,7 +153,10 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
 
     secret = launcher_secret()  # a bad HOSFL_JOB_TOKEN stops the run before anything starts
     limit_malloc_arenas()  # before RPC, gloo and the server start their threads
-    fix_mmap_threshold()
+    if env.rank in roles.server_ranks:
+        fix_mmap_threshold()  # freed FSDP buffers go back to the system
+    else:
+        keep_freed_memory()  # the P+1 forwards of a round reuse the same activation memory
     device = process_device(cfg, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
