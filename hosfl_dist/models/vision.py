@@ -154,8 +154,8 @@ class MaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` that pools a channels_last copy on CPU and hands back a contiguous (NCHW) result.
 
     PyTorch's CPU max-pool kernel for NCHW walks one window at a time, the channels_last kernel vectorises over
-    channels: at the client's shapes (1 thread) the copy, the pool and the copy back take 0.10-0.24× the NCHW pool's
-    time (B=32: [32, 16, 28, 28] 2x2, [32, 32, 14, 14] 2x2, ResNet-18's stem [32, 64, 16, 16] 3x3/2), 0.7-0.85× at
+    channels: at the client's shapes (1 thread) the copy, the pool and the copy back take 0.10-0.29× the NCHW pool's
+    time (B=32: [32, 16, 28, 28] 2x2, [32, 32, 14, 14] 2x2, ResNet-18's stem [32, 64, 16, 16] 3x3/2), 0.5-0.85× at
     B=1 and B=1000 (results/bench/README.md). A maximum is a selection, not a sum, and the backward scatters into
     the same positions in the same order, so outputs and gradients are bit-identical to the NCHW pool's: the layout
     is free to differ between processes and devices. Everything around the pool stays NCHW (a channels_last
