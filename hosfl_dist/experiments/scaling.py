@@ -448,7 +448,9 @@ def scaling_figure(points: dict[str, dict[str, Any]], axes: dict[str, dict[str, 
             order = [g for g in groups if g in shown]
             grid[-1][j].legend([shown[g] for g in order], order, fontsize=7, loc="upper center",
                                bbox_to_anchor=(0.5, -0.32), ncols=2, frameon=False)  # fmt: skip
-    fig.suptitle(title, fontsize=10)
+    from hosfl_dist.experiments.report import wrap_title
+
+    fig.suptitle(wrap_title(title, width=int(12 * 4.6 * len(cols))), fontsize=10)  # ~12 characters an inch at 10 pt
     return fig
 
 
