@@ -50,7 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         print_error(exc)
         return 2
     os.chdir(record["cwd"])  # the command's relative paths (--config, --worlds) are the study's folder's
-    words = [w for w in record["argv"] if w != "--no-wait"]
+    words, skip = [], False
+    for w in record["argv"]:  # the study's own words but --no-wait and --out, which collect gives (resolved)
+        if skip or w == "--no-wait" or w.startswith("--out="):
+            skip = False
+            continue
+        if w == "--out":
+            skip = True
+            continue
+        words.append(w)
     return importlib.import_module(record["prog"]).main([*words, "--collect", "--out", str(out)])
 
 
