@@ -32,7 +32,6 @@ class ExportError(HosflError):
 
 
 CONFIG = "config.yaml"
-SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 _ROUND = re.compile(r"^(?:round-)?0*(\d+)$")
 
@@ -153,17 +152,10 @@ def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restor
     bind_slots(trainable_slots(split.client), [nn.Parameter(p.detach().clone(), requires_grad=False) for p in theta_c])
     split.client.eval()
     split.server.eval()
-    summary = read_json(run_dir / SUMMARY)
+    from hosfl_dist.runtime.record.folder import recorded_summary
+
+    summary = recorded_summary(run_dir) or {}
     return Restored(run_dir, cfg, split, checkpoint, int(meta["round"]), int(loop.processed), summary)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a file; empty when it is missing or not an object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
