@@ -573,7 +573,8 @@ def test_latency_configs_go_through_the_same_loader(tmp_path):
 
 def test_every_reader_of_the_environment_is_checked():
     """A variable read anywhere in the package is in launch.ENVIRONMENT (or is the job token, which groups.py checks
-    where it is read, or torchrun's agent-store switch, compared with one word)."""
+    where it is read, torchrun's agent-store switch, compared with one word, or PATH / PYTHONPATH, which the study
+    launchers extend for the processes they start and never interpret)."""
     import re
 
     from hosfl_dist.runtime.process.launch import ENVIRONMENT
@@ -584,4 +585,5 @@ def test_every_reader_of_the_environment_is_checked():
         text = path.read_text()
         read |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["']([A-Z_]+)["']""", text))
         read |= set(re.findall(r"""getenv\(\s*["']([A-Z_]+)["']""", text))
-    assert read - set(ENVIRONMENT) <= {"TORCHELASTIC_USE_AGENT_STORE", "HOSFL_JOB_TOKEN"}, read - set(ENVIRONMENT)
+    passed_on = {"TORCHELASTIC_USE_AGENT_STORE", "HOSFL_JOB_TOKEN", "PATH", "PYTHONPATH"}
+    assert read - set(ENVIRONMENT) <= passed_on, read - set(ENVIRONMENT)
