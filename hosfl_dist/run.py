@@ -8,6 +8,7 @@ Parses, builds, runs and cleans up; errors in the user's input are reported in o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -70,6 +71,10 @@ def dry_run(cfg: Config) -> dict:
         needs = hub_requirements(cfg)
         if needs:
             return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg)}
+    import torch
+
+    if cfg.job.device.startswith("cuda") and not torch.cuda.is_available():  # a GPU job checked on a CPU node
+        cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device="cpu"))
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, parts=())  # LMs stay on the meta device: an 8B model costs nothing
 

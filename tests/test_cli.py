@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,3 +71,16 @@ def test_a_bad_config_fails_before_torch_is_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert done.stderr.startswith("error: unknown key zo.bogus in section zo")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CUDA config on a machine without CUDA")
+def test_a_cuda_config_dry_runs_on_a_cpu_node_and_its_check_refuses_in_one_line(tiny_overrides, capsys):
+    """A GPU job resolved on a login node: --dry-run builds it on the CPU; --check says the node has no CUDA."""
+    from hosfl_dist.run import main
+
+    assert main([*tiny_overrides, "job.device=cuda", "--dry-run"]) == 0
+    assert '"client_params"' in capsys.readouterr().out
+    assert main([*tiny_overrides, "job.device=cuda", "--check"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: job.device=cuda but this machine has no CUDA device (torch.cuda.is_available() is False)"
+    )

@@ -57,8 +57,9 @@ if TYPE_CHECKING:
 PROG = "hosfl_dist.experiments.scaling"
 MODEL_KEYS = ("model.source", "model.name", "model.width", "model.gguf_file")
 """Grid keys that change the model: their axis is the model's parameter count."""
-PROFILE_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl"}
-"""The memory profiler's mode that runs each method's client (FSL-SAGE and MU-SplitFed have none)."""
+PROFILE_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl", "frozen_client": "inference"}
+"""The memory profiler's mode that runs each method's client (FSL-SAGE and MU-SplitFed have none; the frozen client
+runs f_c forward only: inference)."""
 QUANTITIES = {
     "client_peak_bytes": ("client peak memory [MiB] (profiler)", 1 / 2**20),
     "client_step_s": ("client step [s] (one client, profiler)", 1.0),

@@ -21,6 +21,7 @@ METHODS = {
     "fsl_sage": "FSL-SAGE",
     "zo_sfl": "ZO-SFL (zeroth order on both sides)",
     "mu_splitfed": "MU-SplitFed",
+    "frozen_client": "HO-SFL with the client frozen (the server-only reference: f_c at its initial weights)",
 }
 
 
