@@ -209,6 +209,7 @@ def test_export_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run):
     blocker.write_text("")
     assert "cannot write" in refused(str(run_dir), "--out", str(blocker / "sub"))
     assert "vision" in refused(str(run_dir), "--out", str(tmp_path / "o"), "--format", "state_dict")
+    assert "expected a size" in refused(str(run_dir), "--out", str(tmp_path / "o"), "--max-shard-size", "big")
     assert not (tmp_path / "o").exists()
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # nothing half-written left behind
 

@@ -47,6 +47,12 @@ def export(
     run_dir, out = run_folder(Path(run_dir)), Path(out)
     if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        convert_file_size_to_int(max_shard_size)  # what save_pretrained takes
+    except ValueError:
+        raise ExportError(f"--max-shard-size {max_shard_size!r}: expected a size such as 2GB or 500MiB") from None
     run, target = run_dir.resolve(), out.resolve()
     if target == run or run.is_relative_to(target):
         raise ExportError(f"--out {out} holds the run {run_dir}: export to a folder of its own")
