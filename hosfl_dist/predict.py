@@ -259,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None and (value < 0 or (value == 0 and flag in ("batch_size", "max_length"))):
                 raise PredictError(f"--{flag.replace('_', '-')} {value}: expected a positive number")
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise PredictError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise PredictError(f"--device {args.device}: this machine has no CUDA device")
         if args.out.resolve() == args.data.resolve():
             raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
         record = _record(args.model)

@@ -275,6 +275,7 @@ def test_predict_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run, text_fi
                                                     "--label-words", "a,b")  # fmt: skip
     assert "not found" in refused("--model", str(out), "--data", str(tmp_path / "none.jsonl"), "--out", preds)
     assert "no column" in refused("--model", str(out), "--data", data, "--out", preds, "--template", "{missing}")
+    assert "expected cpu, cuda" in refused("--model", str(out), "--data", data, "--out", preds, "--device", "gpu0")
     assert "would replace the examples" in refused("--model", str(out), "--data", data, "--out", data)
     assert "--batch-size 0" in refused("--model", str(out), "--data", data, "--out", preds, "--batch-size", "0")
     assert not Path(preds).exists()
