@@ -167,7 +167,6 @@ def predict(
 
     from hosfl_dist.data.text import label_word_ids, tokenize_split
     from hosfl_dist.tasks.classification import classification_logits
-    from hosfl_dist.tasks.squad_metric import extract_answer, squad_exact_match, squad_f1
 
     data = tokenize_split(spec, examples, tokenizer, max_length, padding_side, train=False)
     device = next(model.parameters()).device
@@ -190,8 +189,7 @@ def predict(
                         item.update(gold=gold, correct=k == gold)
                     out.append(item)
             else:
-                out += _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens, extract_answer,
-                                 squad_f1, squad_exact_match)  # fmt: skip
+                out += _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens)
     n = len(out)
     metrics: dict[str, Any] = {"examples": n}
     if has_gold and spec.kind == "classification":
@@ -202,18 +200,15 @@ def predict(
     return out, metrics
 
 
-def _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens, extract, f1, em):  # noqa: ANN001, ANN202
+def _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens):  # noqa: ANN001, ANN202
     """Greedy continuations of one batch, prompts left-padded (every row's newest token in the last column)."""
-    import torch
+    from hosfl_dist.tasks.generation import pad_sequences
+    from hosfl_dist.tasks.squad_metric import extract_answer, squad_exact_match, squad_f1
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = [r[m.bool()] for r, m in zip(b.input_ids, b.attention_mask)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), int(pad if pad is not None else 0), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for j, r in enumerate(rows):
-        ids[j, width - len(r):] = r
-        mask[j, width - len(r):] = 1
+    rows = [r[m.bool()].tolist() for r, m in zip(b.input_ids, b.attention_mask)]
+    batch = pad_sequences(rows, int(pad if pad is not None else 0), "left")
+    ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
     device = next(model.parameters()).device
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     new = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
@@ -224,10 +219,11 @@ def _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens, extr
     out = []
     for i, tokens in zip(idx, generated):
         text = tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-        item: dict[str, Any] = {"index": i, "prediction": extract(text), "generated": text}
+        item: dict[str, Any] = {"index": i, "prediction": extract_answer(text), "generated": text}
         if has_gold:
             gold = list(examples[i]["answers"])
-            item.update(gold=gold, f1=f1(item["prediction"], gold), exact_match=em(item["prediction"], gold))
+            pred = item["prediction"]
+            item.update(gold=gold, f1=squad_f1(pred, gold), exact_match=squad_exact_match(pred, gold))
         out.append(item)
     return out
 

@@ -13,7 +13,6 @@ changed, a DIR that exists or cannot be written) is one line on stderr and exit 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shlex
 import shutil
@@ -25,8 +24,6 @@ from typing import Any
 
 from hosfl_dist.errors import HosflError
 from hosfl_dist.export.restore import ExportError, restore
-
-logger = logging.getLogger("hosfl_dist.export")
 
 FORMATS = ("merged", "peft", "state_dict")
 DEFAULT_SHARD = "2GB"

@@ -101,14 +101,13 @@ def join(restored: Restored, client: HFClient, server: HFServer) -> PreTrainedMo
     return model
 
 
-def save_tokenizer(restored: Restored, out: Path) -> None:
-    cfg = restored.cfg
-    load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file)).save_pretrained(out)
+def tokenizer_of(restored: Restored) -> Any:
+    """The tokenizer the run used (read from the model's source: for GGUF, its metadata)."""
+    return load_tokenizer(resolve(restored.cfg.model.source, restored.cfg.model.gguf_file))
 
 
-def save_model(restored: Restored, model: PreTrainedModel, out: Path, max_shard_size: str) -> None:
+def save_model(model: PreTrainedModel, tok: Any, out: Path, max_shard_size: str) -> None:
     """``save_pretrained`` + tokenizer + a generation config that names the tokenizer's special tokens."""
-    tok = load_tokenizer(resolve(restored.cfg.model.source, restored.cfg.model.gguf_file))
     gen = model.generation_config
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(gen, key, None) is None and getattr(tok, key, None) is not None:
@@ -128,7 +127,7 @@ def write_merged(restored: Restored, out: Path, max_shard_size: str) -> dict[str
     adapters = len(lora_layers(client)) + len(lora_layers(server))
     fold_lora(client, merge=True)
     fold_lora(server, merge=True)
-    save_model(restored, join(restored, client, server), out, max_shard_size)
+    save_model(join(restored, client, server), tokenizer_of(restored), out, max_shard_size)
     return {"format": "merged", "lora_layers_merged": adapters}
 
 
@@ -166,10 +165,11 @@ def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, 
                           "export --format merged")  # fmt: skip
     del model, skel_c, skel_s
     base = base_of(restored)
+    tok = tokenizer_of(restored)
     if base is None:  # the frozen weights the run used, as a Hugging Face folder
         fold_lora(client, merge=False)
         fold_lora(server, merge=False)
-        save_model(restored, join(restored, client, server), out / BASE, max_shard_size)
+        save_model(join(restored, client, server), tok, out / BASE, max_shard_size)
         base = str((out / BASE).resolve())
     lora = restored.cfg.lora
     config = LoraConfig(
@@ -182,7 +182,7 @@ def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, 
     )
     config.save_pretrained(str(out))
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    save_tokenizer(restored, out)
+    tok.save_pretrained(out)
     return {"format": "peft", "base": _shown_base(base, out), "lora_modules": len(targets)}
 
 

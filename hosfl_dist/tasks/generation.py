@@ -206,14 +206,7 @@ class GenerationTask:
         return {"eval_accuracy": f1, "eval_loss": loss, "eval_f1": f1, "eval_exact_match": em}
 
     def _pad(self, seqs: list[list[int]], side: str) -> dict[str, Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
-            ids[i, cols] = torch.tensor(s, dtype=torch.long)
-            mask[i, cols] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        return pad_sequences(seqs, self.pad_id, side)
 
     def _room(self, length: int) -> bool:
         """Whether a sequence of ``length`` tokens can take one more (the model's position limit)."""
@@ -227,6 +220,18 @@ class GenerationTask:
     def _stopped(self, new: list[int]) -> bool:
         text = self.tokenizer.decode(new, skip_special_tokens=False)
         return any(stop in text for stop in DEFAULT_STOP_STRINGS)
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, side: str) -> dict[str, Tensor]:
+    """Token id lists -> ``input_ids`` and ``attention_mask`` (N, longest), padded with ``pad_id`` on ``side``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[i, cols] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, cols] = 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _stack(new: list[list[int]]) -> Tensor:
