@@ -17,6 +17,7 @@ import pytest
 from hosfl_dist.errors import ConfigError, Interrupted
 from hosfl_dist.run import main
 from hosfl_dist.runtime.checkpoint import verify_checkpoint
+from hosfl_dist.runtime.record import folder as folder_mod
 from hosfl_dist.runtime.record import identity as identity_mod
 from hosfl_dist.runtime.record.folder import checkpoint_folders, lock_holder, run_status
 from hosfl_dist.runtime.record.writer import RunRecord
@@ -189,6 +190,63 @@ def test_a_run_another_process_holds_is_refused_naming_the_holder_and_a_dead_one
     recorded = json.loads((out / "summary.json").read_text())
     assert recorded["status"] == "died" and "--record-death" in recorded["error"]
     assert main(["--status", str(out)]) == 0 and "recorded in summary.json" in capsys.readouterr().out
+
+
+HOLD_FOR = HOLD.replace("time.sleep(600)", "time.sleep(float(sys.argv[2]))")
+
+
+def _hold(out: Path, seconds: float, job: str, start: int) -> subprocess.Popen:
+    env = {**os.environ, "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(start - 1)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_FOR, str(out), str(seconds)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_requeued_slurm_job_waits_for_its_earlier_start_to_let_go_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """A job requeued after a node died can start while its first start's server, on a node that lived, is still
+    stopping: the new start waits for that holder (bounded), and refuses any other one at once."""
+    out = tmp_path / "run"
+    run = [*RUN, f"job.out_dir={out}", "train.budget_samples=48", "server.rpc_timeout_s=5"]
+    run_in_process(run)
+    run.append("job.resume=auto")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this process is start 2 of job 77
+
+    holder = _hold(out, 2.0, "77", 1)  # start 1 of this job, stopping: it lets go after 2 s
+    try:
+        assert "Slurm job 77 start 1" in lock_holder(out)
+        t0 = time.monotonic()
+        assert main(["--check", *run]) == 0
+        assert time.monotonic() - t0 >= 1.0 and lock_holder(out) is None
+        assert f"still held by start 1 of this Slurm job (pid {holder.pid} on " in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+
+    for job, start in (("78", 1), ("77", 2)):  # another job's run, or this very start's: refused at once
+        holder = _hold(out, 600, job, start)
+        try:
+            t0 = time.monotonic()
+            assert main(["--check", *run]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert time.monotonic() - t0 < 3 and len(err) == 1, err
+            assert err[0].startswith(f"error: job.out_dir {out} is in use by a live run (pid {holder.pid} on "), err
+            assert err[0].endswith(f"Slurm job {job} start {start}); wait for it to end or choose another folder"), err
+        finally:
+            holder.kill()
+            holder.wait()
+
+    monkeypatch.setattr(folder_mod, "EARLIER_START_GRACE_S", 0.0)  # an earlier start that never stops: bounded
+    holder = _hold(out, 600, "77", 1)
+    try:
+        assert main(["--check", *run]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "start 1 of this job did not stop within 5 s: end that process" in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["--check", *run]) == 0  # once it is gone
 
 
 def test_overwriting_a_live_run_is_refused_and_the_live_run_completes_with_its_rows(tmp_path):

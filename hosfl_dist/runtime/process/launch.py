@@ -74,6 +74,7 @@ ENVIRONMENT: dict[str, Callable[[str], str | None]] = {
     "MASTER_ADDR": _printable(255),
     "TORCHELASTIC_RUN_ID": _printable(256),
     "SLURM_JOB_ID": lambda v: None if SLURM_JOB_ID.fullmatch(v) else "a Slurm job id: digits only",
+    "SLURM_RESTART_COUNT": _count(0, 1_000_000),
     "OMP_NUM_THREADS": _omp_threads,
     "MALLOC_ARENA_MAX": _count(1, 65536),
     "MALLOC_MMAP_THRESHOLD_": _count(0, GLIBC_MMAP_THRESHOLD_MAX),
@@ -225,3 +226,13 @@ def slurm_job_id(environ: Mapping[str, str] | None = None) -> str:
         raise ConfigError(f"environment variable SLURM_JOB_ID={value[:80]!r} is not usable: expected a Slurm job id: "
                           "digits only")  # fmt: skip
     return value
+
+
+def slurm_start(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(SLURM_JOB_ID, which start of the job this is: 1 + SLURM_RESTART_COUNT), or None outside a Slurm job."""
+    env = os.environ if environ is None else environ
+    job_id = slurm_job_id(env)
+    if not job_id:
+        return None
+    check_environment({"SLURM_RESTART_COUNT": env.get("SLURM_RESTART_COUNT", "")})
+    return job_id, 1 + int(env.get("SLURM_RESTART_COUNT") or 0)

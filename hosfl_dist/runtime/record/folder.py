@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.safe_yaml import load_file
-from hosfl_dist.runtime.process.launch import slurm_job_id
+from hosfl_dist.runtime.process.launch import slurm_job_id, slurm_start
 
 RUNS = Path("runs")
 LATEST = "latest"
@@ -235,7 +237,7 @@ def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) ->
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"job.out_dir {d} is not writable ({parent}: permission denied)")
             break
-    holder = None if locked else lock_holder(d)
+    holder = None if locked else wait_for_earlier_start(d, cfg.server.rpc_timeout_s + EARLIER_START_GRACE_S)
     if holder is not None:
         raise ConfigError(f"job.out_dir {d} is in use by a live run ({holder}); wait for it to end or choose another "
                           "folder")  # fmt: skip
@@ -339,7 +341,9 @@ class RunLock:
             raise ConfigError(f"job.out_dir {self.folder}: cannot lock it ({exc.strerror or exc})") from None
         os.ftruncate(fd, 0)
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode())
+        job = slurm_start()
+        of_job = f", Slurm job {job[0]} start {job[1]}" if job else ""
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}{of_job}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
@@ -371,6 +375,37 @@ def lock_holder(folder: Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+EARLIER_START_GRACE_S = 60.0
+"""How much longer than ``server.rpc_timeout_s`` a restarted Slurm job waits for its earlier start to let go."""
+_SLURM_START = re.compile(r", Slurm job ([0-9]+) start ([0-9]+)$")
+
+
+def wait_for_earlier_start(folder: Path, limit_s: float) -> str | None:
+    """Who holds ``folder``'s run lock (:func:`lock_holder`), after waiting for it to let go where the holder is an
+    earlier start of this process's own Slurm job, at most ``limit_s``.
+
+    A job requeued because a node died can start again while its first start's processes on the nodes that lived
+    are still stopping (their server waits ``server.rpc_timeout_s`` for the dead workers after Slurm's SIGTERM, and
+    with proctrack/linuxproc a rank whose torchrun was killed first is no longer Slurm's to kill). The new start
+    waits for them instead of failing on a folder that is about to be free; any other holder is answered at once."""
+    holder = lock_holder(folder)
+    job = slurm_start()
+    if holder is None or job is None:
+        return holder
+    found = _SLURM_START.search(holder)
+    if found is None or found.group(1) != job[0] or int(found.group(2)) >= job[1]:
+        return holder
+    print(f"job.out_dir {folder} is still held by start {found.group(2)} of this Slurm job ({holder}); waiting up to "
+          f"{limit_s:g} s for it to stop", file=sys.stderr, flush=True)  # fmt: skip
+    deadline = time.monotonic() + limit_s
+    while holder is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        holder = lock_holder(folder)
+    if holder is not None:
+        return f"{holder}; start {found.group(2)} of this job did not stop within {limit_s:g} s: end that process"
+    return None
 
 
 def clear_run(d: Path) -> None:
