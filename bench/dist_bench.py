@@ -1,6 +1,7 @@
 """The torchrun runtime against the in-process runtime, and its transport against the floor measured beside it.
 
-    python -m bench.dist_bench [--config configs/quickstart.yaml] [--budget 6400] [--workers 1 2] [--overlap]
+    python -m bench.dist_bench [--config configs/quickstart.yaml] [--budget 6400] [--workers 1 2]
+                               [--overlap auto|true|false ...]
     python -m bench.dist_bench --workers 2 --repeat 3 --before /tmp/old    # also the torchrun runs of an older tree
 
 For the config's model (default: the quickstart, small CNN on Fashion-MNIST) it runs
@@ -10,6 +11,8 @@ For the config's model (default: the quickstart, small CNN on Fashion-MNIST) it 
 - the transport floor with the same process layout (``bench/rpc_floor.py``): one loopback RPC round trip carrying
   the round's submit (z + labels up, λ down) and one all_reduce of the K×P scalar matrix;
 each run for ``--budget`` processed samples, evaluating only at the start and the end (evaluation is not timed).
+``--overlap`` sets zo.overlap (default: auto, the product's default); a second value adds torchrun runs with it, marked
+``[zo.overlap=…]`` (e.g. ``--overlap auto false``: latency hiding against turn-taking in one invocation).
 
 Reported per torchrun run: throughput (processed samples / the sum of ``run_round`` wall times), and per client
 worker and round: the time blocked in the transport (waiting on RPC answers, which includes the server's compute,
@@ -34,12 +37,12 @@ from bench.common import ROOT, Recorder, options, torchrun_cmd
 from bench.suite import BENCHMARKS
 
 
-def overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
+def overrides(args: argparse.Namespace, out_dir: Path, overlap: str | None = None) -> list[str]:
     return [
         f"train.budget_samples={args.budget}",
         f"train.eval_every_samples={args.budget}",  # evaluate at 0 and at the end only
         f"data.eval_max_samples={args.eval_samples}",
-        f"zo.overlap={str(args.overlap).lower()}",
+        f"zo.overlap={overlap or args.overlap[0]}",
         "job.progress=false",
         f"job.out_dir={out_dir}",
         *args.overrides,
@@ -91,10 +94,12 @@ def run_in_process(args: argparse.Namespace, threads: int, tmp: Path) -> dict:
     }
 
 
-def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path, tree: Path = ROOT, label: str = "") -> dict:
+def run_torchrun(
+    args: argparse.Namespace, workers: int, tmp: Path, tree: Path = ROOT, label: str = "", overlap: str | None = None
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     config = str(ROOT / args.config)
-    cmd = torchrun_cmd(workers + 1, ["-m", "hosfl_dist.run", "--config", config, *overrides(args, tmp)])
+    cmd = torchrun_cmd(workers + 1, ["-m", "hosfl_dist.run", "--config", config, *overrides(args, tmp, overlap)])
     res = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     if res.returncode != 0:
         raise RuntimeError(f"torchrun with {workers} workers failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
@@ -205,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=6400, help="processed samples per run (quickstart: 128 per round)")
     p.add_argument("--eval-samples", type=int, default=1000, help="data.eval_max_samples (evaluation is not timed)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="client-worker counts to run")
-    p.add_argument("--overlap", action="store_true", help="zo.overlap=true (latency hiding) in every run")
+    p.add_argument("--overlap", nargs="*", choices=["auto", "true", "false"], default=["auto"],
+                   help="zo.overlap of the runs (alone: true); more values add torchrun runs with each")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="runs per setting; the one of median throughput is kept")
     p.add_argument("--before", type=Path, help="a checkout of an earlier version whose torchrun runs are added")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -215,26 +221,29 @@ def main(argv: list[str] | None = None) -> int:
     if args._in_process_child:
         in_process_child(args.config, args.overrides)
         return 0
+    args.overlap = list(dict.fromkeys(args.overlap or ["true"]))
     rec = Recorder(BENCHMARKS["dist"], argv, args.via)
     from hosfl_dist.config import load_config
 
     cfg = load_config(ROOT / args.config, args.overrides)
     args.K, args.P = cfg.clients.per_round, cfg.zo.num_perturbations
-    settings = [("in-process", n, ROOT) for n in sorted({1, os.cpu_count() or 1})]
-    settings += [("torchrun", w, ROOT) for w in args.workers]
+    first = args.overlap[0]
+    settings = [("in-process", n, ROOT, first) for n in sorted({1, os.cpu_count() or 1})]
+    settings += [("torchrun", w, ROOT, v) for w in args.workers for v in args.overlap]
     if args.before is not None:
-        settings += [("torchrun", w, args.before.resolve()) for w in args.workers]
+        settings += [("torchrun", w, args.before.resolve(), first) for w in args.workers]
     rows, floors = [], {}
     with tempfile.TemporaryDirectory(prefix="dist_bench_") as tmp:
-        for kind, n, tree in settings:
+        for kind, n, tree, overlap in settings:
             runs = []
             for i in range(args.repeat):
-                out = Path(tmp) / f"{kind}{n}_{tree.name}_{i}"
+                out = Path(tmp) / f"{kind}{n}_{tree.name}_{overlap}_{i}"
                 if kind == "in-process":
                     runs.append(run_in_process(args, n, out))
                 else:
                     label = "" if tree == ROOT else f" [{args.before}]"
-                    runs.append(run_torchrun(args, n, out, tree, label))
+                    label += "" if overlap == first else f" [zo.overlap={overlap}]"
+                    runs.append(run_torchrun(args, n, out, tree, label, overlap))
             runs.sort(key=lambda r: r["samples_per_s"])
             row = {**runs[len(runs) // 2], "samples_per_s_all": [round(r["samples_per_s"], 1) for r in runs]}
             if kind == "torchrun":
@@ -245,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"measured: {row['engine']} {row['samples_per_s_all']}", file=sys.stderr, flush=True)
     base = rows[0]["samples_per_s"]
-    print(f"config {args.config}, {args.budget} samples per run, overlap={args.overlap}, {os.cpu_count()} CPU cores")
+    print(f"config {args.config}, {args.budget} samples per run, zo.overlap={first} (other values marked), "
+          f"{os.cpu_count()} CPU cores")  # fmt: skip
     print(table(rows, base))
     print("transport: share of the round a worker is blocked in RPC waits + all_reduce; ms/round: the same per round")
     print("floor: one loopback RPC round trip carrying a submit (z + labels up, λ down) + one all_reduce of K×P")

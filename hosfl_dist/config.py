@@ -211,8 +211,14 @@ class ZOConfig:
     """μ: perturbation scale of the two-point estimator."""
     rng_device: str = "cpu"
     """Device of the noise generator. Every client must use the same stream: CPU and CUDA generators differ."""
-    overlap: bool = False
-    """Latency hiding (paper §3.4): run the P perturbed forwards while the activation is in flight."""
+    overlap: Literal["auto"] | bool = "auto"
+    """Latency hiding (paper §3.4, HO-SFL): after a worker's uploads have left, the P perturbed forwards of each client
+    whose λ has not arrived run at once and their z̃ are kept until it does (P·|z| more memory per such client), so the
+    server's step and the clients' forwards overlap. Results are the same bits either way. auto: on in a round where
+    P·|z| over the worker's clients of that round fits in zo.overlap_memory_mb; true / false: always / never (false:
+    the client's peak stays at inference + |λ|)."""
+    overlap_memory_mb: float = 256.0
+    """zo.overlap=auto: the most memory, in MiB, the kept z̃ of one worker's clients may take in a round."""
     perturb_mode: Literal["hooks", "copy"] = "hooks"
     """hooks: perturb one module at a time during the forward (inference-level memory); copy: perturbed copy of θc."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
@@ -230,6 +236,14 @@ class ZOConfig:
                f"must be a finite perturbation scale in [{MIN_MU:g}, 1]; below it θ + μu rounds to θ in float32 and "
                "every scalar is 0")  # fmt: skip
         _check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
+        _check(math.isfinite(self.overlap_memory_mb) and self.overlap_memory_mb >= 0, "overlap_memory_mb",
+               self.overlap_memory_mb, "must be a finite number of MiB >= 0")  # fmt: skip
+
+    def overlap_on(self, held_bytes: float) -> bool:
+        """Whether a round overlaps (:attr:`overlap`), where keeping its z̃ takes ``held_bytes`` (P·Σ|z_m|)."""
+        if self.overlap == "auto":
+            return held_bytes <= self.overlap_memory_mb * 2**20
+        return bool(self.overlap)
 
     def precision_problem(self, model_dtype: str, uploads_both: bool = False) -> str | None:
         """Why μ is too small for a zeroth-order client over ``model_dtype`` weights, or None.
@@ -777,6 +791,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 return _coerce(arg, value, key)
             except ConfigError as exc:
                 errors.append(str(exc))
+        head = f"invalid value for {key}: {_shown(value)} ("
+        if len(errors) > 1 and all(e.startswith(head) and e.endswith(")") for e in errors):  # every form accepted
+            raise ConfigError(head + "; or ".join(e[len(head) : -1] for e in errors) + ")")
         raise ConfigError(errors[0] if errors else f"invalid value for {key}: {_shown(value)}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)

@@ -47,7 +47,7 @@ def test_contract_keys_exist():
         (["clients.optim.lrr=1"], "unknown key clients.optim.lrr in section clients.optim"),
         (["bogus.x=1"], "unknown key bogus"),
         (["zo.num_perturbations=abc"], "zo.num_perturbations: 'abc' (expected an integer)"),
-        (["zo.overlap=3"], "zo.overlap: 3 (expected true or false)"),
+        (["zo.overlap=3"], "zo.overlap: 3 (choose one of ['auto']; or expected true or false)"),
         (["zo.mu=0"], "zo.mu: 0.0 (must be a finite perturbation scale in [1e-09, 1]"),
         (["zo.mu=inf"], "zo.mu: inf (must be a finite"),
         (["zo.mu=1e-30"], "zo.mu: 1e-30 (must be a finite perturbation scale in [1e-09, 1]; below it θ + μu rounds"),

@@ -134,3 +134,77 @@ def test_history_is_trimmed_below_the_oldest_replica():
     assert seeds[:, 0].tolist() == [3, 4]
     with pytest.raises(RuntimeError, match="trimmed"):
         h.window(1, 5)
+
+
+class _Away:
+    """λ on its way: ``done()`` says no until someone waits for it (as over a link, where it is still travelling)."""
+
+    def __init__(self, pending) -> None:
+        self.pending, self.taken = pending, False
+
+    def done(self) -> bool:
+        return self.taken
+
+    def wait(self):
+        self.taken = True
+        return self.pending.wait()
+
+
+@pytest.mark.parametrize(
+    ("overlap", "held"),
+    [("zo.overlap=false", False), ("zo.overlap=true", True), ("zo.overlap=auto", True),
+     ("zo.overlap_memory_mb=0.01", False)],  # auto: the z̃ of 3 clients x P=3 take 0.0176 MiB
+)  # fmt: skip
+def test_latency_hiding_keeps_the_z_tilde_of_clients_whose_lambda_is_away_and_changes_no_bit(
+    tiny_overrides, tmp_path, monkeypatch, caplog, overlap, held
+):
+    """Every upload of a round leaves before any perturbed forward; with latency hiding (zo.overlap, ``auto`` within
+    zo.overlap_memory_mb) the P perturbed forwards of each client whose λ is away run then and are kept; the results
+    are those of the run without it, bit for bit."""
+    from hosfl_dist.algorithms.hosfl import HOSFLWorker
+    from tiny import runner
+
+    order: list[str] = []
+    real_call = HOSFLWorker.zo_activations
+
+    def zo_activations(self, x, seeds):
+        order.append("z_tilde")
+        return real_call(self, x, seeds)
+
+    monkeypatch.setattr(HOSFLWorker, "zo_activations", zo_activations)
+    reference = run_in_process([*tiny_overrides, "zo.overlap=false", f"job.out_dir={tmp_path / 'ref'}"])[2]
+    order.clear()
+    r = runner([*tiny_overrides, overlap, f"job.out_dir={tmp_path / 'run'}"])
+    inner = r.worker.transport.call_async
+
+    def call_async(method, **kwargs):
+        order.append(method)
+        got = inner(method, **kwargs)
+        return _Away(got) if method == "submit" else got
+
+    monkeypatch.setattr(r.worker.transport, "call_async", call_async)
+    with caplog.at_level("INFO", logger="hosfl_dist.algorithms.hosfl"):
+        summary = r.run()
+    assert summary["client_digests"] == reference["client_digests"]
+    assert summary["server_digest"] == reference["server_digest"] and summary["final"] == reference["final"]
+    rounds = summary["rounds"]
+    assert order.count("submit") == 3 * rounds
+    assert order.count("z_tilde") == (3 * rounds if held else 0)
+    if held:  # a round's three submits, then its three clients' perturbed forwards
+        first = order.index("z_tilde")
+        assert order[first - 3 : first] == ["submit"] * 3 and order[first : first + 3] == ["z_tilde"] * 3, order
+    told = [m for m in caplog.messages if m.startswith("latency hiding")]
+    assert len(told) == 1 and told[0].split(": ")[1].startswith("on" if held else "off"), told
+
+
+def test_a_run_continues_with_latency_hiding_changed(tiny_overrides, tmp_path):
+    """zo.overlap changes when the client's forwards run, never a bit: a run and its continuation may differ in it."""
+    from hosfl_dist.runtime.record.folder import config_differences
+
+    out = tmp_path / "run"
+    run_in_process([*tiny_overrides, "zo.overlap=false", f"job.out_dir={out}"])
+    for changed in (["zo.overlap=true"], ["zo.overlap=auto", "zo.overlap_memory_mb=1"]):
+        assert config_differences(out, load_config(None, [*tiny_overrides, *changed, f"job.out_dir={out}"])) == []
+    assert config_differences(out, load_config(None, [*tiny_overrides, "zo.num_perturbations=4"])) == [
+        "zo.num_perturbations"
+    ]

@@ -21,6 +21,7 @@ Round t, as the code below runs it (a worker runs the client side for the sample
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ from hosfl_dist.transport.wire import (
 
 SCALARS = Exchange("scalars", up=UPLINK_SCALARS, down=DOWNLINK_SCALARS_SEEDS)
 """The dimension-free aggregation: each sampled client sends its P scalars and receives v̄."""
+
+logger = logging.getLogger(__name__)
 
 
 def mean_over_clients(rows: Tensor) -> Tensor:
@@ -397,6 +400,20 @@ class HOSFLWorker(WorkerBase):
             shared = self._new_replica()
             self.replicas = dict.fromkeys(ids, shared)
         self.bind(self.replicas[ids[0]].params if ids else self.fresh_params(requires_grad=False))
+        self._overlap_told = False
+
+    def overlap_round(self, jobs: Sequence[Sequence[Any]]) -> bool:
+        """Whether this round's perturbed forwards run before λ arrives (``zo.overlap``; ``auto`` looks at what the
+        z̃ of this worker's clients would take: P·Σ|z_m|). The first decision, with its cost, is logged."""
+        held = self.P * sum(job[3].numel() * job[3].element_size() for job in jobs)
+        on = self.cfg.zo.overlap_on(held)
+        if not self._overlap_told and jobs:
+            self._overlap_told = True
+            setting = self.cfg.zo.overlap
+            why = f"zo.overlap_memory_mb={self.cfg.zo.overlap_memory_mb:g}" if setting == "auto" else "set"
+            logger.info(f"latency hiding (zo.overlap={str(setting).lower()}): {'on' if on else 'off'}; the P={self.P} "
+                        f"z̃ of {len(jobs)} client(s) take {held / 2**20:,.3g} MiB while λ is away ({why})")  # fmt: skip
+        return on
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
@@ -441,7 +458,8 @@ class HOSFLWorker(WorkerBase):
         # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was sent)
         syncs = {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in mine}
         jobs = []
-        for m in mine:  # sync (catch-up) and forward; z_m goes up and the P perturbed forwards need no λ
+        for m in mine:  # sync (catch-up) and forward; every z_m goes up before any perturbed forward runs, so the
+            # server's step (which needs the round's K uploads) starts as early as this worker can let it
             rep = self.replicas[m]
             got = syncs[m].wait()
             if self.per_client:
@@ -454,10 +472,15 @@ class HOSFLWorker(WorkerBase):
             lam = self.transport.call_async("submit", t=t, client=m, act=self.precision.upload(act), labels=y)
             z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
             del act
-            # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ.
-            z_tilde = self.zo_activations(x, seeds) if self.cfg.zo.overlap else None
-            jobs.append((m, rep, x, z, lam, z_tilde, seeds))
-            del z, z_tilde
+            jobs.append([m, rep, x, z, lam, None, seeds])
+            del z
+        if self.overlap_round(jobs):
+            # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
+            # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
+            for job in jobs:
+                if not job[4].done():
+                    self.bind(job[1].params)
+                    job[5] = self.zo_activations(job[2], job[6])
 
         rows = torch.zeros(self.K, self.P, dtype=torch.float32)
         slot = {m: i for i, m in enumerate(sampled)}

@@ -142,8 +142,12 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
         device=cfg.job.device,
         gguf_file=cfg.model.gguf_file,
         seed=cfg.job.seed,
-        overlap=cfg.zo.overlap,
     )
+    if mode == "hosfl" and cfg.zo.overlap is not False:  # latency hiding keeps P z̃ of the profiled client
+        from hosfl_dist.measure.modes import expected_costs
+
+        z_bytes = expected_costs(spec, [mode])[0].z_bytes
+        spec = dataclasses.replace(spec, overlap=cfg.zo.overlap_on(cfg.zo.num_perturbations * z_bytes))
     path = out / f"{safe_name(name)}.json"
     if path.is_file():
         cached = json.loads(path.read_text())

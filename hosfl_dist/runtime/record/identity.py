@@ -4,7 +4,8 @@
     fingerprint(identity)             # one SHA-256 over what the run computes: its config and its inputs' content
 
 - **config**: the resolved config without :data:`RUNTIME_ONLY` keys, the few that say how a run is started or watched
-  (its folder, resume / overwrite, progress bar, trackers, network interface). Everything else is identity, including
+  (its folder, resume / overwrite, progress bar, trackers, network interface) or only when it computes what
+  (``zo.overlap``). Everything else is identity, including
   what changes bits without changing the method (``job.threads``, ``job.device``);
 - **inputs**: every file the run reads that its config names only by path (the data set's files, a local model's
   files, ``model.pretrained``), with its size and SHA-256 (hashed once per version of a file: path, size, mtime and
@@ -32,9 +33,11 @@ from typing import Any
 from hosfl_dist.config import Config, config_to_dict
 
 RUNTIME_ONLY = {
-    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change")
+    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change"),
+    "zo": ("overlap", "overlap_memory_mb"),
 }
-"""Keys that may differ between a run and its continuation: how it is started or watched, not what it computes."""
+"""Keys that may differ between a run and its continuation: how it is started or watched, or when the same values are
+computed (latency hiding changes the order of the client's forwards, never a bit), not what it computes."""
 PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""
 HASH_CACHE = "file-sha256.json"
