@@ -208,3 +208,13 @@ def test_a_run_continues_with_latency_hiding_changed(tiny_overrides, tmp_path):
     assert config_differences(out, load_config(None, [*tiny_overrides, "zo.num_perturbations=4"])) == [
         "zo.num_perturbations"
     ]
+
+    from hosfl_dist.runtime.record.identity import identity_differences
+
+    # a checkpoint written when zo.overlap was identity (false, then the default) still continues
+    now = {"config": {"zo": {"mu": 1e-3}, "job": {"seed": 0}}}
+    old = {"config": {"zo": {"mu": 1e-3, "overlap": False}, "job": {"seed": 0}}}
+    assert identity_differences(old, now, code=False) == []
+    assert identity_differences({"config": {"zo": {"mu": 1e-2}, "job": {"seed": 0}}}, now, code=False) == [
+        "config key zo.mu"
+    ]

@@ -368,7 +368,7 @@ def lock_holder(folder: Path) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.read(fd, 200).decode(errors="replace").strip() or "a live process"
+            return os.read(fd, 512).decode(errors="replace").strip() or "a live process"
         except OSError:
             return None
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -124,8 +124,12 @@ def config_key_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list
 
 def identity_differences(recorded: dict[str, Any], now: dict[str, Any], code: bool = True) -> list[str]:
     """What differs between a recorded identity and this run's, one phrase each (empty: the same run). ``code``:
-    whether a change of the package's source counts."""
-    out = [f"config key {k}" for k in _differences(recorded.get("config"), now.get("config"))]
+    whether a change of the package's source counts. The recorded config is read as :func:`comparable` reads it now
+    (a key made :data:`RUNTIME_ONLY` since it was written does not count)."""
+    theirs_config = recorded.get("config")
+    if isinstance(theirs_config, dict):
+        theirs_config = comparable(theirs_config)
+    out = [f"config key {k}" for k in _differences(theirs_config, now.get("config"))]
     theirs, ours = recorded.get("inputs") or {}, now.get("inputs") or {}
     for role in sorted(set(theirs) | set(ours)):
         a, b = theirs.get(role), ours.get(role)
