@@ -79,9 +79,11 @@ def test_channels_last_pool_equals_the_nchw_pool_bit_for_bit(args, shape):
     results = []
     for pool in (MaxPool2d(*args), torch.nn.MaxPool2d(*args)):
         xi = x.clone().requires_grad_(True)
-        y = pool(xi)
+        inner, seen = xi * 1, []  # not a leaf: autograd hands its gradient on in the layout the pool gives it
+        inner.register_hook(lambda g: seen.append(g.is_contiguous()))
+        y = pool(inner)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
-        assert y.is_contiguous()
+        assert y.is_contiguous() and seen == [True]  # the gradient in NCHW too: the backward before it never mixes
         results.append((y, xi.grad))
     (y, dx), (y_ref, dx_ref) = results
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)

@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,13 +160,28 @@ class MaxPool2d(nn.MaxPool2d):
     B=1 and B=1000 (results/bench/README.md). A maximum is a selection, not a sum, and the backward scatters into
     the same positions in the same order, so outputs and gradients are bit-identical to the NCHW pool's: the layout
     is free to differ between processes and devices. Everything around the pool stays NCHW (a channels_last
-    convolution sums in another order). On other devices the NCHW kernel is used as is.
+    convolution sums in another order), its gradient included: the copy hands the pool's channels_last gradient back
+    as NCHW, so the ReLU and convolution backward before it never mix layouts (they did: the server's forward and
+    backward of the quickstart, 128 samples, took 1.3× as long, results/bench/round_overlap). On other devices the
+    NCHW kernel is used as is.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu" or x.dim() != 4:
             return super().forward(x)
-        return super().forward(x.contiguous(memory_format=torch.channels_last)).contiguous()
+        return super().forward(_ChannelsLastCopy.apply(x)).contiguous()
+
+
+class _ChannelsLastCopy(torch.autograd.Function):
+    """``x.contiguous(memory_format=torch.channels_last)`` whose gradient goes back in the NCHW layout."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.contiguous(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
 
 
 class BasicBlock(nn.Module):
