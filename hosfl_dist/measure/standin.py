@@ -54,7 +54,9 @@ class Answer:
         self.make: Callable[[], dict[str, Tensor]] | None = make
 
     def done(self) -> bool:
-        return True
+        """Not before the client waits for it: with latency hiding every z̃ is kept, as when λ arrives after the P
+        perturbed forwards (the memory price measured is latency hiding's whole)."""
+        return self.make is None
 
     def wait(self) -> dict[str, Tensor]:
         make, self.make = self.make, None  # the answer holds no reference to what was uploaded afterwards
