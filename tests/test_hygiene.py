@@ -142,6 +142,22 @@ def test_a_client_worker_keeps_freed_memory_unless_the_environment_says_otherwis
         fix_mmap_threshold({})  # back to the setting the test above leaves this process with
 
 
+def test_only_a_sharded_server_group_returns_what_it_frees():
+    from hosfl_dist.config import load_config
+    from hosfl_dist.runtime.process.groups import set_allocator
+    from hosfl_dist.runtime.process.launch import role_map
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc thresholds: this C library has none")
+    one = role_map(load_config(None, TINY_OVERRIDES), 3)
+    two = role_map(load_config(None, [*TINY_OVERRIDES, "server.ranks=2"]), 4)
+    try:
+        assert [set_allocator(r, one) for r in range(3)] == [WORKER_MMAP_THRESHOLD] * 3  # the one server rank too
+        assert [set_allocator(r, two) for r in range(4)] == [MMAP_THRESHOLD] * 2 + [WORKER_MMAP_THRESHOLD] * 2
+    finally:
+        fix_mmap_threshold({})  # back to the setting the tests above leave this process with
+
+
 def test_a_worker_waits_for_a_key_posted_by_a_peer_and_a_missing_key_times_out_with_its_name():
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
     env = LaunchEnv(0, 2, 0, "127.0.0.1", str(store.port), "test")

@@ -137,6 +137,15 @@ class Distributed:
             dist.destroy_process_group()
 
 
+def set_allocator(rank: int, roles: RoleMap) -> int | None:
+    """glibc's thresholds for this rank's role (the mmap threshold in force): a rank of a sharded server group
+    returns what it frees (FSDP's all-gather buffers, :func:`fix_mmap_threshold`); a client worker's P+1 forwards
+    and a one-rank server's step reuse the same activation memory every round (:func:`keep_freed_memory`)."""
+    if rank in roles.server_ranks and len(roles.server_ranks) > 1:
+        return fix_mmap_threshold()
+    return keep_freed_memory()
+
+
 def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed:
     """Start the default process group (gloo on CPU, NCCL for CUDA tensors), the role groups and RPC (TensorPipe).
 
@@ -153,10 +162,7 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
 
     secret = launcher_secret()  # a bad HOSFL_JOB_TOKEN stops the run before anything starts
     limit_malloc_arenas()  # before RPC, gloo and the server start their threads
-    if env.rank in roles.server_ranks:
-        fix_mmap_threshold()  # freed FSDP buffers go back to the system
-    else:
-        keep_freed_memory()  # the P+1 forwards of a round reuse the same activation memory
+    set_allocator(env.rank, roles)
     device = process_device(cfg, env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
