@@ -11,8 +11,8 @@ Round t, as the code below runs it (a worker runs the client side for the sample
              server normalises with batch statistics, model.freeze_bn=client|none); θs steps once with the mean
              gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered; the runtime's step
              executor runs its work over the server ranks: submit, settle, step, answers)       (Eq. 11)
-  client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding the P perturbed
-             forwards run while z_m is in flight                                                 (Eq. 12-13)
+  client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding (zo.overlap) the
+             P perturbed forwards of each client whose λ_m is still away run once every z_m has gone up  (Eq. 12-13)
   aggregate  v̄ = mean over the K clients of their P scalars (:func:`mean_over_clients`), among the client
              workers: P scalars per client up, v̄ down                                           (Eq. 14)
   close      the leader posts v̄ (``finish_round``; nobody waits for it) and the server appends it to the history

@@ -4,9 +4,9 @@
     fingerprint(identity)             # one SHA-256 over what the run computes: its config and its inputs' content
 
 - **config**: the resolved config without :data:`RUNTIME_ONLY` keys, the few that say how a run is started or watched
-  (its folder, resume / overwrite, progress bar, trackers, network interface) or only when it computes what
-  (``zo.overlap``). Everything else is identity, including
-  what changes bits without changing the method (``job.threads``, ``job.device``);
+  (its folder, resume / overwrite, progress bar, trackers, network interface) or only in which order it computes
+  (``zo.overlap``). Everything else is identity, including what changes bits without changing the method
+  (``job.threads``, ``job.device``);
 - **inputs**: every file the run reads that its config names only by path (the data set's files, a local model's
   files, ``model.pretrained``), with its size and SHA-256 (hashed once per version of a file: path, size, mtime and
   inode, cached in ``$HOSFL_CACHE``); hub data and models by their name;
