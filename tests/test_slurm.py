@@ -383,8 +383,8 @@ def _last_checkpoint(out_dir: Path) -> int:
 def test_a_job_whose_node_dies_is_requeued_and_resumes_identically(two_nodes: dict[str, str], tmp_path: Path) -> None:
     out_dir, log = tmp_path / "runs", tmp_path / "job.out"
     state_dir = Path(two_nodes["HOSFL_SLURM_DIR"])
-    # the server (rank 0) on hosfl-n1, the node that lives: it is still stopping, waiting for its dead workers, when
-    # the requeued job starts again, and that start must wait for it to let go of the run's folder
+    # the server (rank 0) on hosfl-n1, the node that lives: it may still be stopping, waiting for its dead workers,
+    # when the requeued job starts again (CI met that), and that start then waits for it to let go of the run folder
     env = dict(_two_node_job(two_nodes, tmp_path), HOSFL_TEST_LATE_NODE="hosfl-n2")
     cmd = ["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1", "--time=00:05:00", "--job-name=hosfl-node-death"]
     sub = _run([*cmd, f"--output={log}", str(SBATCH_SCRIPT), *NODE_DEATH, f"job.out_dir={out_dir}"], env)
