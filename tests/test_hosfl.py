@@ -201,6 +201,7 @@ def test_latency_hiding_keeps_the_z_tilde_of_clients_whose_lambda_is_away_and_ch
 def test_a_run_continues_with_latency_hiding_changed(tiny_overrides, tmp_path):
     """zo.overlap changes when the client's forwards run, never a bit: a run and its continuation may differ in it."""
     from hosfl_dist.runtime.record.folder import config_differences
+    from hosfl_dist.runtime.record.identity import identity_differences
 
     out = tmp_path / "run"
     run_in_process([*tiny_overrides, "zo.overlap=false", f"job.out_dir={out}"])
@@ -209,9 +210,6 @@ def test_a_run_continues_with_latency_hiding_changed(tiny_overrides, tmp_path):
     assert config_differences(out, load_config(None, [*tiny_overrides, "zo.num_perturbations=4"])) == [
         "zo.num_perturbations"
     ]
-
-    from hosfl_dist.runtime.record.identity import identity_differences
-
     # a checkpoint written when zo.overlap was identity (false, then the default) still continues
     now = {"config": {"zo": {"mu": 1e-3}, "job": {"seed": 0}}}
     old = {"config": {"zo": {"mu": 1e-3, "overlap": False}, "job": {"seed": 0}}}
