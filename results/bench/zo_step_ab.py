@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import hosfl_dist.algorithms.hosfl as hosfl  # noqa: E402
 import hosfl_dist.core.zo as zo_after  # noqa: E402
-from bench.zo_step import CLIENTS, available, tune_malloc  # noqa: E402
+from bench.zo_step import CLIENTS, available, forward_block, tune_malloc  # noqa: E402
 from hosfl_dist.core.seeding import round_seeds  # noqa: E402
 from hosfl_dist.measure.modes import build_setup, profiled_worker  # noqa: E402
 
@@ -84,12 +84,7 @@ def measure(name: str, reps: int, zo_before) -> dict:
     now = time.thread_time
 
     def block() -> float:
-        worker.bind(rep.params)
-        t0 = now()
-        with torch.no_grad():
-            for _ in range(spec.P + 1):
-                worker.client_forward(x)
-        return now() - t0
+        return forward_block(worker, rep.params, x, spec.P + 1, now)
 
     def step(zo, seeds: list[int]) -> float:
         worker.bind(rep.params)
