@@ -14,6 +14,7 @@ not a failure.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import subprocess
@@ -28,7 +29,8 @@ from bench.suite import BENCHMARKS
 def list_text() -> str:
     lines = []
     for b in BENCHMARKS.values():
-        lines += [f"{b.name} ({b.takes}): {b.measures}", f"  {shlex.join(b.argv(DEFAULT_OUT)[:-2])}"]
+        gpu = ", needs a CUDA GPU" if b.gpu else ""
+        lines += [f"{b.name} ({b.takes}{gpu}): {b.measures}", f"  {shlex.join(b.argv(DEFAULT_OUT)[:-2])}"]
         width = max(len(f.name) for f in b.figures)
         unit = max(len(f.unit) for f in b.figures)
         for f in b.figures:
@@ -69,6 +71,13 @@ def summary(out: Path, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (asked in a child: this command does not import torch)."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT).returncode == 0
+
+
 def run(names: list[str], out: Path, extra: list[str], timeout: float, via: str) -> int:
     failed = []
     t_all = time.perf_counter()
@@ -77,6 +86,9 @@ def run(names: list[str], out: Path, extra: list[str], timeout: float, via: str)
         argv = [*bench.options, *extra, "--out", display(out)]
         rec = Recorder(bench, argv, via)  # the failure record, if the benchmark writes none
         print(f"== {name}: {rec.command}", flush=True)
+        if bench.gpu and not cuda_available():
+            print(f"== {name}: skipped (it needs a CUDA device; torch sees none here)", flush=True)
+            continue
         t0 = time.time()
         proc = subprocess.Popen(
             [sys.executable, "-m", bench.module, *argv, "--via", via], cwd=ROOT, stderr=subprocess.PIPE, text=True

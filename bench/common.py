@@ -73,6 +73,8 @@ class Benchmark:
     takes: str
     figures: tuple[Figure, ...]
     options: tuple[str, ...] = field(default=())
+    gpu: bool = False
+    """Needs a CUDA device: ``python -m bench run`` skips it, saying so, where there is none."""
 
     @property
     def names(self) -> tuple[str, ...]:

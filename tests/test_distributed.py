@@ -25,8 +25,9 @@ from hosfl_dist.algorithms.hosfl import HOSFLServer
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.process.groups import check_server_gpus, shared_gpus
 from hosfl_dist.runtime.process.host import bind_interface
-from hosfl_dist.runtime.process.launch import launch_env, role_map
+from hosfl_dist.runtime.process.launch import RoleMap, launch_env, role_map
 from hosfl_dist.runtime.server_step import local_endpoint
 from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
 
@@ -51,6 +52,27 @@ def test_role_map_spreads_clients_round_robin_and_refuses_worlds_that_do_not_fit
         role_map(load_config(None, [*TINY, "server.ranks=2"]), 2)
     with pytest.raises(ConfigError, match=r"world size 9 does not fit.*8 client workers for clients.total=6.*most 7"):
         role_map(cfg, 9)
+
+
+def test_ranks_that_drive_one_gpu_are_found_by_host_and_uuid_and_a_server_group_on_one_is_refused():
+    """NCCL needs a GPU per rank of a group: client workers sharing one reduce through gloo, server ranks are refused.
+    Two ranks share a GPU when host and uuid agree, whatever index CUDA_VISIBLE_DEVICES gave each; CPU ranks never."""
+    placement = {0: "a|GPU-1|cuda:0", 1: "a|GPU-2|cuda:1", 2: "a|GPU-1|cuda:0", 3: "b|GPU-1|cuda:0",
+                 4: "a|GPU-2|cuda:0", 5: "", 6: ""}  # fmt: skip
+    assert shared_gpus(placement, [0, 1, 3]) == []  # another host's GPU-1 is another GPU
+    assert shared_gpus(placement, [1, 4]) == [(1, 4, "cuda:0 on a")]  # same GPU, seen as cuda:1 and cuda:0
+    assert shared_gpus(placement, [0, 2, 4, 1]) == [(0, 2, "cuda:0 on a"), (1, 4, "cuda:0 on a")]
+    assert shared_gpus(placement, [5, 6]) == []
+
+    def roles(servers: int) -> RoleMap:
+        cfg = load_config(None, [f"server.ranks={servers}", "clients.total=4", "clients.per_round=2"])
+        return role_map(cfg, servers + 2)
+
+    check_server_gpus(placement, roles(1))  # one server rank: nothing to share
+    check_server_gpus(placement, roles(2))  # server ranks 0 and 1 on two GPUs
+    with pytest.raises(ConfigError, match=r"server.ranks: 3 server ranks on CUDA need a GPU each .*ranks 0 and 2 "
+                       r"share cuda:0 on a: "):  # fmt: skip
+        check_server_gpus(placement, roles(3))
 
 
 def test_launch_env_reads_torchrun_variables_and_rejects_partial_ones():

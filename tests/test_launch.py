@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.common import DEFAULT_OUT, Figure
 from bench.suite import BENCHMARKS
@@ -45,8 +46,20 @@ def test_list_names_every_benchmark_with_its_figures_targets_and_floors():
             assert ("floor measured" if isinstance(f.floor, str) else f"floor {f.floor_text()}") in line
         for how in {f.floor for f in b.figures if isinstance(f.floor, str)}:
             assert f"    floor measured: {how}" in lines
-    assert {"zo_step", "zo_step_tuned", "memory", "agg_traffic", "dist", "overlap", "threads", "cpu_hygiene",
-            "checkpoint_cost", "generation", "scale"} == set(BENCHMARKS)  # fmt: skip
+    assert {"zo_step", "zo_step_tuned", "gpu_zo_step", "gpu_zo_step_cuda_rng", "server_step", "memory",
+            "agg_traffic", "dist", "overlap", "threads", "cpu_hygiene", "checkpoint_cost", "generation",
+            "scale"} == set(BENCHMARKS)  # fmt: skip
+    for b in BENCHMARKS.values():
+        assert (", needs a CUDA GPU)" in next(x for x in lines if x.startswith(f"{b.name} ("))) == b.gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
+def test_a_gpu_benchmark_is_skipped_without_cuda_and_the_run_goes_on(tmp_path):
+    got = bench("run", "server_step", "agg_traffic", "--out", str(tmp_path), "--", "--widths", "16")
+    assert got.returncode == 0, got.stderr
+    assert "== server_step: skipped (it needs a CUDA device; torch sees none here)" in got.stdout
+    assert "server_step: no record in" in got.stdout and not (tmp_path / "server_step.json").exists()
+    assert json.loads((tmp_path / "agg_traffic.json").read_text())["error"] is None
 
 
 @pytest.mark.parametrize(

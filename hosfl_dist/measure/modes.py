@@ -66,6 +66,8 @@ class ProfileSpec:
     module upcast at a time, float32 activations), model = forwards in ``dtype``."""
     device: str = "cpu"
     """Torch device of the client."""
+    rng_device: str = "cpu"
+    """zo.rng_device: where the perturbations are drawn (cpu: the default stream, moved to ``device``; cuda)."""
     gguf_file: str = ""
     """GGUF file inside the model directory / package (default: the only .gguf file there)."""
     seed: int = 0
@@ -91,8 +93,9 @@ class ProfileSpec:
             lo, hi = VISION_CUT_RANGE[self.model]
             if not lo <= self.cut <= hi:
                 raise ConfigError(f"--cut {self.cut} is out of range for {self.model}: need {lo} <= cut <= {hi}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"--device {self.device}: CUDA is not available on this machine")
+        for key, dev in (("--device", self.device), ("rng_device", self.rng_device)):
+            if dev.startswith("cuda") and not torch.cuda.is_available():
+                raise ConfigError(f"{key} {dev}: CUDA is not available on this machine")
 
     @property
     def is_lm(self) -> bool:
@@ -197,6 +200,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
                 "perturb_mode": "hooks",
                 "overlap": spec.overlap,
                 "compute_dtype": spec.compute_dtype,
+                "rng_device": spec.rng_device,
             },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},

@@ -162,7 +162,7 @@ class TorchrunJob:
             if cfg.comm.inject_delay:
                 logger.info(describe_link(cfg.comm))
         meter, stats = CommMeter(), TransportStats()
-        group = ProcessGroupCollective(d.worker_group, leader, d.device, meter, stats)
+        group = ProcessGroupCollective(d.worker_group, leader, d.worker_device or d.device, meter, stats)
         front = fetch_front(cfg.server.rpc_timeout_s, d.token)
         rpc = RPCTransport(front, cfg.server.rpc_timeout_s, stats, d.token)
         transport, collective, link = client_stack(cfg, spec, rpc, group, meter)

@@ -12,11 +12,12 @@ import datetime
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ from hosfl_dist.runtime.process.launch import LaunchEnv, RoleMap
 if TYPE_CHECKING:  # torch is imported where a process group is made: a bad config fails before that import
     import torch
     import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """Longest wait for the peers at the end of a job (a peer that is gone cannot hold the others forever)."""
@@ -76,6 +79,9 @@ class Distributed:
     """The network interface gloo and TensorPipe were bound to (None: torch's choice)."""
     token: str = field(default="", repr=False)
     """This attempt's job token (:func:`job_token`), given with every call to rank 0's RPC entry points."""
+    worker_device: torch.device | None = None
+    """Where the client-worker group's collectives run: ``device``, or the CPU (gloo) when client workers share a
+    GPU (:func:`shared_gpus`)."""
 
     @property
     def rank(self) -> int:
@@ -170,12 +176,20 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     store = job_store(env, datetime.timedelta(seconds=cfg.server.rpc_timeout_s))
     token = job_token(env, store, secret, cfg.server.rpc_timeout_s)
+    placement = gpu_placement(store, env, device, cfg.server.rpc_timeout_s)
+    check_server_gpus(placement, roles)
+    # client workers that share a GPU reduce their P scalars through gloo on the CPU: NCCL refuses such a group
+    shared = shared_gpus(placement, roles.worker_ranks)
+    worker_device = torch.device("cpu") if shared else device
+    if shared and env.rank == roles.leader:
+        logger.info("client workers %s: their all_reduce of the P scalars runs on gloo over the CPU (NCCL needs "
+                    "one GPU per rank of a group)", sharing_text(shared))  # fmt: skip
     timeout = datetime.timedelta(seconds=cfg.server.collective_timeout_s)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    out = Distributed(env, roles, device, None, None, interface=interface, token=token)
+    out = Distributed(env, roles, device, None, None, interface=interface, token=token, worker_device=worker_device)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
-        workers = dist.new_group(list(roles.worker_ranks), timeout=timeout)
+        workers = dist.new_group(list(roles.worker_ranks), timeout=timeout, backend="gloo" if shared else None)
         # a server rank also waits in this group for rank 0's next call, which may come after a whole evaluation or
         # the clients' slowest step: its bound is the longest of the waits it can stand for
         idle = max(cfg.server.collective_timeout_s, cfg.server.rpc_timeout_s, cfg.train.eval_timeout_s)
@@ -194,6 +208,63 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
         out.shutdown(graceful=False)
         raise
     return out
+
+
+GPU_KEY = "gpu/{rank}"
+"""Where each rank posts the GPU it drives (in this attempt's store): ``host|uuid|device``, or empty for the CPU."""
+
+
+def gpu_placement(store: dist.Store, env: LaunchEnv, device: torch.device, timeout_s: float) -> dict[int, str]:
+    """rank -> "host|uuid|device" of the GPU each rank of the job drives ("" for a rank on the CPU), agreed through
+    the job's store: two ranks drive one GPU when host and uuid agree, whatever CUDA_VISIBLE_DEVICES each saw."""
+    import torch
+    import torch.distributed as dist
+
+    mine = ""
+    if device.type == "cuda":
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or device)
+        mine = f"{socket.gethostname()}|{uuid}|{device}"
+    store.set(GPU_KEY.format(rank=env.rank), mine)
+    keys = [GPU_KEY.format(rank=r) for r in range(env.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:
+        raise TimeoutError(f"the ranks did not all post their device within {timeout_s:g} s") from exc
+    return {r: store.get(k).decode() for r, k in enumerate(keys)}
+
+
+def shared_gpus(placement: Mapping[int, str], ranks: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(first rank, other rank, device) for each rank of ``ranks`` that drives a GPU an earlier one of them drives."""
+    first: dict[str, int] = {}
+    out = []
+    for r in sorted(ranks):
+        host, _, rest = placement.get(r, "").partition("|")
+        uuid, _, device = rest.partition("|")
+        if not uuid:
+            continue
+        if (host, uuid) in first:
+            out.append((first[(host, uuid)], r, f"{device} on {host}"))
+        else:
+            first[(host, uuid)] = r
+    return out
+
+
+def sharing_text(shared: Sequence[tuple[int, int, str]]) -> str:
+    return "; ".join(f"ranks {a} and {b} share {where}" for a, b, where in shared)
+
+
+def check_server_gpus(placement: Mapping[int, str], roles: RoleMap) -> None:
+    """A server group on CUDA is FSDP2 over NCCL, which needs a GPU of its own for each rank: refuse, in one line,
+    server ranks that would share one."""
+    if len(roles.server_ranks) < 2:
+        return
+    shared = shared_gpus(placement, roles.server_ranks)
+    if shared:
+        raise ConfigError(
+            f"invalid value for server.ranks: {len(roles.server_ranks)} server ranks on CUDA need a GPU each (FSDP2 "
+            f"over NCCL), but {sharing_text(shared)}: run as many GPUs per node as server ranks, or the server "
+            "group on the CPU (job.device=cpu)"
+        )
 
 
 def rpc_options(cfg: Config, roles: RoleMap, init_method: str) -> Any:
