@@ -13,7 +13,7 @@ X = "×"
 
 
 def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
-    floor = "1 + regenerating the noise (2·P·d_c normal draws) over (P+1) forwards"
+    floor = "1 + drawing the noise (P·d_c normal draws; twice where zo.noise_cache_mb cannot keep them) / (P+1) fwds"
     what = "ZO client step / ((P+1) no-grad client forwards)"
     return Benchmark(
         name=name,

@@ -219,6 +219,12 @@ class ZOConfig:
     the client's peak stays at inference + |λ|)."""
     overlap_memory_mb: float = 256.0
     """zo.overlap=auto: the most memory, in MiB, the kept z̃ of one worker's clients may take in a round."""
+    noise_cache_mb: float = 0.0
+    """HO-SFL: the most memory, in MiB, a worker may keep the round's float32 draws of u in (P·d_c·4 bytes for all of
+    them). Every client of a round perturbs with the round's P seeds and the update draws them again, so a worker
+    that keeps them draws each once per round instead of once per client and once more per replica it updates;
+    what does not fit is drawn every time. The numbers are the same either way. 0 (the default) keeps none, so a
+    client holds no θc-sized buffer beside its replica (memory at inference level, whatever d_c is)."""
     perturb_mode: Literal["hooks", "copy"] = "hooks"
     """hooks: perturb one module at a time during the forward (inference-level memory); copy: perturbed copy of θc."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
@@ -238,6 +244,8 @@ class ZOConfig:
         _check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
         _check(math.isfinite(self.overlap_memory_mb) and self.overlap_memory_mb >= 0, "overlap_memory_mb",
                self.overlap_memory_mb, "must be a finite number of MiB >= 0")  # fmt: skip
+        _check(math.isfinite(self.noise_cache_mb) and self.noise_cache_mb >= 0, "noise_cache_mb",
+               self.noise_cache_mb, "must be a finite number of MiB >= 0")  # fmt: skip
 
     def overlap_on(self, held_bytes: float) -> bool:
         """Whether a round overlaps (:attr:`overlap`), where keeping its z̃ takes ``held_bytes`` (P·Σ|z_m|)."""

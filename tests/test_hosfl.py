@@ -68,6 +68,30 @@ def test_per_client_replicas_catch_up_and_match_the_shared_shortcut(tiny_overrid
     assert rows1[-1]["eval_accuracy"] > 0.5  # 4 classes: chance is 0.25
 
 
+def test_the_rounds_noise_kept_whole_in_part_or_not_at_all_changes_no_bit(tiny_overrides, tmp_path, monkeypatch):
+    """zo.noise_cache_mb: a worker that keeps the round's draws (all of them, some, none) computes the same bits, and
+    keeping them all draws each once per round instead of once per client and once more per replica updated."""
+    import hosfl_dist.core.zo as zo
+
+    draws = {"n": 0}
+    seed_of = zo.tensor_seed
+
+    def counted(seed: int, index: int) -> int:  # every draw seeds its generator once; a kept draw does not
+        draws["n"] += 1
+        return seed_of(seed, index)
+
+    monkeypatch.setattr(zo, "tensor_seed", counted)
+    results = {}
+    for mb in (64, 0.0003, 0):  # all, the first few tensors' draws, none (the default)
+        draws["n"] = 0
+        _, _, summary, rows = run([*tiny_overrides, f"zo.noise_cache_mb={mb}", f"job.out_dir={tmp_path / str(mb)}"])
+        for r in rows:
+            r.pop("wall_time_s")
+        results[mb] = (rows, summary["client_digests"], summary["server_digest"], draws["n"])
+    assert results[64][:3] == results[0.0003][:3] == results[0][:3]
+    assert results[64][3] < results[0.0003][3] < results[0][3]
+
+
 def test_hosfl_traffic_is_dimension_free(tiny_overrides):
     cfg, engine, summary, rows = run(tiny_overrides)
     b = summary["comm"]["bytes"]

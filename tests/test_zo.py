@@ -10,7 +10,15 @@ from hosfl_dist.config import OptimConfig
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.core.params import trainable_slots
 from hosfl_dist.core.seeding import mix_seed, round_seeds
-from hosfl_dist.core.zo import noise_like, perturbed, project, reconstruct, scalar_coefficients
+from hosfl_dist.core.zo import (
+    NoiseCache,
+    noise_like,
+    perturbed,
+    perturbed_tensor,
+    project,
+    reconstruct,
+    scalar_coefficients,
+)
 
 
 def small_model(dtype=torch.float64, seed=0) -> nn.Module:
@@ -50,6 +58,27 @@ def test_a_shared_generator_and_scratch_draw_the_same_numbers():
     for s, c in zip(seeds, coeffs):
         naive.add_(noise_like(p, s, 2), alpha=c)
     assert torch.equal(reconstruct(p, 2, seeds, coeffs), naive)
+
+
+def test_a_noise_cache_gives_the_draws_noise_like_makes_keeps_them_unwritten_and_stays_within_its_limit():
+    """NoiseCache: the numbers are noise_like's for every dtype; perturbing and rebuilding ĝ through it equal doing
+    so without it and leave the kept draws as they were; past its limit it draws instead of keeping."""
+    params = [torch.randn(3, 5), torch.randn(4, 1, 2, 2, dtype=torch.float64), torch.randn(7).bfloat16()]
+    seeds, coeffs = [3, 4, 5], [0.5, -1.25, 2.0]
+    for limit in (1 << 20, 4 * (15 + 16)):  # everything, or the first two draws of the first tensor only
+        cache, gen = NoiseCache(limit), torch.Generator()
+        for _ in range(2):  # the second pass reads what the first kept
+            for i, p in enumerate(params):
+                for s in seeds:
+                    assert torch.equal(cache.noise(p, s, i, "cpu", gen), noise_like(p, s, i))
+                    want = noise_like(p, s, i).mul_(1e-3).add_(p)
+                    assert torch.equal(perturbed_tensor(p, s, i, 1e-3, "cpu", gen, cache), want)
+                assert torch.equal(reconstruct(p, i, seeds, coeffs, "cpu", cache), reconstruct(p, i, seeds, coeffs))
+        kept = dict(cache._draws)
+        assert cache.held <= limit and cache.held == sum(u.numel() * 4 for u in kept.values())
+        assert len(kept) == (9 if limit == 1 << 20 else 2)
+        for (s, i), u in kept.items():  # float32 as drawn, never written by a perturbation
+            assert u.dtype == torch.float32 and torch.equal(u, noise_like(torch.zeros(u.numel()), s, i))
 
 
 def test_perturbed_forward_matches_explicit_parameters_and_leaves_theta_bit_identical():

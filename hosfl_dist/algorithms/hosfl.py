@@ -21,8 +21,9 @@ Round t, as the code below runs it (a worker runs the client side for the sample
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer, lr_at, set_lr
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
-from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
+from hosfl_dist.core.zo import NoiseCache, Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
@@ -130,10 +131,13 @@ def planned_rounds(cfg: Config) -> int:
     return -(-cfg.train.budget_samples // (cfg.clients.per_round * cfg.clients.batch_size))
 
 
-def apply_update(rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str) -> None:
-    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor (Eq. 15-16)."""
+def apply_update(
+    rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
+) -> None:
+    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor (Eq. 15-16), or taken from the
+    round's ``cache`` of draws where it holds them."""
     coeffs = scalar_coefficients(scalars, mu)
-    rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, rng_device))
+    rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, rng_device, cache))
     rep.round += 1
 
 
@@ -405,6 +409,8 @@ class HOSFLWorker(WorkerBase):
             self.replicas = dict.fromkeys(ids, shared)
         self.bind(self.replicas[ids[0]].params if ids else self.fresh_params(requires_grad=False))
         self._overlap_told = False
+        self.noise: NoiseCache | None = None
+        """The round's draws of u (:class:`~hosfl_dist.core.zo.NoiseCache`), while a round runs."""
 
     def overlap_round(self, jobs: Sequence[Sequence[Any]]) -> bool:
         """Whether this round's perturbed forwards run before λ arrives (``zo.overlap``; ``auto`` looks at what the
@@ -425,7 +431,7 @@ class HOSFLWorker(WorkerBase):
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:
-        apply_update(rep, seeds, scalars, self.mu, self.rng_device)
+        apply_update(rep, seeds, scalars, self.mu, self.rng_device, self.noise)
 
     def replay(self, rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor) -> None:
         replay(rep, hist_seeds, hist_scalars, self.mu, self.rng_device)
@@ -437,7 +443,7 @@ class HOSFLWorker(WorkerBase):
 
     def perturbed_forward(self, x: Any, seed: int) -> Tensor:
         """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc."""
-        with perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode):
+        with perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode, self.noise):
             return self.zo_forward(x)["z"]
 
     def zo_activations(self, x: Any, seeds: Sequence[int]) -> list[Tensor]:
@@ -457,8 +463,22 @@ class HOSFLWorker(WorkerBase):
         return torch.stack(vals).float()
 
     # -- the round -----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def round_noise(self) -> Iterator[None]:
+        """Keep the round's draws of u from its first perturbed forward to its update (``zo.noise_cache_mb``): the
+        clients of a round perturb with the same P seeds and the update draws them again."""
+        self.noise = NoiseCache(self.cfg.zo.noise_cache_mb * 2**20) if self.cfg.zo.noise_cache_mb else None
+        try:
+            yield
+        finally:
+            self.noise = None
+
     def run_round(self, t: int) -> int:
         sampled, mine = self.plan(t)
+        with self.round_noise():
+            return self._run_round(t, sampled, mine)
+
+    def _run_round(self, t: int, sampled: list[int], mine: list[int]) -> int:
         # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was sent)
         syncs = {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in mine}
         jobs = []

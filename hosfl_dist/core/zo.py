@@ -50,6 +50,47 @@ def noise_like(
     return u
 
 
+class NoiseCache:
+    """The float32 draws u_{p,i} of one set of seeds, kept while they fit in ``limit_bytes``.
+
+    Every client of a round perturbs with the round's P seeds, and the update regenerates the same draws (Eq. 15):
+    a worker that keeps them draws each once per round instead of once per client plus once per replica updated.
+    The stream is a function of (seed, tensor index) alone, so a kept draw is the number a fresh one would be. Draws
+    are kept in the order they are made until the next would pass the limit; the rest are drawn every time.
+    """
+
+    def __init__(self, limit_bytes: float) -> None:
+        self.limit = limit_bytes
+        self.held = 0
+        self._draws: dict[tuple[int, int], Tensor] = {}
+
+    def noise(
+        self,
+        param: Tensor,
+        seed: int,
+        index: int,
+        rng_device: str | torch.device,
+        generator: torch.Generator,
+        scratch: Tensor | None = None,
+    ) -> Tensor:
+        """:func:`noise_like`'s u for ``param``: the kept draw, or a fresh one (kept if it fits). Read-only: it may
+        be the kept tensor itself."""
+        key = (seed, index)
+        u = self._draws.get(key)
+        if u is None:
+            nbytes = param.numel() * 4
+            if self.held + nbytes > self.limit:
+                return noise_like(param, seed, index, rng_device, generator, scratch)
+            generator.manual_seed(tensor_seed(seed, index))
+            u = torch.randn(param.numel(), generator=generator, device=rng_device, dtype=torch.float32)
+            self._draws[key] = u
+            self.held += nbytes
+        u = u.view(param.shape)
+        if u.dtype != param.dtype or u.device != param.device:
+            u = u.to(device=param.device, dtype=param.dtype)
+        return u
+
+
 def perturbed_tensor(
     param: Tensor,
     seed: int,
@@ -57,9 +98,14 @@ def perturbed_tensor(
     mu: float,
     rng_device: str | torch.device = "cpu",
     generator: torch.Generator | None = None,
+    cache: NoiseCache | None = None,
 ) -> Tensor:
     """θ_i + μ·u_i as one new tensor: the fresh noise is scaled and shifted in place, so no other θ-sized buffer is
-    alive at the same time. Bit-identical to ``param + mu * noise_like(...)`` (same multiply, and a + b == b + a)."""
+    alive at the same time. Bit-identical to ``param + mu * noise_like(...)`` (same multiply, and a + b == b + a).
+    With ``cache``, u comes from it (and the product is a new tensor: the kept draw is not written)."""
+    if cache is not None:
+        gen = generator if generator is not None else torch.Generator(device=rng_device)
+        return torch.mul(cache.noise(param, seed, index, rng_device, gen), mu).add_(param)
     return noise_like(param, seed, index, rng_device, generator).mul_(mu).add_(param)
 
 
@@ -70,6 +116,7 @@ def perturbed(
     mu: float,
     rng_device: str | torch.device = "cpu",
     mode: str = "hooks",
+    cache: NoiseCache | None = None,
 ) -> Iterator[None]:
     """Run forwards at θ + μ·u(seed) without modifying θ; ``slots`` = :func:`trainable_slots` of the module.
 
@@ -78,7 +125,7 @@ def perturbed(
     (client memory stays at inference level). Every trainable tensor must be read through its owner's forward;
     a tensor that was not (e.g. read directly by a parent) raises instead of silently staying unperturbed.
     mode="copy": perturbed copies of all trainable tensors are swapped in for the whole block (d_c extra memory,
-    works for any access pattern).
+    works for any access pattern). ``cache``: where u comes from (:class:`NoiseCache`; None: drawn every time).
     """
     gen = torch.Generator(device=rng_device)  # one generator, reseeded per tensor
     if mode == "copy":
@@ -86,7 +133,7 @@ def perturbed(
         try:
             with torch.no_grad():
                 for i, ((mod, name), p) in enumerate(zip(slots, originals)):
-                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen)
+                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen, cache)
             yield
         finally:
             for (mod, name), p in zip(slots, originals):
@@ -108,7 +155,7 @@ def perturbed(
         saved[id(mod)] = [mod._parameters[name] for _, name in entries]
         with torch.no_grad():
             for (i, name), p in zip(entries, saved[id(mod)]):
-                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen)
+                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen, cache)
                 seen.add(i)
 
     def post_hook(mod: nn.Module, args: object, out: object) -> None:
@@ -182,9 +229,15 @@ def scalar_coefficients(scalars: Sequence[float] | Tensor, mu: float) -> list[fl
 
 
 def reconstruct(
-    param: Tensor, index: int, seeds: Sequence[int], coeffs: Sequence[float], rng_device: str | torch.device = "cpu"
+    param: Tensor,
+    index: int,
+    seeds: Sequence[int],
+    coeffs: Sequence[float],
+    rng_device: str | torch.device = "cpu",
+    cache: NoiseCache | None = None,
 ) -> Tensor:
-    """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds.
+    """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds (or taken
+    from ``cache`` where it holds them).
 
     The P draws share one generator and one float32 scratch buffer on ``rng_device`` (numbers as
     :func:`noise_like`'s), so the loop allocates nothing beyond ĝ_i itself.
@@ -193,5 +246,7 @@ def reconstruct(
     gen = torch.Generator(device=rng_device)
     scratch = torch.empty(param.numel(), device=rng_device, dtype=torch.float32)
     for s, c in zip(seeds, coeffs):
-        g.add_(noise_like(param, s, index, rng_device, gen, scratch), alpha=c)
+        u = noise_like(param, s, index, rng_device, gen, scratch) if cache is None else \
+            cache.noise(param, s, index, rng_device, gen, scratch)  # fmt: skip
+        g.add_(u, alpha=c)
     return g

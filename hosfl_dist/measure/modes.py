@@ -74,7 +74,10 @@ class ProfileSpec:
     """Weights, batch and stand-in values derive from it."""
     overlap: bool = False
     """hosfl: latency hiding (zo.overlap): the P perturbed forwards run before λ arrives and are all kept until it
-    does; False (the config default): λ is received first and each z̃ is projected as soon as it is computed."""
+    does; False: λ is received first and each z̃ is projected as soon as it is computed."""
+    noise_cache_mb: float = 0.0
+    """hosfl: zo.noise_cache_mb, the round's draws of u kept from the perturbed forwards to the update (P·d_c·4 bytes
+    where they fit; 0, the config default: drawn again)."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -201,6 +204,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
                 "overlap": spec.overlap,
                 "compute_dtype": spec.compute_dtype,
                 "rng_device": spec.rng_device,
+                "noise_cache_mb": spec.noise_cache_mb,
             },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},
