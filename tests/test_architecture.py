@@ -306,6 +306,39 @@ def test_a_prefetched_call_is_taken_by_the_identical_call_and_sent_once():
         tr.prefetch("submit", t=0, act=torch.zeros(1))
 
 
+class _Batcher(_Recorder):
+    """A transport that sends several calls as one message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[str, list[dict]]] = []
+
+    def call_many(self, method: str, calls):
+        self.messages.append((method, list(calls)))
+        return [self.call_async(method, **kwargs) for kwargs in calls]
+
+
+def test_calls_of_a_worker_s_clients_go_together_and_prefetched_ones_are_taken_not_sent_again():
+    for inner in (_Batcher(), _Recorder()):  # one message where the transport can, else one call each
+        tr = ClientTransport(inner)
+        tr.prefetch_many("sync", [{"t": 1, "client": m, "since": 0} for m in (2, 4)])
+        got = tr.call_many("sync", [{"t": 1, "client": m, "since": 0} for m in (1, 2, 3, 4)])
+        assert got[1] is inner.futures[0] and got[3] is inner.futures[1]  # the prefetched two, taken
+        assert got[0] is inner.futures[2] and got[2] is inner.futures[3]  # the other two, sent now
+        assert [c["client"] for _, c in inner.sent] == [2, 4, 1, 3]
+        if isinstance(inner, _Batcher):
+            assert [(m, [c["client"] for c in calls]) for m, calls in inner.messages] == [("sync", [2, 4]),
+                                                                                       ("sync", [1, 3])]  # fmt: skip
+        assert tr.call_many("sync", []) == [] and len(inner.sent) == 4  # nothing to send: no message
+        with pytest.raises(TypeError, match="plain values"):
+            tr.prefetch_many("submit", [{"t": 0, "act": torch.zeros(1)}])
+        with pytest.raises(RuntimeError, match="the same call twice"):
+            tr.prefetch_many("sync", [{"t": 2, "client": 1, "since": 1}] * 2)
+        tr.prefetch_many("sync", [{"t": 2, "client": 1, "since": 1}])
+        with pytest.raises(RuntimeError, match="prefetched already"):
+            tr.prefetch_many("sync", [{"t": 2, "client": 1, "since": 1}])
+
+
 def test_a_post_is_waited_for_before_the_next_post_and_at_a_flush_and_its_error_surfaces():
     inner = _Recorder()
     tr = ClientTransport(inner)

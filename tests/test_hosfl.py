@@ -206,7 +206,15 @@ def test_latency_hiding_keeps_the_z_tilde_of_clients_whose_lambda_is_away_and_ch
         got = inner(method, **kwargs)
         return _Away(got) if method == "submit" else got
 
+    inner_many = r.worker.transport.call_many
+
+    def call_many(method, calls):  # a worker's sampled clients' calls, sent together
+        order.extend([method] * len(calls))
+        got = inner_many(method, calls)
+        return [_Away(g) for g in got] if method == "submit" else got
+
     monkeypatch.setattr(r.worker.transport, "call_async", call_async)
+    monkeypatch.setattr(r.worker.transport, "call_many", call_many)
     caplog.clear()  # the reference run's line, where an earlier test left the package's logging on
     with caplog.at_level("INFO", logger="hosfl_dist.algorithms.hosfl"):
         summary = r.run()

@@ -67,6 +67,7 @@ def test_every_entry_point_refuses_a_wrong_or_missing_token_before_it_touches_th
     calls = {
         "fetch_front": lambda: entry._published_front(token),
         "serve": lambda: entry.serve(token, front, "submit", {"t": 0}),
+        "serve_many": lambda: entry.serve_many(token, front, "submit", [{"t": 0}, {"t": 0}]),
         "handle": lambda: entry.handle(token, front, "a report"),
         "notify_failure": lambda: entry._note_failure(token, "forged failure"),
     }
@@ -81,8 +82,34 @@ def test_every_entry_point_refuses_a_wrong_or_missing_token_before_it_touches_th
 def test_the_jobs_token_reaches_the_server(front):
     assert entry._published_front(TOKEN).wait() is front
     assert entry.serve(TOKEN, front, "submit", {"t": 0}).wait() == "served submit"
+    assert entry.serve_many(TOKEN, front, "submit", [{"t": 0}, {"t": 0}]).wait() == ["served submit"] * 2
     assert entry.handle(TOKEN, front, "a report").wait() == "handled a report"
     assert entry._note_failure(TOKEN, "worker 2: it broke").wait() is None and front.failures == ["worker 2: it broke"]
+
+
+def test_calls_sent_in_one_message_are_served_each_on_its_own_and_each_gets_its_answer_or_error(front, monkeypatch):
+    """RPCTransport.call_many: one RPC (serve_many); the server queues each call as if it came alone, in order, and
+    each call's future gets its own answer, or its own error; a refused message fails every call of it."""
+    served = []
+
+    def enqueue(method, kwargs):
+        served.append(kwargs["client"])
+        return entry.failed(ProtocolError(f"client {kwargs['client']}: bad")) if kwargs["client"] == 1 else \
+            done({"lam": kwargs["client"]})  # fmt: skip
+
+    front.enqueue = enqueue
+    monkeypatch.setattr(entry.rpc, "rpc_async", lambda to, fn, args, timeout: fn(*args))  # the server, in process
+    tr = entry.RPCTransport(front, 5.0, entry.TransportStats(), TOKEN)
+    outs = tr.call_many("submit", [{"t": 0, "client": m} for m in range(3)])
+    assert served == [0, 1, 2] and outs[0].wait() == {"lam": 0} and outs[2].wait() == {"lam": 2}
+    with pytest.raises(ProtocolError, match="client 1: bad"):
+        outs[1].wait()
+    assert tr.stats.rpc_calls == 1 and tr.stats.calls == {"submit": 1}
+    forged = entry.RPCTransport(front, 5.0, entry.TransportStats(), "b2" * 32)
+    for out in forged.call_many("submit", [{"t": 0, "client": m} for m in range(2)]):
+        with pytest.raises(ProtocolError, match=f"refused serve_many: {REFUSED}"):
+            out.wait()
+    assert served == [0, 1, 2]
 
 
 def test_before_the_token_is_set_every_call_is_refused(monkeypatch):
@@ -259,6 +286,7 @@ OUTSIDER = textwrap.dedent(
             "fetch_front": (entry._published_front, ("0" * 64,)),
             "fetch_front without a token": (entry._published_front, (None,)),
             "serve": (entry.serve, ("0" * 64, None, "submit", {"t": 0, "client": 0})),
+            "serve_many": (entry.serve_many, ("0" * 64, None, "submit", [{"t": 0, "client": 0}])),
             "handle": (entry.handle, ("0" * 64, None, None)),
             "notify_failure": (entry._note_failure, ("0" * 64, "worker 1: forged failure")),
         }
@@ -294,11 +322,12 @@ def test_a_process_outside_the_job_is_refused_by_the_running_server_and_the_job_
     got = json.loads((tmp_path / "outsider.json").read_text())
     ranks = {r: json.loads((tmp_path / f"listening-{r}.json").read_text()) for r in range(3)}
     assert got.pop("os.getpid") == ranks[0]["pid"], got  # torch ran the outsider's pickled call on the server
-    assert set(got) == {"fetch_front", "fetch_front without a token", "serve", "handle", "notify_failure"}, got
+    assert set(got) == {"fetch_front", "fetch_front without a token", "serve", "serve_many", "handle",
+                        "notify_failure"}, got
     for name, answer in got.items():
         entry_point = name.split()[0]
         assert answer.startswith(f"ProtocolError: refused {entry_point}: {REFUSED}"), (name, answer)
-    assert out.count("[server] refused a call of ") == 5, out[-4000:]
+    assert out.count("[server] refused a call of ") == 6, out[-4000:]
 
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and "error" not in summary  # the forged failure was not recorded

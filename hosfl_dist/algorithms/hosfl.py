@@ -479,37 +479,43 @@ class HOSFLWorker(WorkerBase):
             return self._run_round(t, sampled, mine)
 
     def _run_round(self, t: int, sampled: list[int], mine: list[int]) -> int:
-        # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was sent)
-        syncs = {m: self.transport.call_async("sync", t=t, client=m, since=self.client_round[m]) for m in mine}
-        jobs = []
-        for m in mine:  # sync (catch-up) and forward; every z_m goes up before any perturbed forward runs, so the
-            # server's step (which needs the round's K uploads) starts as early as this worker can let it
+        # each replica's catch-up and the round's seeds, in one message (taken from the previous round's prefetch
+        # where it was sent)
+        asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
+        syncs = dict(zip(mine, self.transport.call_many("sync", asks)))
+        jobs, uploads = [], []
+        for m in mine:  # catch-up and forward; every z_m goes up, in one message, before any perturbed forward runs,
+            # so the server's step (which needs the round's K uploads) starts as early as this worker can let it
             rep = self.replicas[m]
-            got = syncs[m].wait()
-            if self.per_client:
-                self.replay(rep, got["hist_seeds"], got["hist_scalars"])
+            if self.per_client and self.client_round[m] < t:  # a stale replica replays the history in the answer
+                got = syncs[m].wait()  # before its forward; a current one (shared, or sampled last round) needs no
+                self.replay(rep, got["hist_seeds"], got["hist_scalars"])  # answer before its perturbed forwards
             self.client_round[m] = t
-            seeds = got["seeds"].tolist()
             x, y = self.data.next_batch(m)
             self.bind(rep.params)
             act = self.zo_forward(x)
-            lam = self.transport.call_async("submit", t=t, client=m, act=self.precision.upload(act), labels=y)
+            uploads.append({"t": t, "client": m, "act": self.precision.upload(act), "labels": y})
             z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
             del act
-            jobs.append([m, rep, x, z, lam, None, seeds])
+            jobs.append([m, rep, x, z, None, None])
             del z
+        for i, lam in enumerate(self.transport.call_many("submit", uploads)):
+            jobs[i][4] = lam  # (no loop variable keeps a job, and with it its z, alive past its projection)
+        del uploads
+        # the round's seeds, from answers that came back while the forwards ran
+        seeds = {m: syncs[m].wait()["seeds"].tolist() for m in mine}
         if self.overlap_round(jobs):
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
             # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
             for job in jobs:
                 if not job[4].done():
                     self.bind(job[1].params)
-                    job[5] = self.zo_activations(job[2], job[6])
+                    job[5] = self.zo_activations(job[2], seeds[job[0]])
 
         rows = torch.zeros(self.K, self.P, dtype=torch.float32)
         slot = {m: i for i, m in enumerate(sampled)}
         while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
-            m, rep, x, z, lam, z_tilde, seeds = jobs.pop(0)
+            m, rep, x, z, lam, z_tilde = jobs.pop(0)
             answer = lam.wait()
             if answer.get("skip"):  # the server left this client out of the round: so does the aggregation
                 rows[slot[m]] = float("nan")
@@ -517,7 +523,7 @@ class HOSFLWorker(WorkerBase):
             proj = Projector(answer["lam"].to(z.device), z)
             del z  # only λ and the z̃ being projected stay alive
             self.bind(rep.params)
-            v = self.zo_scalars(x, seeds, proj, z_tilde)
+            v = self.zo_scalars(x, seeds[m], proj, z_tilde)
             del z_tilde, proj
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
@@ -531,8 +537,8 @@ class HOSFLWorker(WorkerBase):
         n = len(sampled) * self.cfg.clients.batch_size
         self.processed += n
         if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
-            for m in self.plan(t + 1)[1]:
-                self.transport.prefetch("sync", t=t + 1, client=m, since=self.client_round[m])
+            asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.plan(t + 1)[1]]
+            self.transport.prefetch_many("sync", asks)
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:

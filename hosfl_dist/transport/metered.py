@@ -9,9 +9,11 @@ runtime and under any timing.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from hosfl_dist.transport import Transport
+from hosfl_dist.transport.client import send_many
 from hosfl_dist.transport.wire import CommMeter, Served, WireSpec, count_call, count_result, wire_spec
 
 
@@ -51,3 +53,10 @@ class MeteredTransport:
         spec = wire_spec(self.served, method)
         count_call(self.meter, spec, kwargs)
         return Reply(self.inner.call_async(method, **kwargs), spec, self.meter)
+
+    def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Reply]:
+        """Several calls of ``method``, each counted as it would be alone (one message where ``inner`` can)."""
+        spec = wire_spec(self.served, method)
+        for kwargs in calls:
+            count_call(self.meter, spec, kwargs)
+        return [Reply(fut, spec, self.meter) for fut in send_many(self.inner, method, calls)]

@@ -25,7 +25,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -144,6 +144,31 @@ class RPCTransport:
 
         sent.add_done_callback(lambda f: forward(f, out, raised))
         return out
+
+    def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Future]:
+        """Several calls of ``method`` in one RPC (:func:`serve_many`): the server serves each as if it came alone,
+        in this order, and answers them together; each call's future gets its own answer or error."""
+        if len(calls) == 1:
+            return [self.call_async(method, **calls[0])]
+        args = (self._token, self.front, method, [to_wire(kwargs) for kwargs in calls])
+        sent = rpc.rpc_async(SERVER_NAME, serve_many, args=args, timeout=self.timeout_s)
+        outs = [_TimedFuture(method, self.stats, self._lock) for _ in calls]
+        with self._lock:
+            self.stats.rpc_calls += 1
+            self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
+
+        def deliver(f: Future) -> None:
+            try:
+                answers = raised(f.value())  # the whole message failed: refused, timed out, the server gone
+            except BaseException as exc:  # noqa: BLE001 - handed to every call of the message
+                for out in outs:
+                    out.set_exception(exc)
+                return
+            for out, answer in zip(outs, answers):
+                forward(done(answer), out, raised)
+
+        sent.add_done_callback(deliver)
+        return outs
 
 
 class RPCControl:
@@ -291,6 +316,39 @@ def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> F
     The RPC thread only queues the call: it runs on the endpoint's server thread (one thread for every execution, see
     :class:`~hosfl_dist.transport.endpoint.ServerThread`), and the answer leaves from there when it is ready."""
     return refusal(token, "serve") or chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
+
+
+@rpc.functions.async_execution
+def serve_many(token: str, front: rpc.RRef, method: str, calls: list[dict[str, Any]]) -> Future:
+    """Several calls of one @wire method, each queued on the server thread as :func:`serve` queues one, in order;
+    answered together, once all have their answer, as a list of answers (an error in the place of a call that
+    failed)."""
+    refused = refusal(token, "serve_many")
+    if refused is not None:
+        return refused
+    endpoint = front.local_value().endpoint
+    pending = [endpoint.enqueue(method, kwargs) for kwargs in calls]
+    if not pending:
+        return done([])
+    out: Future = Future()
+    answers: list[Any] = [None] * len(pending)
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def arrived(i: int, fut: Future) -> None:  # not torch.futures.collect_all: it fails whole on one error
+        try:
+            answers[i] = to_wire(fut.value())
+        except BaseException as exc:  # noqa: BLE001 - the caller's future of that call raises it
+            answers[i] = exc
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out.set_result(answers)
+
+    for i, fut in enumerate(pending):
+        fut.add_done_callback(lambda f, i=i: arrived(i, f))
+    return out
 
 
 @rpc.functions.async_execution
