@@ -183,7 +183,7 @@ def table(rows: list[dict], base: float) -> str:
 
 def figures(data: dict) -> tuple[dict, dict]:
     """Throughput against the 1-thread in-process run; per torchrun layout of the declared worker counts, the
-    transport's ms per worker-round (its floor measured beside it) and the blocking waits."""
+    transport's ms per worker-round (its floor measured beside it), the blocking waits and the RPC messages."""
     runs = data["runs"]
     base = runs[0]
     values = {"in_process_samples_per_s": base["samples_per_s"]}
@@ -197,6 +197,7 @@ def figures(data: dict) -> tuple[dict, dict]:
         values[f"torchrun_w{w}_vs_in_process"] = r["samples_per_s"] / base["samples_per_s"]
         values[f"torchrun_w{w}_transport_ms"] = r["transport_ms_per_round"]
         values[f"torchrun_w{w}_blocking_waits"] = r["blocked_waits_per_round"]
+        values[f"torchrun_w{w}_rpc_messages"] = r["rpc_calls_per_round"]
         floors[f"torchrun_w{w}_transport_ms"] = r["floor_ms_per_round"]
     torchruns = [r for r in runs if r["processes"] > 1]
     if torchruns:

@@ -123,11 +123,14 @@ def _dist() -> Benchmark:
     for w in (1, 2):
         layout = f"torchrun 1 server + {w} worker{'s' if w > 1 else ''}"
         figures += [
-            Figure(f"torchrun_w{w}_vs_in_process", X, f"samples/s of {layout} over the 1-thread in-process run"),
+            Figure(f"torchrun_w{w}_vs_in_process", X, f"samples/s of {layout} over the 1-thread in-process run",
+                   0.95 if w == 1 else None, ">="),
             Figure(f"torchrun_w{w}_transport_ms", "ms/worker-round",
                    f"{layout}: time a worker is blocked in RPC waits + all_reduce per round", floor=floor),
             Figure(f"torchrun_w{w}_blocking_waits", "waits/worker-round",
-                   f"{layout}: RPC answers not there yet when asked for, per worker-round"),
+                   f"{layout}: RPC answers not there yet when asked for, per worker-round", 1.0, "<="),
+            Figure(f"torchrun_w{w}_rpc_messages", "RPCs/worker-round",
+                   f"{layout}: RPC messages a worker sends per round (a worker's clients' calls go together)"),
         ]  # fmt: skip
     figures.append(
         Figure("same_final_metrics", "bool", "torchrun's final metrics equal the 1-thread in-process run's", True, "=")

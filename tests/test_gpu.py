@@ -39,13 +39,16 @@ def test_memory_profiler_reports_the_cuda_allocator_peak():
     assert hosfl["cuda_peak_bytes"] > inference["cuda_peak_bytes"]
 
 
-@pytest.mark.multiprocess
-def test_torchrun_on_one_gpu_with_an_nccl_worker_group(tmp_path):
-    """1 server + 1 client worker sharing the GPU (NCCL for the worker group, gloo for control): the run completes and
-    matches the in-process CUDA run to float tolerance (kernels may differ between processes' streams)."""
-    rc, out, _ = torchrun(2, ["-m", "hosfl_dist.run", *CUDA, f"job.out_dir={tmp_path / 'dist'}"])
-    assert rc == 0, failure(out)
-    rows, summary = read_run(tmp_path / "dist")
+def failure(out: str) -> str:
+    """What a failed torchrun printed: its ranks' error lines first (the tail alone is torchrun's own report)."""
+    errors = [line for line in out.splitlines() if "Error" in line or "error:" in line]
+    return "\n".join(errors[:30]) + "\n...\n" + out[-3000:]
+
+
+def assert_matches_in_process(tmp_path, dist_dir) -> None:
+    """The torchrun run in ``dist_dir`` completed with the in-process CUDA run's traffic and, to float tolerance
+    (kernels may differ between processes' streams), its losses."""
+    rows, summary = read_run(dist_dir)
     _, _, ref, ref_rows = run_in_process([*CUDA, f"job.out_dir={tmp_path / 'ref'}"])
     assert summary["status"] == "completed" and summary["comm"] == ref["comm"]
     torch.testing.assert_close(
@@ -56,10 +59,13 @@ def test_torchrun_on_one_gpu_with_an_nccl_worker_group(tmp_path):
     )
 
 
-def failure(out: str) -> str:
-    """What a failed torchrun printed: its ranks' error lines first (the tail alone is torchrun's own report)."""
-    errors = [line for line in out.splitlines() if "Error" in line or "error:" in line]
-    return "\n".join(errors[:30]) + "\n...\n" + out[-3000:]
+@pytest.mark.multiprocess
+def test_torchrun_on_one_gpu_with_an_nccl_worker_group(tmp_path):
+    """1 server + 1 client worker sharing the GPU (NCCL for the worker group, gloo for control): the run completes and
+    matches the in-process CUDA run to float tolerance (kernels may differ between processes' streams)."""
+    rc, out, _ = torchrun(2, ["-m", "hosfl_dist.run", *CUDA, f"job.out_dir={tmp_path / 'dist'}"])
+    assert rc == 0, failure(out)
+    assert_matches_in_process(tmp_path, tmp_path / "dist")
 
 
 @pytest.mark.multiprocess
@@ -69,15 +75,7 @@ def test_client_workers_sharing_one_gpu_reduce_through_gloo(tmp_path):
     rc, out, _ = torchrun(3, ["-m", "hosfl_dist.run", *CUDA, "job.device=cuda:0", f"job.out_dir={tmp_path / 'dist'}"])
     assert rc == 0, failure(out)
     assert "client workers ranks 1 and 2 share cuda:0 on" in out and "runs on gloo over the CPU" in out
-    rows, summary = read_run(tmp_path / "dist")
-    _, _, ref, ref_rows = run_in_process([*CUDA, f"job.out_dir={tmp_path / 'ref'}"])
-    assert summary["status"] == "completed" and summary["comm"] == ref["comm"]
-    torch.testing.assert_close(
-        torch.tensor([r["eval_loss"] for r in rows]),
-        torch.tensor([r["eval_loss"] for r in ref_rows]),
-        rtol=1e-4,
-        atol=1e-5,
-    )
+    assert_matches_in_process(tmp_path, tmp_path / "dist")
 
 
 @pytest.mark.multiprocess
