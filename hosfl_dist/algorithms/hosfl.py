@@ -394,7 +394,7 @@ class HOSFLWorker(WorkerBase):
         self.rng_device = cfg.zo.rng_device
         if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.collective.is_leader:
             logger.info("zo.rng_device=cpu with clients on CUDA: every perturbation is drawn on the CPU and copied "
-                        "to the GPU (on an H200 the ResNet-18 ZO step took 10.2x its P+1 forwards, 2.6x with "
+                        "to the GPU (on an H200 the ResNet-18 ZO step took 8.9x its P+1 forwards, 2.6x with "
                         "zo.rng_device=cuda, whose stream differs: all replicas of a run must use one)")  # fmt: skip
         self.perturb_mode = cfg.zo.perturb_mode
         self.K = cfg.clients.per_round
