@@ -18,8 +18,8 @@ the tokens, S the sequence length and D the attention width (heads · head_dim):
 the activations' gradients: one matmul per weight, not the two of a trained one) + 4·L_s·T·S·D (both operands of
 QKᵀ and AV). In all 4·N_s·T + 6·L_s·T·S·D; the LoRA weights' gradients (under 0.1 %) are left out.
 The peak is read from the GPU's name (H100 SXM / H200: 989 TFLOP/s dense bf16; H100 PCIe: 756; A100: 312); on an
-unknown GPU (or the CPU, for trying the command) MFU is left out. Needs CUDA for its figures; on the CPU it runs
-(slowly) so that the command can be tried on a small shape.
+unknown GPU (or the CPU, for trying the command) MFU is left out. Needs CUDA for its figures: without it the command
+stops in one line unless ``--device cpu`` asks for the CPU (slowly; try a small shape).
 """
 
 from __future__ import annotations
@@ -183,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (slow: try a small shape)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of two more steps per shape")
     args = options(p).parse_args(argv)
     if args.batch < 1 or args.seq < 2 or args.reps < 1:
         p.error("--batch and --reps must be >= 1 and --seq >= 2")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device here (--device cpu runs it on the CPU, slowly: "
+                "e.g. --arch qwen3-0.6b --batch 1 --seq 16)")
     rec = Recorder(BENCHMARKS["server_step"], argv, args.via)
     dev = torch.device(args.device)
     runs = []

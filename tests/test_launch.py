@@ -53,6 +53,14 @@ def test_list_names_every_benchmark_with_its_figures_targets_and_floors():
         assert (", needs a CUDA GPU)" in next(x for x in lines if x.startswith(f"{b.name} ("))) == b.gpu
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_server_step_benchmark_stops_in_one_line_without_cuda_unless_asked_for_the_cpu(tmp_path):
+    got = subprocess.run([sys.executable, "-m", "bench.server_step", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert got.returncode == 2 and "--device cuda: torch sees no CUDA device here" in got.stderr.splitlines()[-1]
+    assert not (tmp_path / "server_step.json").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skip is for machines without CUDA")
 def test_a_gpu_benchmark_is_skipped_without_cuda_and_the_run_goes_on(tmp_path):
     got = bench("run", "server_step", "agg_traffic", "--out", str(tmp_path), "--", "--widths", "16")
