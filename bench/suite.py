@@ -7,6 +7,8 @@ below (a number, or how each run measures it). Figures without either are report
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bench.common import Benchmark, Figure
 
 X = "×"
@@ -36,14 +38,10 @@ def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
 
 
 def _gpu_zo_step(name: str, options: tuple[str, ...], rng: str) -> Benchmark:
-    base = _zo_step(name, ("--device", "cuda", "--reps", "20", *options), "")
-    return Benchmark(
-        name=name,
-        module=base.module,
-        options=base.options,
+    return replace(
+        _zo_step(name, ("--device", "cuda", "--reps", "20", *options), ""),
         measures=f"the HO-SFL client step against its floor on a CUDA GPU, timed to its last kernel, {rng}",
         takes="~1 min",
-        figures=base.figures,
         gpu=True,
     )
 

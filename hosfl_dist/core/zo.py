@@ -39,11 +39,21 @@ def noise_like(
     draw instead of a fresh tensor. Neither changes a number: the stream is a function of the seed alone.
     """
     gen = generator if generator is not None else torch.Generator(device=rng_device)
+    return _like(_draw(param.numel(), seed, index, rng_device, gen, out), param)
+
+
+def _draw(
+    numel: int, seed: int, index: int, rng_device: str | torch.device, gen: torch.Generator, out: Tensor | None = None
+) -> Tensor:
+    """The flat float32 draw of (seed, index) on ``rng_device`` (into ``out`` where given)."""
     gen.manual_seed(tensor_seed(seed, index))
     if out is None:
-        u = torch.randn(param.numel(), generator=gen, device=rng_device, dtype=torch.float32)
-    else:
-        u = torch.randn(param.numel(), generator=gen, out=out[: param.numel()])
+        return torch.randn(numel, generator=gen, device=rng_device, dtype=torch.float32)
+    return torch.randn(numel, generator=gen, out=out[:numel])
+
+
+def _like(u: Tensor, param: Tensor) -> Tensor:
+    """A flat draw shaped like ``param``, on its device and in its dtype."""
     u = u.view(param.shape)
     if u.dtype != param.dtype or u.device != param.device:  # .to() parses its arguments even when it does nothing
         u = u.to(device=param.device, dtype=param.dtype)
@@ -81,14 +91,9 @@ class NoiseCache:
             nbytes = param.numel() * 4
             if self.held + nbytes > self.limit:
                 return noise_like(param, seed, index, rng_device, generator, scratch)
-            generator.manual_seed(tensor_seed(seed, index))
-            u = torch.randn(param.numel(), generator=generator, device=rng_device, dtype=torch.float32)
-            self._draws[key] = u
+            u = self._draws[key] = _draw(param.numel(), seed, index, rng_device, generator)
             self.held += nbytes
-        u = u.view(param.shape)
-        if u.dtype != param.dtype or u.device != param.device:
-            u = u.to(device=param.device, dtype=param.dtype)
-        return u
+        return _like(u, param)
 
 
 def perturbed_tensor(

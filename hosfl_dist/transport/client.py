@@ -35,13 +35,11 @@ class ClientTransport:
         return self.call_async(method, **kwargs).wait()
 
     def call_async(self, method: str, **kwargs: Any) -> Pending:
-        key = _key(method, kwargs)
-        ahead = self._ahead.pop(key, None) if key is not None else None
-        return ahead if ahead is not None else self.inner.call_async(method, **kwargs)
+        return self.call_many(method, [kwargs])[0]
 
     def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Pending]:
-        """:meth:`call_async` of each of ``calls`` (keyword arguments), in order; those not prefetched are sent
-        together."""
+        """Send each of ``calls`` (keyword arguments) and return their pending answers, in order: a call prefetched
+        with the same arguments is taken, not sent again; the others are sent together (:func:`send_many`)."""
         out: list[Pending | None] = []
         missing = []
         for i, kwargs in enumerate(calls):
@@ -74,12 +72,7 @@ class ClientTransport:
     def prefetch(self, method: str, **kwargs: Any) -> None:
         """Send a call now; the next identical :meth:`call_async` takes its answer. Its arguments must be plain
         values (ints, floats, strings): they are the key it is found by."""
-        key = _key(method, kwargs)
-        if key is None:
-            raise TypeError(f"prefetch {method}: arguments must be plain values, got {sorted(kwargs)}")
-        if key in self._ahead:
-            raise RuntimeError(f"{method}{kwargs} was prefetched already")
-        self._ahead[key] = self.inner.call_async(method, **kwargs)
+        self.prefetch_many(method, [kwargs])
 
     def flush(self) -> None:
         """Wait until every posted call was answered (its error, if any, raised here)."""

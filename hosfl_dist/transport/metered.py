@@ -50,9 +50,7 @@ class MeteredTransport:
         return self.call_async(method, **kwargs).wait()
 
     def call_async(self, method: str, **kwargs: Any) -> Reply:
-        spec = wire_spec(self.served, method)
-        count_call(self.meter, spec, kwargs)
-        return Reply(self.inner.call_async(method, **kwargs), spec, self.meter)
+        return self.call_many(method, [kwargs])[0]
 
     def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Reply]:
         """Several calls of ``method``, each counted as it would be alone (one message where ``inner`` can)."""

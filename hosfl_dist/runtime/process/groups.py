@@ -235,7 +235,7 @@ def gpu_placement(store: dist.Store, env: LaunchEnv, device: torch.device, timeo
 
 def shared_gpus(placement: Mapping[int, str], ranks: Sequence[int]) -> list[tuple[int, int, str]]:
     """(first rank, other rank, device) for each rank of ``ranks`` that drives a GPU an earlier one of them drives."""
-    first: dict[str, int] = {}
+    first: dict[tuple[str, str], int] = {}
     out = []
     for r in sorted(ranks):
         host, _, rest = placement.get(r, "").partition("|")
