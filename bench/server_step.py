@@ -1,13 +1,18 @@
 """The server's step on a GPU at the published shapes: tokens/s and model FLOPs utilisation (MFU).
 
     python -m bench.server_step [--arch qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b] [--batch 8] [--seq 512] [--reps 10]
+                                [--optimizer-impl auto [for_loop foreach fused]]
 
 For each architecture (``model.source=arch:<name>``: the published config, weights drawn from ``job.seed``) the
 split model is built the way a run builds it — bf16 base, cut 5, LoRA r=8 on q/v on both sides (the paper's), the
 server part materialised on ``--device`` — and one HO-SFL server step is timed: f_s forward on the client's
 activation, the causal LM loss over the whole vocabulary (SQuAD-style generation training: the largest head), the
 backward down to λ = ∂ℓ/∂z, and θs's optimizer step (AdamW on the LoRA tensors). The activation is the client's
-own output for one batch of random token ids (``--batch`` × ``--seq``), computed once.
+own output for one batch of random token ids (``--batch`` × ``--seq``), computed once; every token is a label, and
+the head runs at the positions the loss reads, as the run's server does (the task's ``predict`` side input).
+``--optimizer-impl`` times the same build with each of torch's optimizer implementations (``auto``, what runs use:
+torch's choice, ``foreach`` on CUDA; ``for_loop``, what runs used before; ``foreach``; ``fused``), one row each, their
+steps interleaved repetition by repetition.
 
     tokens/s = batch · seq / step time (median of --reps after 3 warm-up steps, timed to the GPU's last kernel)
     MFU      = model FLOPs / step time / the GPU's dense bf16 peak
@@ -36,6 +41,7 @@ import torch
 
 from bench.common import Recorder, options
 from bench.suite import BENCHMARKS
+from hosfl_dist.core.optim import OPTIMIZER_IMPLS
 
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12}
 """Dense bf16 tensor-core peaks (no sparsity), by a substring of the device name (the first match wins)."""
@@ -96,10 +102,13 @@ def top_ops(step: Callable[[], float], dev: torch.device, rows: int = 25) -> Non
     print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
 
 
-def measure(arch: str, cut: int, batch: int, seq: int, reps: int, device: str, profile: bool = False) -> dict:
+def measure(
+    arch: str, cut: int, batch: int, seq: int, reps: int, device: str, profile: bool = False, impls=("auto",)
+) -> list[dict]:
+    """One row per optimizer implementation in ``impls``, each timed on the same build of ``arch``."""
     from hosfl_dist.core.optim import build_torch_optimizer
     from hosfl_dist.models import server_forward
-    from hosfl_dist.tasks.generation import lm_loss
+    from hosfl_dist.tasks.generation import lm_loss, predicted_positions
 
     dev = torch.device(device)
     gc.collect()  # the previous shape's model
@@ -119,57 +128,75 @@ def measure(arch: str, cut: int, batch: int, seq: int, reps: int, device: str, p
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     trainable = [p for p in server.parameters() if p.requires_grad]
-    opt = build_torch_optimizer(cfg.server.optim, trainable)
+    side = {"predict": predicted_positions(ids)}  # the task's server_inputs: the head at the positions the loss reads
 
     def sync() -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter()
 
-    def step() -> float:
-        t0 = sync()
-        z = act["z"].detach().requires_grad_(True)
-        logits = server_forward(server, {**act, "z": z})
-        loss = lm_loss(logits, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert z.grad is not None  # λ
-        return sync() - t0
+    def step_with(opt: torch.optim.Optimizer) -> Callable[[], float]:
+        def step() -> float:
+            t0 = sync()
+            z = act["z"].detach().requires_grad_(True)
+            logits = server_forward(server, {**act, **side, "z": z})
+            loss = lm_loss(logits, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert z.grad is not None  # λ
+            return sync() - t0
 
-    for _ in range(3):
-        step()
-    times = [step() for _ in range(reps)]
-    if profile:
-        top_ops(step, dev)
-    med = statistics.median(times)
+        return step
+
+    steps = {impl: step_with(build_torch_optimizer(cfg.server.optim, trainable, impl)) for impl in impls}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    order = list(impls)
+    for _ in range(reps):  # interleaved, each repetition in a rotated order: every implementation sees the same load
+        for impl in order:
+            times[impl].append(steps[impl]())
+        order = order[1:] + order[:1]
     flops, n_s = step_flops(server, batch * seq, seq)
     peak = peak_flops(dev)
-    row = {
-        "arch": arch,
-        "cut": cut,
-        "batch": batch,
-        "seq": seq,
-        "server_blocks": len(server.layers),
-        "attention_width": _attention_width(server),
-        "server_matmul_params": n_s,
-        "trainable_params": sum(p.numel() for p in trainable),
-        "build_s": round(built_s, 2),
-        "step_s": {"median": med, "min": min(times), "max": max(times), "reps": reps},
-        "tokens_per_s": batch * seq / med,
-        "model_flops_per_step": flops,
-        "achieved_tflops": flops / med / 1e12,
-        "peak_flops": peak,
-        "mfu": flops / med / peak if peak else None,
-    }
-    if dev.type == "cuda":
-        row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(dev)
-    return row  # the model goes with this frame: the next shape is built after it is freed
+    rows = []
+    for impl in impls:
+        if profile:
+            print(f"-- {arch}, optimizer {impl}", flush=True)
+            top_ops(steps[impl], dev)
+        med = statistics.median(times[impl])
+        rows.append({
+            "arch": arch,
+            "optimizer_impl": impl,
+            "cut": cut,
+            "batch": batch,
+            "seq": seq,
+            "server_blocks": len(server.layers),
+            "attention_width": _attention_width(server),
+            "server_matmul_params": n_s,
+            "trainable_params": sum(p.numel() for p in trainable),
+            "build_s": round(built_s, 2),
+            "step_s": {"median": med, "min": min(times[impl]), "max": max(times[impl]), "reps": reps},
+            "tokens_per_s": batch * seq / med,
+            "model_flops_per_step": flops,
+            "achieved_tflops": flops / med / 1e12,
+            "peak_flops": peak,
+            "mfu": flops / med / peak if peak else None,
+        })  # fmt: skip
+        if dev.type == "cuda":  # of all the implementations' steps together (their states are small)
+            rows[-1]["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(dev)
+    return rows  # the model goes with this frame: the next shape is built after it is freed
 
 
 def figures(data: dict) -> tuple[dict, dict]:
     values = {}
     for r in data["runs"]:
+        if r.get("optimizer_impl", "auto") != "auto":
+            continue  # an A/B row: in the record's runs, not a figure
         key = r["arch"].replace("-", "_").replace(".", "_")
         values[f"{key}_tokens_per_s"] = r["tokens_per_s"]
         values[f"{key}_mfu"] = r["mfu"]
@@ -185,22 +212,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (slow: try a small shape)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of two more steps per shape")
+    p.add_argument(
+        "--optimizer-impl",
+        nargs="+",
+        default=["auto"],
+        choices=OPTIMIZER_IMPLS,
+        help="time each of these torch optimizer implementations on the same build (default: auto)",
+    )
     args = options(p).parse_args(argv)
     if args.batch < 1 or args.seq < 2 or args.reps < 1:
         p.error("--batch and --reps must be >= 1 and --seq >= 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device here (--device cpu runs it on the CPU, slowly: "
-                "e.g. --arch qwen3-0.6b --batch 1 --seq 16)")
+        p.error(
+            f"--device {args.device}: torch sees no CUDA device here (--device cpu runs it on the CPU, slowly: "
+            "e.g. --arch qwen3-0.6b --batch 1 --seq 16)"
+        )
     rec = Recorder(BENCHMARKS["server_step"], argv, args.via)
     dev = torch.device(args.device)
     runs = []
-    for arch in args.arch:
-        r = measure(arch, args.cut, args.batch, args.seq, args.reps, args.device, args.profile)
+    rows = (
+        r
+        for arch in args.arch
+        for r in measure(
+            arch, args.cut, args.batch, args.seq, args.reps, args.device, args.profile, args.optimizer_impl
+        )
+    )
+    for r in rows:
+        arch = r["arch"]
         runs.append(r)
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         mem = f", peak {r['peak_cuda_bytes'] / 2**30:.1f} GiB" if "peak_cuda_bytes" in r else ""
         print(
-            f"{arch:12s} B={args.batch} T={args.seq}: step {r['step_s']['median'] * 1e3:.1f} ms, "
+            f"{arch:12s} {r['optimizer_impl']:8s} B={args.batch} T={args.seq}: "
+            f"step {r['step_s']['median'] * 1e3:.1f} ms, "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['achieved_tflops']:.1f} TFLOP/s, MFU {mfu}{mem} "
             f"(N_s {r['server_matmul_params'] / 1e9:.2f} B, built in {r['build_s']:.1f} s)",
             flush=True,

@@ -195,6 +195,8 @@ def figures(data: dict) -> tuple[dict, dict]:
 
 def record_name(args: argparse.Namespace) -> str:
     """The suite's benchmark this command measures (its record's name): on a GPU, by where the noise is drawn."""
+    if args.perturb_batch > 1:
+        return "gpu_zo_step_batched" if args.device.startswith("cuda") else "zo_step_batched"
     if args.device.startswith("cuda"):
         return "gpu_zo_step_cuda_rng" if args.rng_device.startswith("cuda") else "gpu_zo_step"
     return "zo_step_tuned" if args.tune_malloc else "zo_step"
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="the clients' device: cpu (default), cuda, cuda:N")
     p.add_argument("--rng-device", default="cpu", help="zo.rng_device: cpu (the default stream) or cuda")
     p.add_argument("--noise-cache-mb", type=float, default=0.0, help="zo.noise_cache_mb (default 0, the config's)")
+    p.add_argument("--perturb-batch", type=int, default=1,
+                   help="zo.perturb_batch: perturbed forwards batched together (default 1, the config's; >1 writes "
+                   "the *_batched record)")
+    p.add_argument("--P", type=int, default=0, help="perturbations per step for every client (default: each one's)")
     p.add_argument(
         "--tune-malloc",
         action="store_true",
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     args.clock = args.clock or ("cuda" if args.device.startswith("cuda") else "cpu")
     if args.clock == "cuda" and not args.device.startswith("cuda"):
         p.error("--clock cuda needs --device cuda")
+    if args.perturb_batch < 1 or args.P < 0:
+        p.error("--perturb-batch must be >= 1 and --P >= 1 (0: each client's own)")
     rec = Recorder(BENCHMARKS[record_name(args)], argv, args.via)
     torch.set_num_threads(args.threads)
     if args.tune_malloc:
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, client in CLIENTS.items():
         if args.clients and name not in args.clients:
             continue
-        spec = replace(client.spec, device=args.device, rng_device=args.rng_device, noise_cache_mb=args.noise_cache_mb)
+        spec = replace(client.spec, device=args.device, rng_device=args.rng_device, noise_cache_mb=args.noise_cache_mb,
+                       perturb_batch=args.perturb_batch, num_perturbations=args.P or client.spec.num_perturbations)
         if not available(spec):
             skipped[name] = f"{spec.model}: package not installed"
             print(f"{name}: skipped ({skipped[name]})", flush=True)
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     data = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tune_malloc": args.tune_malloc,
             "clock": args.clock, "reps": args.reps, "device": args.device, "rng_device": args.rng_device,
-            "noise_cache_mb": args.noise_cache_mb,
+            "noise_cache_mb": args.noise_cache_mb, "perturb_batch": args.perturb_batch, "P": args.P or None,
             "gpu": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None,
             "clients": rows, "skipped": skipped}  # fmt: skip
     rec.write(args.out, data, *figures(data))

@@ -32,6 +32,35 @@ def test_cuda_noise_stream_is_reproducible(tmp_path):
     )
 
 
+def test_batched_perturbed_forwards_on_cuda_take_the_steps_of_one_at_a_time(tmp_path):
+    """zo.perturb_batch=3 (all P perturbed forwards in one vmap, CUDA noise stream): the losses of one forward at a
+    time to float tolerance (batched kernels round otherwise), and two batched runs bit-identical."""
+    base = [*CUDA, "zo.rng_device=cuda"]
+    _, _, _, one = run_in_process([*base, f"job.out_dir={tmp_path / 'one'}"])
+    runs = [run_in_process([*base, "zo.perturb_batch=3", f"job.out_dir={tmp_path / str(i)}"]) for i in range(2)]
+    assert runs[0][2]["client_digests"] == runs[1][2]["client_digests"]
+    torch.testing.assert_close(
+        torch.tensor([r["eval_loss"] for r in runs[0][3]]), torch.tensor([r["eval_loss"] for r in one]),
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+
+
+def test_batched_lora_client_on_cuda_uses_the_attention_batch_rule():
+    """A tiny Llama LoRA client on CUDA: its P=4 perturbed activations from one batched forward equal those of one
+    forward at a time to float tolerance (SDPA has a vmap batch rule on CUDA, none on the CPU)."""
+    from hosfl_dist.measure.modes import build_setup, profiled_worker
+
+    spec = ProfileSpec(model="tiny:llama", cut=2, batch=4, seq=16, device="cuda", rng_device="cuda",
+                       num_perturbations=4, perturb_batch=4)  # fmt: skip
+    setup = build_setup(spec)
+    worker = profiled_worker(spec, setup, "hosfl")
+    worker.bind(worker.replicas[0].params)
+    batched = worker.zo_activations(setup.inputs, [1, 2, 3, 4])
+    worker.perturb_batch = 1
+    for a, b in zip(batched, worker.zo_activations(setup.inputs, [1, 2, 3, 4]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_memory_profiler_reports_the_cuda_allocator_peak():
     spec = ProfileSpec(model="tiny:llama", cut=2, batch=4, seq=16, device="cuda")
     inference, hosfl = profile_mode(spec, "inference"), profile_mode(spec, "hosfl")

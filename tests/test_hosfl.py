@@ -92,6 +92,49 @@ def test_the_rounds_noise_kept_whole_in_part_or_not_at_all_changes_no_bit(tiny_o
     assert results[64][3] < results[0.0003][3] < results[0][3]
 
 
+@pytest.mark.parametrize("per_client", [False, True], ids=["shared", "per_client"])
+def test_perturbed_forwards_batched_take_the_steps_of_one_at_a_time(tiny_overrides, tmp_path, per_client):
+    """zo.perturb_batch: P=3 perturbed forwards in batches of 2 (a batch and a rest) or all 3 at once (with latency
+    hiding too) give the scalars, losses and accuracies of one at a time up to the kernels' rounding; every replica of
+    a batched run still ends where the server's history puts it (the run checks the digests)."""
+    replicas = [f"clients.replicas={'per_client' if per_client else 'shared'}"]
+    got = {}
+    for k, extra in ((1, []), (2, []), (3, ["zo.overlap=true"])):
+        _, _, summary, rows = run([*tiny_overrides, *replicas, *extra, f"zo.perturb_batch={k}",
+                                   f"job.out_dir={tmp_path / str(k)}"])  # fmt: skip
+        assert summary["status"] == "completed"
+        got[k] = rows
+    keys = ("train_loss", "eval_loss", "eval_accuracy")
+    for k in (2, 3):
+        assert [r["round"] for r in got[k]] == [r["round"] for r in got[1]]
+        for a, b in zip(got[k], got[1]):
+            for key in keys:
+                if b.get(key) is not None:
+                    assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (k, key)
+
+
+def test_a_client_that_cannot_run_batched_is_a_one_line_error_naming_the_key():
+    """A forward vmap refuses (here one that draws random numbers) stops with a ConfigError naming zo.perturb_batch."""
+    from hosfl_dist.errors import ConfigError
+    from hosfl_dist.measure.modes import ProfileSpec, build_setup, profiled_worker
+
+    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, perturb_batch=2)
+    setup = build_setup(spec)
+    worker = profiled_worker(spec, setup, "hosfl")
+    worker.bind(worker.replicas[0].params)
+    seq = worker.zo_activations(setup.inputs, [7, 8, 9])
+    worker.perturb_batch = 1
+    one = worker.zo_activations(setup.inputs, [7, 8, 9])
+    for a, b in zip(seq, one):
+        torch.testing.assert_close(a, b)
+    worker.perturb_batch = 2
+    worker.module.register_forward_hook(lambda mod, args, out: out + 0 * torch.rand_like(out))
+    with pytest.raises(ConfigError) as err:
+        worker.zo_activations(setup.inputs, [7, 8, 9])
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("invalid value for zo.perturb_batch: 2 (") and "zo.perturb_batch=1" in msg
+
+
 def test_hosfl_traffic_is_dimension_free(tiny_overrides):
     cfg, engine, summary, rows = run(tiny_overrides)
     b = summary["comm"]["bytes"]

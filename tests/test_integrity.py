@@ -125,12 +125,30 @@ def test_resume_compares_with_the_checkpoint_not_with_config_yaml(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and err.startswith(f"error: job.out_dir {out} holds a different run (its config differs in ")
     assert "clients.optim.lr" in err and "server.optim.lr" in err
-    for key in ("job.threads=2", "train.eval_batch_size=64"):  # what can change a bit is identity
+    for key in ("job.threads=2", "train.eval_batch_size=64", "zo.perturb_batch=2"):  # what can change a bit is identity
         assert main([*RUN, f"job.out_dir={out}", "job.resume=auto", key]) == 2
         assert key.split("=")[0] in capsys.readouterr().err
     # how a run is started is not: progress bar, loggers
     _, _, got, _ = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto", "job.progress=true"])
     assert got["status"] == "completed"
+
+
+def test_a_key_added_later_counts_only_off_the_value_every_earlier_run_had():
+    """zo.perturb_batch came after runs were recorded: at 1 (what they all ran) it is left out of the identity, so
+    their fingerprints stand; at 2 it differs from them like any key."""
+    from hosfl_dist.config import load_config
+
+    now = identity_mod.comparable_config(load_config(None, TINY_OVERRIDES))
+    assert "perturb_batch" not in now["zo"]
+    earlier = {"config": dict(now, zo=dict(now["zo"])), "inputs": {}}  # an identity recorded before the key
+    assert identity_mod.identity_differences(earlier, {"config": now, "inputs": {}}) == []
+    batched = identity_mod.comparable_config(load_config(None, [*TINY_OVERRIDES, "zo.perturb_batch=2"]))
+    assert identity_mod.identity_differences(earlier, {"config": batched, "inputs": {}}) == [
+        "config key zo.perturb_batch"
+    ]
+    assert identity_mod.fingerprint({"config": batched}) != identity_mod.fingerprint({"config": now})
+    recorded_at_default = {"config": dict(now, zo={**now["zo"], "perturb_batch": 1}), "inputs": {}}
+    assert identity_mod.identity_differences(recorded_at_default, {"config": now, "inputs": {}}) == []
 
 
 def test_resume_refuses_changed_input_files_and_other_code(tmp_path, monkeypatch, capsys):

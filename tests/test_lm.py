@@ -103,6 +103,24 @@ def test_hosfl_tiny_lm_squad_end_to_end(tmp_path, text_files):
     assert rows[-1]["comm"]["eval"] > 0  # generation steps travel as evaluation traffic
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_lora_client_s_perturbed_forwards_batched_take_the_steps_of_one_at_a_time(tmp_path, text_files, arch):
+    """zo.perturb_batch=2 (both perturbed forwards of a round in one vmap over the stacked LoRA copies, attention and
+    padding masks included): the losses and accuracies of one forward at a time, to the kernels' rounding."""
+    from tiny import run_in_process
+
+    got = {}
+    for k in (1, 2):
+        overrides = lm_overrides(tmp_path / str(k), text_files, arch=arch, side="left")
+        _, _, summary, rows = run_in_process([*overrides, f"zo.perturb_batch={k}"])
+        assert summary["status"] == "completed"
+        got[k] = rows
+    for a, b in zip(got[2], got[1], strict=True):
+        for key in ("train_loss", "eval_loss", "eval_accuracy"):
+            if b.get(key) is not None:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
 def test_batches_are_dicts_trimmed_of_padding(tmp_path, text_files):
     cfg = load_config(None, lm_overrides(tmp_path, text_files, side="left"))
     data = InProcessRunner(cfg).setup().data

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from hosfl_dist.config import OptimConfig
-from hosfl_dist.core.optim import TensorwiseOptimizer
+from hosfl_dist.core.optim import OPTIMIZER_IMPLS, TensorwiseOptimizer, build_torch_optimizer
 from hosfl_dist.core.params import trainable_slots
 from hosfl_dist.core.seeding import mix_seed, round_seeds
 from hosfl_dist.core.zo import (
@@ -181,3 +182,31 @@ def test_tensorwise_sgd_momentum_matches_torch_sgd():
         p_ref[0].grad = g.clone()
         ref.step()
     torch.testing.assert_close(p_ours[0], p_ref[0].detach())
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_torch_optimizer_on_the_cpu_is_the_loop_over_tensors_and_every_impl_takes_the_same_steps(name):
+    """``auto`` (what runs build) leaves the implementation to torch: on the CPU the loop, bit for bit what runs
+    built before; foreach and fused take the same steps up to rounding; an unknown implementation is refused."""
+    cfg = OptimConfig(name=name, lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in start] for _ in range(4)]
+
+    def run(impl):
+        params = [t.clone().requires_grad_(True) for t in start] + [torch.zeros(2)]  # a frozen one is left out
+        opt = build_torch_optimizer(cfg, params, impl)
+        assert len(opt.param_groups[0]["params"]) == 2
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        return params[:2]
+
+    loop = run("for_loop")
+    assert all(torch.equal(a, b) for a, b in zip(run("auto"), loop))
+    for impl in set(OPTIMIZER_IMPLS) - {"auto", "for_loop"}:
+        for a, b in zip(run(impl), loop):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="optimizer impl 'fast': expected one of auto, for_loop, foreach, fused"):
+        build_torch_optimizer(cfg, start, "fast")

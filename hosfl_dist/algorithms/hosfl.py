@@ -38,8 +38,8 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer, lr_at, set_lr
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
-from hosfl_dist.core.zo import NoiseCache, Projector, perturbed, reconstruct, scalar_coefficients
-from hosfl_dist.errors import NonFiniteError, ProtocolError
+from hosfl_dist.core.zo import NoiseCache, Projector, perturbed, perturbed_batch, reconstruct, scalar_coefficients
+from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.models.vision import uses_batch_stats
@@ -397,6 +397,7 @@ class HOSFLWorker(WorkerBase):
                         "to the GPU (on an H200 the ResNet-18 ZO step took 8.9x its P+1 forwards, 2.6x with "
                         "zo.rng_device=cuda, whose stream differs: all replicas of a run must use one)")  # fmt: skip
         self.perturb_mode = cfg.zo.perturb_mode
+        self.perturb_batch = cfg.zo.perturb_batch
         self.K = cfg.clients.per_round
         self.per_client = cfg.clients.replicas == "per_client"
         ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.collective.is_leader else [])
@@ -446,20 +447,48 @@ class HOSFLWorker(WorkerBase):
         with perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode, self.noise):
             return self.zo_forward(x)["z"]
 
+    def perturbed_batch(self, x: Any, seeds: Sequence[int]) -> Tensor:
+        """The z̃_p of ``seeds`` from one batched forward (``zo.perturb_batch``), (len(seeds), *z.shape); a client
+        model that cannot run under ``torch.func.vmap`` is a ConfigError naming the key."""
+        try:
+            return perturbed_batch(lambda: self.zo_forward(x)["z"], self.slots, seeds, self.mu, self.rng_device,
+                                   self.noise)  # fmt: skip
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError) as exc:
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ConfigError(
+                f"invalid value for zo.perturb_batch: {self.perturb_batch} (this client's forward cannot run batched "
+                f"under torch.func.vmap: {why}; use zo.perturb_batch=1)"
+            ) from exc
+
+    def _batches(self, seeds: Sequence[int]) -> list[Sequence[int]]:
+        k = self.perturb_batch
+        return [seeds[i : i + k] for i in range(0, len(seeds), k)]
+
     def zo_activations(self, x: Any, seeds: Sequence[int]) -> list[Tensor]:
         """The P perturbed activations at once: latency hiding runs them before λ arrives (§3.4)."""
-        return [self.perturbed_forward(x, s) for s in seeds]
+        if self.perturb_batch == 1:
+            return [self.perturbed_forward(x, s) for s in seeds]
+        return [zt for batch in self._batches(seeds) for zt in self.perturbed_batch(x, batch).unbind(0)]
 
     def zo_scalars(self, x: Any, seeds: Sequence[int], proj: Projector, z_tilde: list[Tensor] | None) -> Tensor:
         """v_p for p = 1..P (Eq. 13) as float32, the P scalars that go on the wire.
 
         With latency hiding the precomputed z̃ are projected; otherwise each perturbed forward is projected as soon
-        as it is computed, so one z̃ is alive at a time (the client's peak stays at inference + |λ|).
+        as it is computed, so one z̃ is alive at a time (the client's peak stays at inference + |λ|), or one batch
+        of them with ``zo.perturb_batch`` > 1.
         """
-        if z_tilde is None:
+        if z_tilde is not None:
+            vals = [proj(zt) for zt in z_tilde]
+        elif self.perturb_batch == 1:
             vals = [proj(self.perturbed_forward(x, s)) for s in seeds]
         else:
-            vals = [proj(zt) for zt in z_tilde]
+            vals = []
+            for batch in self._batches(seeds):
+                z_batch = self.perturbed_batch(x, batch)
+                vals += [proj(zt) for zt in z_batch]
+                del z_batch  # before the next batch is computed
         return torch.stack(vals).float()
 
     # -- the round -----------------------------------------------------------------------------------------------
@@ -612,5 +641,6 @@ register(
         traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_SCALARS, DOWNLINK_GRADIENTS, DOWNLINK_SCALARS_SEEDS}),
         skips_nonfinite=True,
         lr_schedules=True,
+        batches_perturbations=True,
     )
 )

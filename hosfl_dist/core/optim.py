@@ -40,13 +40,30 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
+"""How a torch optimizer steps its tensors: ``auto`` is torch's own choice (one tensor at a time on the CPU, the
+``foreach`` kernels over all tensors on CUDA); the others force one (``fused``: one kernel, CUDA)."""
+
+
+def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor], impl: str = "auto") -> torch.optim.Optimizer:
+    """The server's (and first-order clients') ``torch.optim`` optimizer over the trainable ``params``.
+
+    ``impl="auto"`` (what runs use) leaves the implementation to torch. On the CPU that is the loop over tensors; on
+    CUDA the ``foreach`` kernels, which for the 92 LoRA tensors of a Qwen3 server take a fraction of the loop's
+    launches (``results/gpu/README.md``). Both runtimes and every server rank build it the same way, so their bits
+    agree with each other on one kind of device.
+    """
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer impl {impl!r}: expected one of {', '.join(OPTIMIZER_IMPLS)}")
     params = [p for p in params if p.requires_grad]
+    kind = {"foreach": None, "fused": None}  # auto: torch's choice
+    if impl != "auto":
+        kind = {"foreach": impl == "foreach", "fused": impl == "fused"}
     if cfg.name == "adamw":
         return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **kind
         )
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kind)
 
 
 class TensorwiseOptimizer:

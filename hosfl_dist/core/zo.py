@@ -9,7 +9,7 @@ perturbed forwards every replica is bit-identical to one that ran none.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -186,6 +186,42 @@ def perturbed(
             f"trainable tensor {type(mod).__name__}.{name} was not read through its module's forward, so hook-based "
             "perturbation cannot reach it; use zo.perturb_mode=copy for this model"
         )
+
+
+def perturbed_batch(
+    forward: Callable[[], Tensor],
+    slots: Slots,
+    seeds: Sequence[int],
+    mu: float,
+    rng_device: str | torch.device = "cpu",
+    cache: NoiseCache | None = None,
+) -> Tensor:
+    """``forward()`` at θ + μ·u(s) for every seed in ``seeds``, as one batched forward: (len(seeds), *out.shape).
+
+    Each trainable tensor i becomes a stack of its perturbed copies (the same numbers as :func:`perturbed_tensor`'s,
+    seed by seed), bound in its slot inside ``torch.func.vmap``; what reads no trainable tensor is computed once, and
+    everything after the first one runs as one forward of a len(seeds)-times batch. θ is never written. Costs
+    len(seeds)·|θ| for the stacks and len(seeds)× the forward's activations. A forward that draws random numbers
+    (dropout) is refused by vmap, as are ops it cannot batch; their errors come from torch.
+    """
+    gen = torch.Generator(device=rng_device)
+    with torch.no_grad():
+        stacks = [
+            torch.stack([perturbed_tensor(mod._parameters[name], s, i, mu, rng_device, gen, cache) for s in seeds])
+            for i, (mod, name) in enumerate(slots)
+        ]
+
+    def at(tensors: list[Tensor]) -> Tensor:
+        originals = [mod._parameters[name] for mod, name in slots]
+        try:
+            for (mod, name), t in zip(slots, tensors):
+                mod._parameters[name] = t
+            return forward()
+        finally:
+            for (mod, name), p in zip(slots, originals):
+                mod._parameters[name] = p
+
+    return torch.func.vmap(at, randomness="error")(stacks)
 
 
 PROJECT_CHUNK = 1 << 16

@@ -78,6 +78,8 @@ class ProfileSpec:
     noise_cache_mb: float = 0.0
     """hosfl: zo.noise_cache_mb, the round's draws of u kept from the perturbed forwards to the update (P·d_c·4 bytes
     where they fit; 0, the config default: drawn again)."""
+    perturb_batch: int = 1
+    """hosfl: zo.perturb_batch, the perturbed forwards run together as one batched forward (1: one at a time)."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -205,6 +207,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
                 "compute_dtype": spec.compute_dtype,
                 "rng_device": spec.rng_device,
                 "noise_cache_mb": spec.noise_cache_mb,
+                "perturb_batch": spec.perturb_batch,
             },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},

@@ -162,12 +162,13 @@ class MaxPool2d(nn.MaxPool2d):
     is free to differ between processes and devices. Everything around the pool stays NCHW (a channels_last
     convolution sums in another order), its gradient included: the copy hands the pool's channels_last gradient back
     as NCHW, so the ReLU and convolution backward before it never mix layouts (they did: the server's forward and
-    backward of the quickstart, 128 samples, took 1.3× as long, results/bench/round_overlap). On other devices the
-    NCHW kernel is used as is.
+    backward of the quickstart, 128 samples, took 1.3× as long, results/bench/round_overlap). On other devices, and
+    under ``torch.func.vmap`` (``zo.perturb_batch``, which cannot batch a layout change), the NCHW kernel is used as
+    is.
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or x.dim() != 4:
+        if x.device.type != "cpu" or x.dim() != 4 or torch._C._functorch.is_batchedtensor(x):  # (vmap: NCHW)
             return super().forward(x)
         return super().forward(_ChannelsLastCopy.apply(x)).contiguous()
 

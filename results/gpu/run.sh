@@ -29,7 +29,14 @@ echo "== gpu tier done at $(( $(date +%s) - t0 )) s"
 timeout 60 python3 -m torch.distributed.run --nproc-per-node=2 results/gpu/nccl_shared_gpu.py > "$out/nccl.log" 2>&1
 grep "^rank" "$out/nccl.log"; grep -m3 -i "duplicate\|invalid usage" "$out/nccl.log"
 {
-  timeout 60 python3 -m bench run gpu_zo_step gpu_zo_step_cuda_rng --out "$out/bench"
-  timeout 120 python3 -m bench.server_step --arch qwen3-0.6b qwen3-1.7b --batch 32 --reps 5 --out "$out/big"
+  timeout 150 python3 -m bench run gpu_zo_step gpu_zo_step_cuda_rng gpu_zo_step_batched --out "$out/bench"
+  for batch in 1 64; do  # P=10: the sequential and the batched step, noise drawn on the GPU
+    timeout 60 python3 -m bench.zo_step --device cuda --rng-device cuda --reps 20 --P 10 --perturb-batch $batch \
+      --clients quickstart_cnn tiny_llama_lora tiny_llama_full resnet18_cut2 --out "$out/p10"
+  done
+  timeout 150 python3 -m bench.server_step --arch qwen3-0.6b qwen3-1.7b --reps 10 --optimizer-impl auto for_loop fused \
+    --out "$out/big"
+  timeout 60 python3 results/bench/p_batched/probe.py --device cuda --threads 1 --clients tiny_llama_lora \
+    --P 2 5 10 20 --reps 10
 } 2>&1 | tee "$out/bench.log" | grep -v "^  "
 echo "== all done at $(( $(date +%s) - t0 )) s"

@@ -39,6 +39,10 @@ RUNTIME_ONLY = {
 """Keys that may differ between a run and its continuation: how it is started or watched, or when the same values are
 computed (latency hiding changes the order of the client's forwards, never a bit; the noise cache keeps draws instead
 of drawing them again), not what it computes."""
+ADDED_KEYS = {("zo", "perturb_batch"): 1}
+"""Identity keys added after runs were recorded, with the value every earlier run had: at that value a key is left
+out of the identity, so a run recorded before it existed keeps its fingerprint (and compares equal); at any other
+value it counts like every key."""
 PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""
 HASH_CACHE = "file-sha256.json"
@@ -54,6 +58,9 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     for section, keys in RUNTIME_ONLY.items():
         for key in keys:
+            out.get(section, {}).pop(key, None)
+    for (section, key), before in ADDED_KEYS.items():
+        if out.get(section, {}).get(key, before) == before:
             out.get(section, {}).pop(key, None)
     for section, key in (("job", "device"), ("zo", "rng_device")):
         if isinstance(out.get(section, {}).get(key), str):
