@@ -3,6 +3,7 @@
     python -m bench.scale --arch qwen3-8b --ranks 2                      # the 8B shape, one worker + 2 server ranks
     python -m bench.scale --arch qwen3-0.6b qwen3-1.7b qwen3-4b --ranks 1 2 --keep results/scale/scale.json
     python -m bench.scale --arch qwen3-0.6b --ranks 1 --batch 16 --seq 256 --micro-batch-tokens 1024 --checkpointing
+    python -m bench.scale --arch qwen3-1.7b --ranks 2 --keep-gathered    # server.reshard_after_forward=false
     python -m bench.scale --table results/scale/scale.json                # print a kept file as a table
 
 Each run is ``torchrun`` with S server ranks and one client worker on ``model.source=arch:<name>`` (the published
@@ -58,6 +59,7 @@ def run_overrides(args: argparse.Namespace, arch: str, ranks: int, out_dir: Path
         f"server.ranks={ranks}",
         f"server.micro_batch_tokens={args.micro_batch_tokens}",
         f"server.activation_checkpointing={str(args.checkpointing).lower()}",
+        f"server.reshard_after_forward={str(not args.keep_gathered).lower()}",
         "server.rpc_timeout_s=3600",
         "server.collective_timeout_s=3600",
         "job.progress=false",
@@ -138,6 +140,7 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int, command: str) -> di
         "P": args.P,
         "micro_batch_tokens": args.micro_batch_tokens,
         "checkpointing": args.checkpointing,
+        "keep_gathered": args.keep_gathered,
         "command": command,
     }
     if proc.returncode != 0 or summary.get("status") != "completed":
@@ -168,7 +171,8 @@ def run_one(args: argparse.Namespace, arch: str, ranks: int, command: str) -> di
 
 
 def key(r: dict) -> str:
-    return "{arch} S={ranks} K={clients} B={batch} T={seq} mbt={micro_batch_tokens} ac={checkpointing}".format(**r)
+    text = "{arch} S={ranks} K={clients} B={batch} T={seq} mbt={micro_batch_tokens} ac={checkpointing}".format(**r)
+    return text + (" kept" if r.get("keep_gathered") else "")  # server.reshard_after_forward=false
 
 
 def reanalyse(results: list[dict]) -> None:
@@ -206,7 +210,7 @@ def figures(data: dict) -> tuple[dict, dict]:
     values, floors = {}, {}
     suite = {"arch": "qwen3-0.6b", "cut": 5, "clients": 2, "batch": 1, "seq": 16, "P": 2, "micro_batch_tokens": 0}
     for r in data["runs"]:
-        if r.get("failed") or any(r[k] != v for k, v in suite.items()) or r["checkpointing"]:
+        if r.get("failed") or any(r[k] != v for k, v in suite.items()) or r["checkpointing"] or r.get("keep_gathered"):
             continue
         s = r["ranks"]
         servers = [m for m in r["memory"] if m["role"] != "worker"]
@@ -243,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-samples", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=0)
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="server.reshard_after_forward=false: a server group keeps each block's gathered weights from "
+                   "its forward to its backward")  # fmt: skip
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--keep", type=Path, help="also add the runs to this list of runs (e.g. results/scale/scale.json)")
     p.add_argument("--table", type=Path, metavar="FILE", help="print a list of runs kept with --keep, and exit")

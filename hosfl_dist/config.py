@@ -371,6 +371,11 @@ class ServerConfig:
     round (or a server rank's share of it) in one pass."""
     activation_checkpointing: bool = False
     """Recompute each server decoder block in the backward instead of keeping its activations (hf models)."""
+    reshard_after_forward: bool = True
+    """server.ranks > 1: FSDP2 frees each block's gathered weights after its forward and gathers them again for its
+    backward (true: a rank holds its shard plus one block at a time). false keeps them from a pass's forward to its
+    backward: one all-gather per block and pass instead of two, for the whole of f_s unsharded on every rank during
+    the pass. The same bits either way."""
 
     def __post_init__(self) -> None:
         _check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")

@@ -149,6 +149,9 @@ def test_a_key_added_later_counts_only_off_the_value_every_earlier_run_had():
     assert identity_mod.fingerprint({"config": batched}) != identity_mod.fingerprint({"config": now})
     recorded_at_default = {"config": dict(now, zo={**now["zo"], "perturb_batch": 1}), "inputs": {}}
     assert identity_mod.identity_differences(recorded_at_default, {"config": now, "inputs": {}}) == []
+    # server.reshard_after_forward only says whether gathered weights are kept: not identity at any value
+    kept = identity_mod.comparable_config(load_config(None, [*TINY_OVERRIDES, "server.reshard_after_forward=false"]))
+    assert "reshard_after_forward" not in kept["server"] and kept == now
 
 
 def test_resume_refuses_changed_input_files_and_other_code(tmp_path, monkeypatch, capsys):

@@ -117,7 +117,7 @@ def test_activation_checkpointing_gives_the_same_step(tmp_path):
 
 
 # -- the data-parallel step on a real 2-rank gloo group equals the single-rank step -------------------------------
-def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
+def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -125,7 +125,7 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
         group = dist.new_group([0, 1])
         tmp_path = Path(tmp)
         cfg = load_config(None, lm_overrides(tmp_path, tmp_path, arch="qwen3"))
-        shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"))  # noqa: E731
+        shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"), reshard)  # noqa: E731
         split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
         server = get_algorithm("hosfl").server(cfg, split)
         step = ServerStep(server, group=group)
@@ -144,12 +144,14 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path):
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "kept_gathered"])
+def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     """Two server ranks, each with half the clients' rows and an FSDP2 shard of θs: λ_m and the stepped θs equal the
     one-rank server's bit for bit (whole clients per rank, each client's rows in one pass; FSDP averages the two
-    shares exactly and the server doubles the average)."""
+    shares exactly and the server doubles the average), whether each block's gathered weights are freed after its
+    forward or kept for its backward (server.reshard_after_forward)."""
     out = tmp_path / "dp.pt"
-    mp.spawn(_dp_rank, args=(str(tmp_path / "store"), str(tmp_path), str(out)), nprocs=2, join=True)
+    mp.spawn(_dp_rank, args=(str(tmp_path / "store"), str(tmp_path), str(out), reshard), nprocs=2, join=True)
     got = torch.load(out)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

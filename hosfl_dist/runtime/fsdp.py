@@ -14,9 +14,13 @@ from torch import nn
 from hosfl_dist.core.digest import tensors_digest
 
 
-def shard_server_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
+def shard_server_model(
+    model: nn.Module, group: dist.ProcessGroup, device: torch.device, reshard_after_forward: bool = True
+) -> nn.Module:
     """fully_shard each element of the model's ModuleLists (transformer layers, conv blocks), then the root. Works on
-    a meta-device model (its weights are materialised afterwards, shard by shard)."""
+    a meta-device model (its weights are materialised afterwards, shard by shard). ``reshard_after_forward``
+    (``server.reshard_after_forward``): whether a block's gathered weights are freed after its forward and gathered
+    again for its backward, or kept in between."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -25,10 +29,10 @@ def shard_server_model(model: nn.Module, group: dist.ProcessGroup, device: torch
         if isinstance(module, nn.ModuleList):
             for block in module:
                 if any(p.requires_grad for p in block.parameters()):
-                    fully_shard(block, mesh=mesh)
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for name, module in list(model.named_modules()):
-        if name.split(".")[-1] == "lm_head":  # its own group: gathered for its forward only, not kept unsharded
-            fully_shard(module, mesh=mesh)  # with the root's parameters between forward and backward (V·D each)
+        if name.split(".")[-1] == "lm_head":  # its own group: not kept unsharded with the root's parameters between
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)  # forward and backward (V·D)
     fully_shard(model, mesh=mesh)
     return model
 

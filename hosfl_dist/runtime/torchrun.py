@@ -139,7 +139,8 @@ class TorchrunJob:
         the baselines' θc^t); no training data is loaded."""
         cfg, spec, d = self.cfg, self.spec, self.d
         group = d.server_group
-        shard = (lambda module: shard_server_model(module, group, d.device)) if group is not None else None
+        reshard = cfg.server.reshard_after_forward
+        shard = (lambda module: shard_server_model(module, group, d.device, reshard)) if group is not None else None
         split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
         threads, why = set_threads(cfg, sum(p.numel() for p in split.server.parameters()))
         logger.info(f"threads: {threads} intra-op ({why})")

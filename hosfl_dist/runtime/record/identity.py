@@ -5,8 +5,8 @@
 
 - **config**: the resolved config without :data:`RUNTIME_ONLY` keys, the few that say how a run is started or watched
   (its folder, resume / overwrite, progress bar, trackers, network interface) or only in which order it computes
-  (``zo.overlap``) or what it keeps (``zo.noise_cache_mb``). Everything else is identity, including what changes
-  bits without changing the method (``job.threads``, ``job.device``);
+  (``zo.overlap``) or what it keeps (``zo.noise_cache_mb``, ``server.reshard_after_forward``). Everything else is
+  identity, including what changes bits without changing the method (``job.threads``, ``job.device``);
 - **inputs**: every file the run reads that its config names only by path (the data set's files, a local model's
   files, ``model.pretrained``), with its size and SHA-256 (hashed once per version of a file: path, size, mtime and
   inode, cached in ``$HOSFL_CACHE``); hub data and models by their name;
@@ -35,10 +35,12 @@ from hosfl_dist.config import Config, config_to_dict
 RUNTIME_ONLY = {
     "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change"),
     "zo": ("overlap", "overlap_memory_mb", "noise_cache_mb"),
+    "server": ("reshard_after_forward",),
 }
 """Keys that may differ between a run and its continuation: how it is started or watched, or when the same values are
 computed (latency hiding changes the order of the client's forwards, never a bit; the noise cache keeps draws instead
-of drawing them again), not what it computes."""
+of drawing them again; a server group may keep gathered weights instead of gathering them again), not what it
+computes."""
 ADDED_KEYS = {("zo", "perturb_batch"): 1}
 """Identity keys added after runs were recorded, with the value every earlier run had: at that value a key is left
 out of the identity, so a run recorded before it existed keeps its fingerprint (and compares equal); at any other
