@@ -158,9 +158,9 @@ def _dist() -> Benchmark:
     return Benchmark(
         name="dist",
         module="bench.dist_bench",
-        options=("--workers", "1", "2"),
+        options=("--workers", "1", "2", "--repeat", "3"),
         measures="the torchrun runtime against the in-process one, and its transport against the floor beside it",
-        takes="~1 min",
+        takes="~3 min",
         figures=tuple(figures),
     )
 
