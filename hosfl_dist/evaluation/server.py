@@ -35,11 +35,6 @@ class EvalServer:
         self._stats: dict[str, float] = {}
         self._cache: _EvalCache | None = None
         """The KV cache of f_s's blocks for the evaluation batch being decoded (at most one lives)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        self._sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        """A server group's FSDP modules: resharded after each evaluation forward, which has no backward to free
-        the weights that ``server.reshard_after_forward=false`` keeps gathered (empty on one rank)."""
 
     def _forward(self, act: Activation, past_key_values: Any = None) -> Tensor:
         act = {k: v.to(self.device) for k, v in act.items()}
@@ -53,8 +48,6 @@ class EvalServer:
                 out = self.model(act, past_key_values=past_key_values)
             if was:
                 self.model.train()
-            for module in self._sharded:
-                module.reshard()
         return out
 
     def _add(self, stats: dict[str, float]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from hosfl_dist.algorithms.step import ShareResult, make_shares, merge_results, run_share
 from hosfl_dist.evaluation.server import EvalServer
@@ -102,6 +103,8 @@ class ServerStep(Handler):
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self.micro_batch_tokens = server.cfg.server.micro_batch_tokens
+        self._sharded = [m for m in server.model.modules() if isinstance(m, FSDPModule)] if group is not None else []
+        """The group's FSDP modules, resharded after every call without a backward (see :meth:`_run`)."""
 
     @property
     def leads(self) -> bool:
@@ -196,7 +199,11 @@ class ServerStep(Handler):
     def _run(self, method: str, data_parallel: bool, kwargs: dict[str, Any]) -> Any:
         if data_parallel:
             return self._step(method, int(kwargs["t"]), kwargs.get("batch"))
-        return declared_call(self.targets, method)(**kwargs)
+        try:
+            return declared_call(self.targets, method)(**kwargs)
+        finally:  # a forward with no backward (evaluation) would leave what server.reshard_after_forward=false keeps
+            for module in self._sharded:  # gathered until the next training step: all of f_s on every rank
+                module.reshard()
 
     def _step(self, method: str, t: int, batch: dict[int, dict[str, Any]] | None) -> Any:
         """A data_parallel call: the algorithm's work laid out over the ranks, run, settled and stepped."""
