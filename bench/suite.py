@@ -46,7 +46,7 @@ def _gpu_zo_step(name: str, options: tuple[str, ...], rng: str) -> Benchmark:
     )
 
 
-def _batched(name: str, options: tuple[str, ...], where: str, target: float | None) -> Benchmark:
+def _batched(name: str, options: tuple[str, ...], where: str, target: float | None, gpu: bool) -> Benchmark:
     """The ZO step with all P perturbed forwards in one batched forward (zo.perturb_batch >= P), against P+1
     sequential forwards: below 1 where the device has parallelism the sequential forwards leave idle."""
     what = "ZO client step, P perturbed forwards batched (zo.perturb_batch), / ((P+1) sequential no-grad forwards)"
@@ -64,7 +64,7 @@ def _batched(name: str, options: tuple[str, ...], where: str, target: float | No
         measures=f"the HO-SFL client step with its perturbed forwards batched, {where}",
         takes="~1.5 min",
         figures=tuple(Figure(c, X, f"{what}: {label}", target, "<=") for c, label in clients),
-        gpu=options[:2] == ("--device", "cuda"),
+        gpu=gpu,
     )
 
 
@@ -295,9 +295,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         _zo_step("zo_step_tuned", ("--tune-malloc",), "glibc keeping freed memory (--tune-malloc)"),
         _gpu_zo_step("gpu_zo_step", (), "noise drawn on the CPU and copied (zo.rng_device=cpu, the default)"),
         _gpu_zo_step("gpu_zo_step_cuda_rng", ("--rng-device", "cuda"), "noise drawn on the GPU (zo.rng_device=cuda)"),
-        _batched("zo_step_batched", (), "one thread (a 2-core CPU has no parallelism to spare: reported)", None),
+        _batched("zo_step_batched", (), "one thread (a 2-core CPU has no parallelism to spare: reported)", None, False),
         _batched("gpu_zo_step_batched", ("--device", "cuda", "--reps", "20", "--rng-device", "cuda"),
-                 "on a CUDA GPU, noise drawn there, timed to its last kernel", 1.0),  # fmt: skip
+                 "on a CUDA GPU, noise drawn there, timed to its last kernel", 1.0, True),  # fmt: skip
         _server_step(),
         _memory(),
         _agg_traffic(),

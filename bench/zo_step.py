@@ -1,6 +1,11 @@
 """ZO client step time against its floor: (P+1) no-grad client forwards.
 
     python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--clock cpu|wall] [--out bench/out]
+    python -m bench.zo_step --perturb-batch 64 [--P 10] [--device cuda --rng-device cuda]   # zo.perturb_batch
+
+With ``--perturb-batch k`` the step's perturbed forwards run k at a time as one batched forward (``zo.perturb_batch``)
+and the record is ``zo_step_batched`` (``gpu_zo_step_batched`` on CUDA); the floor stays (P+1) sequential forwards,
+so a ratio below 1 is what batching buys. ``--P`` sets every client's P.
 
 One HO-SFL client step is what HOSFLWorker.run_round does for a sampled client, with a stand-in server (the memory
 profiler's): z = f_c(x), the P perturbed forwards (zo_activations), the P projections v_p = λᵀ(z̃_p − z), and the
