@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.core.params import Slots
+from hosfl_dist.core.params import Slots, bound, slot_tensors
 from hosfl_dist.core.seeding import mix_seed
 
 
@@ -207,19 +207,13 @@ def perturbed_batch(
     gen = torch.Generator(device=rng_device)
     with torch.no_grad():
         stacks = [
-            torch.stack([perturbed_tensor(mod._parameters[name], s, i, mu, rng_device, gen, cache) for s in seeds])
-            for i, (mod, name) in enumerate(slots)
+            torch.stack([perturbed_tensor(p, s, i, mu, rng_device, gen, cache) for s in seeds])
+            for i, p in enumerate(slot_tensors(slots))
         ]
 
     def at(tensors: list[Tensor]) -> Tensor:
-        originals = [mod._parameters[name] for mod, name in slots]
-        try:
-            for (mod, name), t in zip(slots, tensors):
-                mod._parameters[name] = t
+        with bound(slots, tensors):
             return forward()
-        finally:
-            for (mod, name), p in zip(slots, originals):
-                mod._parameters[name] = p
 
     return torch.func.vmap(at, randomness="error")(stacks)
 
