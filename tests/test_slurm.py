@@ -296,9 +296,9 @@ NODE_TORCHRUN = """\
 # torchrun with each line of its output prefixed by the Slurm node it runs on; at LOGLEVEL=INFO its agent logs the
 # rendezvous result (global_ranks=[...]), so the job's log says which ranks ran on which node
 export LOGLEVEL=INFO
-# torchrun gives node rank 0 (the server) to the agent with the lowest (host, pid): on one host, the first to start
-[[ $SLURMD_NODENAME == "${HOSFL_TEST_LATE_NODE:-}" ]] && sleep 2
-"$PYTHON" -m torch.distributed.run "$@" 2>&1 | sed -u "s/^/[$SLURMD_NODENAME] /"
+# torchrun gives node rank 0 (the server) to the agent with the lowest (address, pid): each agent gives its node's
+# name as its address (the names resolve to this host), so rank 0 is on hosfl-n1 whatever the pids (they wrap)
+"$PYTHON" -m torch.distributed.run --local-addr "$SLURMD_NODENAME" "$@" 2>&1 | sed -u "s/^/[$SLURMD_NODENAME] /"
 exit "${PIPESTATUS[0]}"
 """
 RANKS = re.compile(r"^\[(\S+)\] .*\bglobal_ranks=\[([\d, ]*)\]", flags=re.MULTILINE)
@@ -383,9 +383,10 @@ def _last_checkpoint(out_dir: Path) -> int:
 def test_a_job_whose_node_dies_is_requeued_and_resumes_identically(two_nodes: dict[str, str], tmp_path: Path) -> None:
     out_dir, log = tmp_path / "runs", tmp_path / "job.out"
     state_dir = Path(two_nodes["HOSFL_SLURM_DIR"])
-    # the server (rank 0) on hosfl-n1, the node that lives: it may still be stopping, waiting for its dead workers,
-    # when the requeued job starts again (CI met that), and that start then waits for it to let go of the run folder
-    env = dict(_two_node_job(two_nodes, tmp_path), HOSFL_TEST_LATE_NODE="hosfl-n2")
+    # the server (rank 0) on hosfl-n1, the node that lives (_two_node_job): it may still be stopping, waiting for its
+    # dead workers, when the requeued job starts again (CI met that), and that start then waits for it to let go of
+    # the run folder
+    env = _two_node_job(two_nodes, tmp_path)
     cmd = ["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=1", "--time=00:05:00", "--job-name=hosfl-node-death"]
     sub = _run([*cmd, f"--output={log}", str(SBATCH_SCRIPT), *NODE_DEATH, f"job.out_dir={out_dir}"], env)
     assert sub.returncode == 0, sub.stderr
@@ -429,7 +430,7 @@ def test_a_job_whose_node_dies_is_requeued_and_resumes_identically(two_nodes: di
     first, second = _ranks_by_node(text)
     _assert_spans_both_nodes(first, text)
     _assert_spans_both_nodes(second, text)
-    assert 0 in first["hosfl-n1"], f"the server ran on the node that died: {first}"
+    assert 0 in first["hosfl-n1"] and 0 in second["hosfl-n1"], f"the server ran on the node that died: {first}"
 
     resumed = re.search(r"\[server\] resuming from (\S+) \(round (\d+), ", text)
     assert resumed, text[-6000:]
