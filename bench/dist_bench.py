@@ -141,6 +141,7 @@ def run_torchrun(
         if "blocked" in next(iter(stats.values()))
         else None,
         "blocked_waits_per_round_by_method": by_method("blocked"),
+        "blocked_ms_per_round_by_method": {k: 1e3 * v for k, v in by_method("blocked_s").items()},
         "sampled_clients_per_worker_round": args.K / workers,
         "allreduce_bytes_per_round": next(iter(stats.values()))["allreduce_bytes"] / rounds,
         "final": summary["final"],
@@ -181,6 +182,20 @@ def table(rows: list[dict], base: float) -> str:
     return "\n".join(lines)
 
 
+def waits(rows: list[dict], floors: dict) -> str:
+    """Per torchrun run, the waits that blocked, per method: how many per worker-round and their ms per worker-round,
+    beside the loopback round trip of the floor run."""
+    lines = ["blocked waits per worker-round, per method: count / ms (one loopback round trip in brackets)"]
+    for r in rows:
+        if "blocked_ms_per_round_by_method" not in r:
+            continue
+        counts, ms = r["blocked_waits_per_round_by_method"], r["blocked_ms_per_round_by_method"]
+        each = ", ".join(f"{m} {counts[m]:.2f} / {ms.get(m, 0.0):.2f} ms" for m in sorted(counts) if counts[m])
+        rtt = 1e3 * floors[r["processes"] - 1]["rpc_round_trip_s"]
+        lines.append(f"  {r['engine']}: {each or 'none'} [{rtt:.2f} ms]")
+    return "\n".join(lines)
+
+
 def figures(data: dict) -> tuple[dict, dict]:
     """Throughput against the 1-thread in-process run; per torchrun layout of the declared worker counts, the
     transport's ms per worker-round (its floor measured beside it), the blocking waits and the RPC messages."""
@@ -198,6 +213,8 @@ def figures(data: dict) -> tuple[dict, dict]:
         values[f"torchrun_w{w}_transport_ms"] = r["transport_ms_per_round"]
         values[f"torchrun_w{w}_blocking_waits"] = r["blocked_waits_per_round"]
         values[f"torchrun_w{w}_rpc_messages"] = r["rpc_calls_per_round"]
+        if "blocked_ms_per_round_by_method" in r:
+            values[f"torchrun_w{w}_catch_up_wait_ms"] = r["blocked_ms_per_round_by_method"].get("sync", 0.0)
         floors[f"torchrun_w{w}_transport_ms"] = r["floor_ms_per_round"]
     torchruns = [r for r in runs if r["processes"] > 1]
     if torchruns:
@@ -260,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, base))
     print("transport: share of the round a worker is blocked in RPC waits + all_reduce; ms/round: the same per round")
     print("floor: one loopback RPC round trip carrying a submit (z + labels up, λ down) + one all_reduce of K×P")
+    print(waits(rows, floors))
     same = all(r["final"] == rows[0]["final"] for r in rows if r["processes"] > 1)
     print(f"torchrun final metrics identical to the 1-thread in-process run: {same}")
     data = {

@@ -151,6 +151,9 @@ def _dist() -> Benchmark:
                    f"{layout}: RPC answers not there yet when asked for, per worker-round", 1.0, "<="),
             Figure(f"torchrun_w{w}_rpc_messages", "RPCs/worker-round",
                    f"{layout}: RPC messages a worker sends per round (a worker's clients' calls go together)"),
+            Figure(f"torchrun_w{w}_catch_up_wait_ms", "ms/worker-round",
+                   f"{layout}: blocked on sync, the catch-up of a replica that missed the last round (that "
+                   "round's v̄ comes from the server, one round trip after the aggregation)"),
         ]  # fmt: skip
     figures.append(
         Figure("same_final_metrics", "bool", "torchrun's final metrics equal the 1-thread in-process run's", True, "=")

@@ -206,6 +206,9 @@ def test_torchrun_equals_in_process_with_overlap_and_any_arrival_order(tmp_path,
     assert any(order != sorted(order) for order in by_round.values())  # the order really was shuffled
     stats = summary["transport"]["workers"]["worker_1"]
     assert stats["rounds"] == summary["rounds"] and stats["allreduce_calls"] == summary["rounds"]
+    timed = {m for m, s in stats["blocked_s"].items() if s > 0}
+    assert timed == {m for m, n in stats["blocked"].items() if n}  # each wait that blocked is timed
+    assert sum(stats["blocked_s"].values()) <= stats["rpc_wait_s"] + 1e-5
 
 
 @pytest.mark.multiprocess

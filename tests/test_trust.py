@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import secrets
 import textwrap
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -110,6 +112,20 @@ def test_calls_sent_in_one_message_are_served_each_on_its_own_and_each_gets_its_
         with pytest.raises(ProtocolError, match=f"refused serve_many: {REFUSED}"):
             out.wait()
     assert served == [0, 1, 2]
+
+
+def test_a_wait_counts_as_blocked_with_its_time_only_when_the_answer_was_not_there_yet():
+    """TransportStats.blocked / blocked_s: the round trips on the worker's critical path, not every wait()."""
+    stats, lock = entry.TransportStats(), threading.Lock()
+    ready = entry._TimedFuture("sync", stats, lock)
+    ready.set_result("early")
+    assert ready.wait() == "early" and stats.blocked == {} and stats.blocked_s == {}
+    late = entry._TimedFuture("submit", stats, lock)
+    threading.Timer(0.05, late.set_result, args=("late",)).start()
+    start = time.perf_counter()
+    assert late.wait() == "late"
+    assert stats.blocked == {"submit": 1} and 0.04 < stats.blocked_s["submit"] <= time.perf_counter() - start
+    assert stats.rpc_wait_s >= stats.blocked_s["submit"] and set(stats.as_dict()["blocked_s"]) == {"submit"}
 
 
 def test_before_the_token_is_set_every_call_is_refused(monkeypatch):

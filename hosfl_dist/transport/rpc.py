@@ -54,6 +54,8 @@ class TransportStats:
     """Calls sent, per server method."""
     blocked: dict[str, int] = dataclasses.field(default_factory=dict)
     """Waits on an answer that had not arrived yet, per method: the round trips on the worker's critical path."""
+    blocked_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds spent in those waits, per method."""
     rpc_wait_s: float = 0.0
     """Blocked in a synchronous call or in ``wait()`` on an async one (includes the server's compute)."""
     allreduce_calls: int = 0
@@ -63,7 +65,9 @@ class TransportStats:
     """Blocked in all_reduce (includes waiting for the slowest worker)."""
 
     def copy(self) -> TransportStats:
-        return dataclasses.replace(self, calls=dict(self.calls), blocked=dict(self.blocked))
+        return dataclasses.replace(
+            self, calls=dict(self.calls), blocked=dict(self.blocked), blocked_s=dict(self.blocked_s)
+        )
 
     def add_delta(self, after: TransportStats, before: TransportStats) -> None:
         for f in dataclasses.fields(self):
@@ -75,7 +79,9 @@ class TransportStats:
                 setattr(self, f.name, mine + a - b)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        out = {k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        out["blocked_s"] = {k: round(v, 6) for k, v in self.blocked_s.items()}
+        return out
 
 
 class _TimedFuture(Future):
@@ -90,10 +96,13 @@ class _TimedFuture(Future):
         try:
             return super().wait()
         finally:
+            waited = time.perf_counter() - start
             with self._lock:
-                self._stats.rpc_wait_s += time.perf_counter() - start
+                self._stats.rpc_wait_s += waited
                 if not ready:
-                    self._stats.blocked[self._method] = self._stats.blocked.get(self._method, 0) + 1
+                    stats, method = self._stats, self._method
+                    stats.blocked[method] = stats.blocked.get(method, 0) + 1
+                    stats.blocked_s[method] = stats.blocked_s.get(method, 0.0) + waited
 
 
 def raised(answer: Any) -> Any:
