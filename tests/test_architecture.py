@@ -339,6 +339,50 @@ def test_calls_of_a_worker_s_clients_go_together_and_prefetched_ones_are_taken_n
             tr.prefetch_many("sync", [{"t": 2, "client": 1, "since": 1}])
 
 
+class _MethodsBatcher(_Recorder):
+    """A transport that sends calls of several methods as one message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[list[tuple[str, int | None]]] = []
+
+    def call_batch(self, calls):
+        self.messages.append([(m, kwargs.get("client")) for m, kwargs in calls])
+        return [self.call_async(m, **kwargs) for m, kwargs in calls]
+
+
+def test_posts_and_prefetches_made_together_leave_as_one_message_in_order():
+    """ClientTransport.together: HO-SFL's leader sends its report of round t and round t+1's syncs as one message; a
+    transport that cannot batch methods sends them as before (a post alone, the prefetches together)."""
+    asks = [{"t": 1, "client": m, "since": 0} for m in (2, 4)]
+    for inner in (_MethodsBatcher(), _Batcher(), _Recorder()):
+        tr = ClientTransport(inner)
+        with tr.together():
+            tr.post("finish_round", t=0, scalars=torch.zeros(2))
+            tr.prefetch_many("sync", asks)
+            assert inner.sent == []  # nothing leaves before the block ends
+        assert [(m, c.get("client")) for m, c in inner.sent] == [("finish_round", None), ("sync", 2), ("sync", 4)]
+        if isinstance(inner, _MethodsBatcher):
+            assert inner.messages == [[("finish_round", None), ("sync", 2), ("sync", 4)]]
+        if isinstance(inner, _Batcher):
+            got = [(m, [c.get("client") for c in calls]) for m, calls in inner.messages]
+            assert got == [("finish_round", [None]), ("sync", [2, 4])]
+        assert tr.call_many("sync", asks) == inner.futures[1:]  # the prefetched answers are taken, not sent again
+        inner.futures[0].set_exception(RuntimeError("round 0 refused"))
+        with pytest.raises(RuntimeError, match="round 0 refused"):
+            tr.flush()  # the post's error surfaces as a lone post's would
+    tr = ClientTransport(_MethodsBatcher())
+    with pytest.raises(ValueError, match="stop"), tr.together():
+        tr.post("finish_round", t=0, scalars=torch.zeros(2))
+        raise ValueError("stop")
+    assert tr.inner.sent == [] and tr._batch is None  # a block left by an error sends nothing
+    with pytest.raises(RuntimeError, match="do not nest"), tr.together(), tr.together():
+        pass
+    with tr.together():
+        pass  # an empty block sends no message
+    assert tr.inner.messages == []
+
+
 def test_a_post_is_waited_for_before_the_next_post_and_at_a_flush_and_its_error_surfaces():
     inner = _Recorder()
     tr = ClientTransport(inner)

@@ -69,7 +69,7 @@ def test_every_entry_point_refuses_a_wrong_or_missing_token_before_it_touches_th
     calls = {
         "fetch_front": lambda: entry._published_front(token),
         "serve": lambda: entry.serve(token, front, "submit", {"t": 0}),
-        "serve_many": lambda: entry.serve_many(token, front, "submit", [{"t": 0}, {"t": 0}]),
+        "serve_batch": lambda: entry.serve_batch(token, front, [("submit", {"t": 0}), ("sync", {"t": 0})]),
         "handle": lambda: entry.handle(token, front, "a report"),
         "notify_failure": lambda: entry._note_failure(token, "forged failure"),
     }
@@ -84,13 +84,14 @@ def test_every_entry_point_refuses_a_wrong_or_missing_token_before_it_touches_th
 def test_the_jobs_token_reaches_the_server(front):
     assert entry._published_front(TOKEN).wait() is front
     assert entry.serve(TOKEN, front, "submit", {"t": 0}).wait() == "served submit"
-    assert entry.serve_many(TOKEN, front, "submit", [{"t": 0}, {"t": 0}]).wait() == ["served submit"] * 2
+    batch = [("finish_round", {"t": 0}), ("sync", {"t": 1}), ("sync", {"t": 1})]
+    assert entry.serve_batch(TOKEN, front, batch).wait() == ["served finish_round", "served sync", "served sync"]
     assert entry.handle(TOKEN, front, "a report").wait() == "handled a report"
     assert entry._note_failure(TOKEN, "worker 2: it broke").wait() is None and front.failures == ["worker 2: it broke"]
 
 
 def test_calls_sent_in_one_message_are_served_each_on_its_own_and_each_gets_its_answer_or_error(front, monkeypatch):
-    """RPCTransport.call_many: one RPC (serve_many); the server queues each call as if it came alone, in order, and
+    """RPCTransport.call_many: one RPC (serve_batch); the server queues each call as if it came alone, in order, and
     each call's future gets its own answer, or its own error; a refused message fails every call of it."""
     served = []
 
@@ -109,9 +110,28 @@ def test_calls_sent_in_one_message_are_served_each_on_its_own_and_each_gets_its_
     assert tr.stats.rpc_calls == 1 and tr.stats.calls == {"submit": 1}
     forged = entry.RPCTransport(front, 5.0, entry.TransportStats(), "b2" * 32)
     for out in forged.call_many("submit", [{"t": 0, "client": m} for m in range(2)]):
-        with pytest.raises(ProtocolError, match=f"refused serve_many: {REFUSED}"):
+        with pytest.raises(ProtocolError, match=f"refused serve_batch: {REFUSED}"):
             out.wait()
     assert served == [0, 1, 2]
+
+
+def test_calls_of_several_methods_in_one_message_are_served_in_order_and_counted_per_method(front, monkeypatch):
+    """RPCTransport.call_batch (HO-SFL's leader: its report, then the next round's syncs): one RPC; each call served
+    in the order given, each future gets its own answer; a method counted once per message."""
+    served = []
+
+    def enqueue(method, kwargs):
+        served.append((method, kwargs.get("client")))
+        return done(f"{method} {kwargs.get('client')}")
+
+    front.enqueue = enqueue
+    monkeypatch.setattr(entry.rpc, "rpc_async", lambda to, fn, args, timeout: fn(*args))
+    tr = entry.RPCTransport(front, 5.0, entry.TransportStats(), TOKEN)
+    calls = [("finish_round", {"t": 0}), ("sync", {"t": 1, "client": 3}), ("sync", {"t": 1, "client": 5})]
+    outs = tr.call_batch(calls)
+    assert served == [("finish_round", None), ("sync", 3), ("sync", 5)]
+    assert [o.wait() for o in outs] == ["finish_round None", "sync 3", "sync 5"]
+    assert tr.stats.rpc_calls == 1 and tr.stats.calls == {"finish_round": 1, "sync": 1}
 
 
 def test_a_wait_counts_as_blocked_with_its_time_only_when_the_answer_was_not_there_yet():
@@ -302,7 +322,7 @@ OUTSIDER = textwrap.dedent(
             "fetch_front": (entry._published_front, ("0" * 64,)),
             "fetch_front without a token": (entry._published_front, (None,)),
             "serve": (entry.serve, ("0" * 64, None, "submit", {"t": 0, "client": 0})),
-            "serve_many": (entry.serve_many, ("0" * 64, None, "submit", [{"t": 0, "client": 0}])),
+            "serve_batch": (entry.serve_batch, ("0" * 64, None, [("submit", {"t": 0, "client": 0})])),
             "handle": (entry.handle, ("0" * 64, None, None)),
             "notify_failure": (entry._note_failure, ("0" * 64, "worker 1: forged failure")),
         }
@@ -338,7 +358,7 @@ def test_a_process_outside_the_job_is_refused_by_the_running_server_and_the_job_
     got = json.loads((tmp_path / "outsider.json").read_text())
     ranks = {r: json.loads((tmp_path / f"listening-{r}.json").read_text()) for r in range(3)}
     assert got.pop("os.getpid") == ranks[0]["pid"], got  # torch ran the outsider's pickled call on the server
-    assert set(got) == {"fetch_front", "fetch_front without a token", "serve", "serve_many", "handle",
+    assert set(got) == {"fetch_front", "fetch_front without a token", "serve", "serve_batch", "handle",
                         "notify_failure"}, got
     for name, answer in got.items():
         entry_point = name.split()[0]

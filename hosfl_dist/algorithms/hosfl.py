@@ -559,15 +559,16 @@ class HOSFLWorker(WorkerBase):
             rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
         vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine}, mean_over_clients)
 
-        if self.collective.is_leader:  # the round's report; nobody waits for its answer
-            self.transport.post("finish_round", t=t, scalars=vbar)
         for m in mine:
             self.client_round[m] = t + 1  # the update below is applied before the next round starts
         n = len(sampled) * self.cfg.clients.batch_size
         self.processed += n
-        if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
-            asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.plan(t + 1)[1]]
-            self.transport.prefetch_many("sync", asks)
+        with self.transport.together():  # one message: the server closes the round, then answers the syncs at once
+            if self.collective.is_leader:  # the round's report; nobody waits for its answer
+                self.transport.post("finish_round", t=t, scalars=vbar)
+            if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
+                asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.plan(t + 1)[1]]
+                self.transport.prefetch_many("sync", asks)
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:

@@ -11,7 +11,10 @@ not in the algorithm:
   answer instead of sending again (HO-SFL sends round t+1's syncs while round t's update runs);
 - ``call_many`` / ``prefetch_many``: the same for several calls of one method at once (a worker's sampled clients).
   A transport that can (:class:`~hosfl_dist.transport.rpc.RPCTransport`) sends them as one message, each call still
-  served, counted and answered on its own; the others send them one by one.
+  served, counted and answered on its own; the others send them one by one;
+- ``together()``: the posts and prefetches made in the block leave as one message at its end, in the order they were
+  made (HO-SFL's leader sends its report of round t and round t+1's syncs together: the server closes the round and
+  answers the syncs without waiting for a second message).
 
 :meth:`ClientTransport.flush` is the runtime's: before a checkpoint, an evaluation or the end of the run, every posted
 call has reached the server and been answered.
@@ -19,7 +22,9 @@ call has reached the server and been answered.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 from hosfl_dist.transport import Pending, Transport
@@ -30,6 +35,8 @@ class ClientTransport:
         self.inner = inner
         self._posted: list[Pending] = []
         self._ahead: dict[tuple[Hashable, ...], Pending] = {}
+        self._batch: list[tuple[str, dict[str, Any], Callable[[Pending], None]]] | None = None
+        """Inside :meth:`together`: the calls to send at its end, each with where its pending answer goes."""
 
     def call(self, method: str, **kwargs: Any) -> Any:
         return self.call_async(method, **kwargs).wait()
@@ -61,13 +68,35 @@ class ClientTransport:
                 raise RuntimeError(f"{method}{kwargs} was prefetched already")
         if len(set(keys)) != len(keys):
             raise RuntimeError(f"prefetch {method}: the same call twice in one batch")
+        if self._batch is not None:
+            for key, kwargs in zip(keys, calls):
+                self._batch.append((method, kwargs, lambda pending, key=key: self._ahead.__setitem__(key, pending)))
+            return
         for key, pending in zip(keys, send_many(self.inner, method, calls)):
             self._ahead[key] = pending  # type: ignore[index]
 
     def post(self, method: str, **kwargs: Any) -> None:
         """Send a call whose answer nobody takes (after the previous post was answered)."""
         self.flush()
+        if self._batch is not None:
+            self._batch.append((method, kwargs, self._posted.append))
+            return
         self._posted.append(self.inner.call_async(method, **kwargs))
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Posts and prefetches made in the block are sent at its end, as one message where the transport can batch
+        (:func:`send_batch`), in the order they were made. A block left by an error sends nothing."""
+        if self._batch is not None:
+            raise RuntimeError("together() blocks do not nest")
+        self._batch = []
+        try:
+            yield
+            batch = self._batch
+        finally:
+            self._batch = None
+        for (_, _, sink), pending in zip(batch, send_batch(self.inner, [(m, kwargs) for m, kwargs, _ in batch])):
+            sink(pending)
 
     def prefetch(self, method: str, **kwargs: Any) -> None:
         """Send a call now; the next identical :meth:`call_async` takes its answer. Its arguments must be plain
@@ -89,6 +118,20 @@ def send_many(transport: Any, method: str, calls: Sequence[dict[str, Any]]) -> l
     if many is not None:
         return many(method, calls)
     return [transport.call_async(method, **kwargs) for kwargs in calls]
+
+
+def send_batch(transport: Any, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Pending]:
+    """``transport.call_batch`` where it has one (one message for calls of several methods), else each run of calls
+    of one method through :func:`send_many`."""
+    if not calls:
+        return []
+    batch = getattr(transport, "call_batch", None)
+    if batch is not None:
+        return batch(calls)
+    out: list[Pending] = []
+    for method, run in itertools.groupby(calls, key=lambda call: call[0]):
+        out += send_many(transport, method, [kwargs for _, kwargs in run])
+    return out
 
 
 def _key(method: str, kwargs: dict[str, Any]) -> tuple[Hashable, ...] | None:

@@ -155,16 +155,21 @@ class RPCTransport:
         return out
 
     def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Future]:
-        """Several calls of ``method`` in one RPC (:func:`serve_many`): the server serves each as if it came alone,
-        in this order, and answers them together; each call's future gets its own answer or error."""
+        """Several calls of ``method`` in one RPC (:meth:`call_batch`)."""
+        return self.call_batch([(method, kwargs) for kwargs in calls])
+
+    def call_batch(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Future]:
+        """Several (method, keyword arguments) calls in one RPC (:func:`serve_batch`): the server serves each as if it
+        came alone, in this order, and answers them together; each call's future gets its own answer or error."""
         if len(calls) == 1:
-            return [self.call_async(method, **calls[0])]
-        args = (self._token, self.front, method, [to_wire(kwargs) for kwargs in calls])
-        sent = rpc.rpc_async(SERVER_NAME, serve_many, args=args, timeout=self.timeout_s)
-        outs = [_TimedFuture(method, self.stats, self._lock) for _ in calls]
+            return [self.call_async(calls[0][0], **calls[0][1])]
+        args = (self._token, self.front, [(method, to_wire(kwargs)) for method, kwargs in calls])
+        sent = rpc.rpc_async(SERVER_NAME, serve_batch, args=args, timeout=self.timeout_s)
+        outs = [_TimedFuture(method, self.stats, self._lock) for method, _ in calls]
         with self._lock:
             self.stats.rpc_calls += 1
-            self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
+            for method in dict.fromkeys(method for method, _ in calls):  # each method once per message
+                self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
 
         def deliver(f: Future) -> None:
             try:
@@ -328,15 +333,15 @@ def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> F
 
 
 @rpc.functions.async_execution
-def serve_many(token: str, front: rpc.RRef, method: str, calls: list[dict[str, Any]]) -> Future:
-    """Several calls of one @wire method, each queued on the server thread as :func:`serve` queues one, in order;
+def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, Any]]]) -> Future:
+    """Several calls of @wire methods, each queued on the server thread as :func:`serve` queues one, in order;
     answered together, once all have their answer, as a list of answers (an error in the place of a call that
     failed)."""
-    refused = refusal(token, "serve_many")
+    refused = refusal(token, "serve_batch")
     if refused is not None:
         return refused
     endpoint = front.local_value().endpoint
-    pending = [endpoint.enqueue(method, kwargs) for kwargs in calls]
+    pending = [endpoint.enqueue(method, kwargs) for method, kwargs in calls]
     if not pending:
         return done([])
     out: Future = Future()
