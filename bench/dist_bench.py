@@ -35,6 +35,7 @@ from pathlib import Path
 
 from bench.common import ROOT, Recorder, options, torchrun_cmd
 from bench.suite import BENCHMARKS
+from hosfl_dist.runtime.process.groups import RPC_CHANNELS, RPC_TRANSPORTS
 
 
 def overrides(args: argparse.Namespace, out_dir: Path, overlap: str | None = None) -> list[str]:
@@ -159,7 +160,9 @@ def run_floor(args: argparse.Namespace, workers: int, sizes: dict, tmp: Path) ->
         f"--K={args.K}",
         f"--P={args.P}",
         f"--out={out}",
-    ]
+        "--transports", *RPC_TRANSPORTS,
+        "--channels", *RPC_CHANNELS,
+    ]  # fmt: skip
     res = subprocess.run(torchrun_cmd(workers + 1, target), cwd=ROOT, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"floor with {workers} workers failed:\n{res.stderr[-3000:]}")
@@ -185,14 +188,16 @@ def table(rows: list[dict], base: float) -> str:
 def waits(rows: list[dict], floors: dict) -> str:
     """Per torchrun run, the waits that blocked, per method: how many per worker-round and their ms per worker-round,
     beside the loopback round trip of the floor run."""
-    lines = ["blocked waits per worker-round, per method: count / ms (one loopback round trip in brackets)"]
+    lines = ["blocked waits per worker-round, per method: count / ms (loopback round trips of the floor run in "
+             "brackets: a submit's, an empty one)"]  # fmt: skip
     for r in rows:
         if "blocked_ms_per_round_by_method" not in r:
             continue
         counts, ms = r["blocked_waits_per_round_by_method"], r["blocked_ms_per_round_by_method"]
         each = ", ".join(f"{m} {counts[m]:.2f} / {ms.get(m, 0.0):.2f} ms" for m in sorted(counts) if counts[m])
-        rtt = 1e3 * floors[r["processes"] - 1]["rpc_round_trip_s"]
-        lines.append(f"  {r['engine']}: {each or 'none'} [{rtt:.2f} ms]")
+        floor = floors[r["processes"] - 1]
+        rtts = [1e3 * floor[k] for k in ("rpc_round_trip_s", "small_round_trip_s") if k in floor]
+        lines.append(f"  {r['engine']}: {each or 'none'} [{', '.join(f'{v:.2f} ms' for v in rtts)}]")
     return "\n".join(lines)
 
 

@@ -15,12 +15,14 @@
 from __future__ import annotations
 
 import json
+import pickle
 import secrets
 import textwrap
 import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.futures import Future
 
@@ -132,6 +134,31 @@ def test_calls_of_several_methods_in_one_message_are_served_in_order_and_counted
     assert served == [("finish_round", None), ("sync", 3), ("sync", 5)]
     assert [o.wait() for o in outs] == ["finish_round None", "sync 3", "sync 5"]
     assert tr.stats.rpc_calls == 1 and tr.stats.calls == {"finish_round": 1, "sync": 1}
+
+
+def test_what_crosses_rpc_arrives_as_it_was_sent_small_tensors_inside_the_message():
+    """to_wire / from_wire: a tensor of at most INLINE_BYTES travels as its bytes in the message's pickle (one
+    TensorPipe payload less each), a larger one as a tensor; every dtype, shape and value comes back equal, a view
+    ships only its own elements."""
+    small = [
+        torch.arange(5, dtype=torch.long),
+        torch.randn(3, 5),
+        torch.randn(4, 2).to(torch.bfloat16),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.tensor([True, False]),
+        torch.empty(0, 7),
+        torch.arange(40.0).reshape(8, 5)[:, 1],  # a view: its 8 elements, not the storage's 40
+    ]
+    big = torch.randn(entry.INLINE_BYTES // 4 + 1)
+    sent = entry.to_wire({"seeds": small, "lam": big, "skip": True, "pair": (small[0], 3)})
+    assert all(isinstance(x, entry.Inline) for x in sent["seeds"]) and isinstance(sent["lam"], torch.Tensor)
+    assert len(sent["seeds"][-1].data) == 8 * 4
+    back = entry.from_wire(pickle.loads(pickle.dumps(sent)))
+    for a, b in zip(back["seeds"], small, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(back["lam"], big) and back["skip"] is True and back["pair"][1] == 3
+    assert torch.equal(back["pair"][0], small[0])
+    assert entry.from_wire(ValueError("kept")).args == ("kept",)  # a failed call's error passes through
 
 
 def test_a_wait_counts_as_blocked_with_its_time_only_when_the_answer_was_not_there_yet():

@@ -114,20 +114,66 @@ def raised(answer: Any) -> Any:
     return answer
 
 
+INLINE_BYTES = 1 << 12
+"""Tensors up to this size cross inside the message's pickle instead of as TensorPipe payloads. Each payload is a
+channel operation of its own: on loopback with the product's transports (uv + cma) an answer of 12 tiny tensors (a
+4-client ``sync``) took 1.13 ms a round trip against 0.67 ms for the same numbers inline."""
+
+
+class Inline:
+    """A small CPU tensor carried in the message itself (:data:`INLINE_BYTES`); :func:`from_wire` makes it a tensor
+    again, with its dtype, shape and bytes."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> None:
+        self.dtype, self.shape, self.data = dtype, shape, data
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Inline:
+        """``t`` (CPU, contiguous) as its bytes."""
+        return cls(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def tensor(self) -> torch.Tensor:
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+
+    def __reduce__(self) -> tuple:
+        return (Inline, (self.dtype, self.shape, self.data))
+
+
 def to_wire(obj: Any) -> Any:
-    """A copy of ``obj`` safe to send: tensors on CPU, detached and compact (a view would ship its whole storage)."""
+    """A copy of ``obj`` safe to send: tensors on CPU, detached and compact (a view would ship its whole storage);
+    those of at most :data:`INLINE_BYTES` as :class:`Inline` (the receiver's :func:`from_wire` restores them)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         if t.device.type != "cpu":
-            return t.cpu()
+            t = t.cpu()
         if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            return t.clone(memory_format=torch.contiguous_format)
+            t = t.clone(memory_format=torch.contiguous_format)
+        if t.numel() * t.element_size() <= INLINE_BYTES and t.layout == torch.strided and not t.is_complex():
+            return Inline.of(t)
         return t
     if isinstance(obj, Mapping):
         return {k: to_wire(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_wire(v) for v in obj)
     return obj
+
+
+def from_wire(obj: Any) -> Any:
+    """What :func:`to_wire` sent, as it was: :class:`Inline` tensors made tensors again."""
+    if isinstance(obj, Inline):
+        return obj.tensor()
+    if isinstance(obj, dict):
+        return {k: from_wire(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_wire(v) for v in obj)
+    return obj
+
+
+def received(answer: Any) -> Any:
+    """An RPC's answer as it was sent (:func:`from_wire`), or its error raised (:func:`raised`)."""
+    return from_wire(raised(answer))
 
 
 class RPCTransport:
@@ -151,7 +197,7 @@ class RPCTransport:
             self.stats.rpc_calls += 1
             self.stats.calls[method] = self.stats.calls.get(method, 0) + 1
 
-        sent.add_done_callback(lambda f: forward(f, out, raised))
+        sent.add_done_callback(lambda f: forward(f, out, received))
         return out
 
     def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Future]:
@@ -179,7 +225,7 @@ class RPCTransport:
                     out.set_exception(exc)
                 return
             for out, answer in zip(outs, answers):
-                forward(done(answer), out, raised)
+                forward(done(answer), out, received)
 
         sent.add_done_callback(deliver)
         return outs
@@ -195,7 +241,7 @@ class RPCControl:
         self._token = token
 
     def send(self, msg: Any) -> Any:
-        return raised(rpc.rpc_sync(SERVER_NAME, handle, args=(self._token, self.front, msg), timeout=self.timeout_s))
+        return received(rpc.rpc_sync(SERVER_NAME, handle, args=(self._token, self.front, msg), timeout=self.timeout_s))
 
 
 class ProcessGroupCollective:
@@ -329,7 +375,10 @@ def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> F
 
     The RPC thread only queues the call: it runs on the endpoint's server thread (one thread for every execution, see
     :class:`~hosfl_dist.transport.endpoint.ServerThread`), and the answer leaves from there when it is ready."""
-    return refusal(token, "serve") or chained(front.local_value().endpoint.enqueue(method, kwargs), to_wire)
+    refused = refusal(token, "serve")
+    if refused is not None:
+        return refused
+    return chained(front.local_value().endpoint.enqueue(method, from_wire(kwargs)), to_wire)
 
 
 @rpc.functions.async_execution
@@ -341,7 +390,7 @@ def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, An
     if refused is not None:
         return refused
     endpoint = front.local_value().endpoint
-    pending = [endpoint.enqueue(method, kwargs) for method, kwargs in calls]
+    pending = [endpoint.enqueue(method, from_wire(kwargs)) for method, kwargs in calls]
     if not pending:
         return done([])
     out: Future = Future()
