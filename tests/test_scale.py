@@ -11,12 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.base import round_plan
 from hosfl_dist.algorithms.step import Upload, make_shares, plan
 from hosfl_dist.config import load_config
 from hosfl_dist.data import data_info
+from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
@@ -128,17 +131,25 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"), reshard)  # noqa: E731
         split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
         server = get_algorithm("hosfl").server(cfg, split)
-        step = ServerStep(server, group=group)
+        step = ServerStep(server, EvalServer(server.model, server.task), group=group)
         _, batch = _server_and_batch(tmp_path, [])
         if rank == 0:  # rank 0 announces the call (round only) and scatters the rows; rank 1 follows it
             lams = step.execute("submit", {"t": 0, "batch": batch})
+            m = next(iter(batch))  # an evaluation: a forward with no backward, after which f_s must be sharded again
+            step.execute("eval_batch", {"act": batch[m]["act"], "labels": batch[m]["labels"]})
             step.stop()
         else:
             step.follow()
+        sharded = all(isinstance(p, DTensor) for p in server.model.parameters())
+        for module in server.model.modules():  # (for the comparison below, where the evaluation left f_s gathered)
+            if isinstance(module, FSDPModule) and not sharded:
+                module.reshard()
         full = [p.full_tensor() for p in server.model.parameters()]
         mine = param_bytes(server.model)
         if rank == 0:
-            torch.save({"lams": lams, "params": full, "param_bytes": mine}, out)
+            torch.save({"lams": lams, "params": full, "param_bytes": mine, "sharded": sharded}, out)
+        else:
+            torch.save({"sharded": sharded}, f"{out}.rank1")
     finally:
         dist.destroy_process_group()
 
@@ -149,7 +160,8 @@ def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     """Two server ranks, each with half the clients' rows and an FSDP2 shard of θs: λ_m and the stepped θs equal the
     one-rank server's bit for bit (whole clients per rank, each client's rows in one pass; FSDP averages the two
     shares exactly and the server doubles the average), whether each block's gathered weights are freed after its
-    forward or kept for its backward (server.reshard_after_forward)."""
+    forward or kept for its backward (server.reshard_after_forward). After an evaluation (a forward with no
+    backward) every rank holds its shard only, whichever the setting."""
     out = tmp_path / "dp.pt"
     mp.spawn(_dp_rank, args=(str(tmp_path / "store"), str(tmp_path), str(out), reshard), nprocs=2, join=True)
     got = torch.load(out)
@@ -164,6 +176,7 @@ def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     assert all(torch.equal(a, b) for a, b in zip(got["params"], params))
     full = sum(p.numel() * p.element_size() for p in params)
     assert abs(got["param_bytes"] - full / 2) < 0.02 * full  # rank 0 holds about half of f_s
+    assert got["sharded"] and torch.load(f"{out}.rank1")["sharded"]
 
 
 # -- construction ----------------------------------------------------------------------------------------------------
