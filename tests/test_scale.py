@@ -141,9 +141,10 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         else:
             step.follow()
         sharded = all(isinstance(p, DTensor) for p in server.model.parameters())
-        for module in server.model.modules():  # (for the comparison below, where the evaluation left f_s gathered)
-            if isinstance(module, FSDPModule) and not sharded:
-                module.reshard()
+        if not sharded:  # (for the comparison below, where the evaluation left f_s gathered)
+            for module in server.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         full = [p.full_tensor() for p in server.model.parameters()]
         mine = param_bytes(server.model)
         if rank == 0:

@@ -129,8 +129,8 @@ class Inline:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> Inline:
-        """``t`` (CPU, contiguous) as its bytes."""
-        return cls(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        """``t`` (CPU) as the bytes of its elements (a view's, not its storage's)."""
+        return cls(t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def tensor(self) -> torch.Tensor:
         if not self.data:
@@ -148,10 +148,10 @@ def to_wire(obj: Any) -> Any:
         t = obj.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone(memory_format=torch.contiguous_format)
         if t.numel() * t.element_size() <= INLINE_BYTES and t.layout == torch.strided and not t.is_complex():
-            return Inline.of(t)
+            return Inline.of(t)  # its own elements' bytes, whatever storage it views
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return t.clone(memory_format=torch.contiguous_format)
         return t
     if isinstance(obj, Mapping):
         return {k: to_wire(v) for k, v in obj.items()}
