@@ -4,6 +4,7 @@ and traffic enforced by the transport layer alone, and imports that follow the l
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,10 @@ from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import build_split_model
-from hosfl_dist.runtime import control, server_step
+from hosfl_dist.runtime import control, server_group
 from hosfl_dist.runtime.control import Handler, handles
 from hosfl_dist.runtime.front import RunFront
-from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.transport import done
 from hosfl_dist.transport.client import ClientTransport
 from hosfl_dist.transport.endpoint import ServerEndpoint
@@ -34,9 +35,10 @@ from hosfl_dist.transport.wire import (
     UPLINK_ACTIVATIONS,
     UPLINK_SCALARS,
     CommMeter,
+    WireSpec,
     wire,
 )
-from tiny import TINY_OVERRIDES, run_in_process
+from tiny import TINY_OVERRIDES, run_in_process, server_of
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hosfl_dist"
 
@@ -206,7 +208,7 @@ def _declared(cls: type) -> set[str]:
 def test_hosfl_declares_its_ordering_next_to_its_calls():
     specs = {n: getattr(HOSFLServer, n).__wire__ for n in _declared(HOSFLServer)}
     assert specs["sync"].after_previous_round and specs["eval_sync"].after_previous_round
-    assert specs["submit"].gather and specs["submit"].data_parallel and specs["finish_round"].closes_round
+    assert specs["submit"].gather and specs["finish_round"].closes_round
 
 
 # -- algorithms hold state and math only ---------------------------------------------------------------------------
@@ -233,18 +235,28 @@ def test_no_algorithm_module_touches_distribution_or_concurrency():
                 assert not (on_self and sends), f"{path}:{node.lineno} keeps a pending answer on the object"
 
 
-def test_a_data_parallel_call_needs_the_step_executor():
-    """HO-SFL's submit returns the round's work, not answers: an endpoint without the runtime's executor refuses it
-    instead of answering with the wrong thing."""
+def test_a_wire_declaration_says_what_crosses_and_in_which_order_never_how_it_executes():
+    """How a call runs (one rank, a server group) is the runtime's: a declaration holds traffic and ordering only, and
+    HO-SFL's gathered submit answers each client through any endpoint, with or without the runtime's executor."""
+    assert {f.name for f in dataclasses.fields(WireSpec)} == {
+        "args", "result", "after_previous_round", "gather", "closes_round"
+    }  # fmt: skip
     cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
-    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
     endpoint = ServerEndpoint(server)
     upload = {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}
     futs = [endpoint.serve("submit", {"t": 0, "client": m, **upload}) for m in range(3)]
-    with pytest.raises(TypeError, match="submit is a data_parallel call"):
-        futs[0].wait()
-    with pytest.raises(ValueError, match="a data_parallel call is a gathered call"):
-        wire(data_parallel=True)
+    answers = [f.wait() for f in futs]
+    assert all(a["lam"].shape == (2, 4, 4, 4) and "skip" not in a for a in answers) and server.rounds_done == 1
+
+
+def test_the_server_compute_is_stepped_once_per_forward_backward():
+    """The compute's step follows its forward/backward: a server that stepped without one is refused, not silently
+    stepped with stale gradients."""
+    cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
+    with pytest.raises(RuntimeError, match="step without a forward_backward"):
+        server.compute.step(1)
 
 
 # -- typed control -------------------------------------------------------------------------------------------------
@@ -268,13 +280,13 @@ def test_control_messages_are_dispatched_by_their_type():
     sent = {control.ResumeRequest, control.EvalReport, control.CheckpointPart, control.SaveCheckpoint,
             control.Stopped, control.FinalReport, control.FailureReport}  # fmt: skip
     assert set(RunFront._handlers) == sent
-    assert set(ServerStep._handlers) == {
-        server_step.Execute,
-        server_step.Digest,
-        server_step.Memory,
-        server_step.Save,
-        server_step.Verify,
-        server_step.Load,
+    assert set(ServerGroup._handlers) == {
+        server_group.Execute,
+        server_group.Digest,
+        server_group.Memory,
+        server_group.Save,
+        server_group.Verify,
+        server_group.Load,
     }  # Stop ends the loop
 
 

@@ -29,7 +29,7 @@ from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective, count_exchange
 from hosfl_dist.transport.metered import MeteredTransport
 from hosfl_dist.transport.wire import PAPER_CATEGORIES, CommMeter
-from tiny import run_in_process
+from tiny import run_in_process, server_of
 
 BASELINES = ("sfl", "fsl_sage", "zo_sfl", "mu_splitfed")
 SGD = ["clients.optim.name=sgd", "server.optim.name=sgd", "clients.optim.weight_decay=0", "server.optim.weight_decay=0"]
@@ -316,7 +316,7 @@ def test_fsl_sage_clients_do_not_wait_and_get_aligned_auxiliary_models(small):
         ],
     )
     split, data = fresh(cfg)
-    server = FSLSageServer(cfg, split)
+    server = server_of(cfg, split, FSLSageServer)
     recording = RecordingTransport(server)
     transport = MeteredTransport(recording, FSLSageServer, CommMeter())
     worker = get_algorithm("fsl_sage").worker(cfg, split, data, range(2), transport, LocalCollective(transport.meter))
@@ -421,7 +421,7 @@ class ThreadCollective:
 def run_rounds(cfg, hosted_sets, rounds):
     """Rounds with one server and one worker thread per hosted set; each worker has its own model and data."""
     spec = get_algorithm(cfg.algorithm.name)
-    server = spec.server(cfg, fresh(cfg)[0])
+    server = server_of(cfg, fresh(cfg)[0], spec.server)
     endpoint = ServerEndpoint(server)
     meter = CommMeter()
     group = ThreadCollective(len(hosted_sets), meter)

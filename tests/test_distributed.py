@@ -28,8 +28,8 @@ from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.process.groups import check_server_gpus, shared_gpus
 from hosfl_dist.runtime.process.host import bind_interface
 from hosfl_dist.runtime.process.launch import RoleMap, launch_env, role_map
-from hosfl_dist.runtime.server_step import local_endpoint
-from tiny import TINY_OVERRIDES, read_run, run_one_thread, torchrun
+from hosfl_dist.runtime.server_group import local_endpoint
+from tiny import TINY_OVERRIDES, read_run, run_one_thread, server_of, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
@@ -108,7 +108,7 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     leader's finish_round arrived: the endpoint must not answer early (``after_previous_round``)."""
     cfg = load_config(None, TINY)
     split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
-    server = HOSFLServer(cfg, split)
+    server = server_of(cfg, split, HOSFLServer)
     server.rounds_done = 1  # round 0's activations went through the server
     endpoint = local_endpoint(server)
     early = endpoint.serve("sync", {"t": 1, "client": 2, "since": 0})  # client 2 was not in S_0 = [1, 3, 4]

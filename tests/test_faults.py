@@ -19,8 +19,8 @@ from hosfl_dist.run import main
 from hosfl_dist.runtime import checkpoint as ckpt_mod
 from hosfl_dist.runtime.checkpoint import latest_checkpoint
 from hosfl_dist.runtime.record.writer import finite_json, strict_dumps
-from hosfl_dist.runtime.server_step import local_endpoint
-from tiny import TINY_OVERRIDES, rows_of, run_in_process, stop_at
+from hosfl_dist.runtime.server_group import local_endpoint
+from tiny import TINY_OVERRIDES, rows_of, run_in_process, server_of, stop_at
 
 SMALL = [*TINY_OVERRIDES, "data.train_max_samples=240", "train.budget_samples=360", "checkpoint.interval_samples=120"]
 """Three rounds of every method (40 samples per client, one local epoch of 5 steps for the baselines)."""
@@ -122,7 +122,7 @@ def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):
     tensor — trainable ones, running statistics, optimizer state — and leaves the frozen ones as built."""
     cfg = load_config(None, [*SMALL, "model.name=resnet18", "model.freeze_bn=client"])
     spec = get_algorithm("hosfl")
-    build = lambda: spec.server(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))  # noqa: E731
+    build = lambda: server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), spec.server)  # noqa: E731
     saved = build()
     for p in saved.model.parameters():
         p.grad = torch.randn_like(p) if p.requires_grad else None
@@ -221,7 +221,7 @@ def test_divergence_stops_the_run_instead_of_completing(tmp_path):
 @pytest.fixture
 def endpoint():
     cfg = load_config(None, TINY_OVERRIDES)
-    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
     return server, local_endpoint(server)
 
 

@@ -12,11 +12,11 @@ from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.runtime.server_step import local_endpoint
+from hosfl_dist.runtime.server_group import local_endpoint
 from hosfl_dist.transport.inprocess import InProcessTransport
 from hosfl_dist.core.seeding import round_seeds, sample_clients
 from hosfl_dist.core.zo import reconstruct, scalar_coefficients
-from tiny import run_in_process
+from tiny import run_in_process, server_of
 
 
 run = run_in_process
@@ -161,7 +161,7 @@ def test_server_round_is_order_independent_and_steps_once():
     results = []
     for order in (sampled, sampled[::-1]):
         split: SplitModel = build_split_model(cfg, info)
-        server = HOSFLServer(cfg, split)
+        server = server_of(cfg, split, HOSFLServer)
         tr = InProcessTransport(local_endpoint(server))
         futs = {m: tr.call_async("submit", t=0, client=m, act=acts[m], labels=labels[m]) for m in order[:-1]}
         assert not any(f.done() for f in futs.values())  # nothing is computed before all K clients arrived
@@ -179,13 +179,13 @@ def test_server_round_is_order_independent_and_steps_once():
     split.task.loss(split.server(z), labels[1]).backward()
     torch.testing.assert_close(l1[1], z.grad)
     # a round from the future is refused rather than mixed: every client of that round gets the error
-    tr = InProcessTransport(local_endpoint(HOSFLServer(cfg, build_split_model(cfg, info))))
+    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info), HOSFLServer)))
     futs = [tr.call_async("submit", t=1, client=m, act=acts[m], labels=labels[m]) for m in sampled]
     for f in futs:
         with pytest.raises(ProtocolError, match="rounds must not mix"):
             f.wait()
     # activations from clients that were not sampled are refused too
-    tr = InProcessTransport(local_endpoint(HOSFLServer(cfg, build_split_model(cfg, info))))
+    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info), HOSFLServer)))
     futs = [tr.call_async("submit", t=0, client=m, act=acts[sampled[0]], labels=labels[sampled[0]]) for m in (0, 1, 2)]
     with pytest.raises(ProtocolError, match=r"activations from clients \[0, 1, 2\], sampled \[0, 1, 3\]"):
         futs[0].wait()

@@ -16,14 +16,15 @@ from torch.distributed.tensor import DTensor
 
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.base import round_plan
-from hosfl_dist.algorithms.step import Upload, make_shares, plan
+from hosfl_dist.algorithms.compute import Upload
 from hosfl_dist.config import load_config
 from hosfl_dist.data import data_info
-from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
-from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.runtime.build import server_side
+from hosfl_dist.runtime.server_compute import make_shares, plan
+from hosfl_dist.runtime.server_group import ServerGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import lm_overrides, read_run, run_one_thread, torchrun, write_text_files  # noqa: E402
@@ -82,7 +83,7 @@ def test_shares_carry_only_their_rows():
 def _server_and_batch(tmp_path: Path, extra: list[str], arch: str = "qwen3"):
     cfg = load_config(None, [*lm_overrides(tmp_path, tmp_path, arch=arch), *extra])
     split = build_split_model(cfg, data_info(cfg), True)
-    server = get_algorithm("hosfl").server(cfg, split)
+    server, _ = server_side(cfg, get_algorithm("hosfl"), split)
     gen = torch.Generator().manual_seed(0)
     batch = {}
     for i, m in enumerate(round_plan(cfg, 0)):
@@ -96,7 +97,7 @@ def _server_and_batch(tmp_path: Path, extra: list[str], arch: str = "qwen3"):
 
 def _step(tmp_path: Path, extra: list[str]) -> tuple[dict, list[torch.Tensor]]:
     server, batch = _server_and_batch(tmp_path, extra)
-    lams = ServerStep(server).execute("submit", {"t": 0, "batch": batch})
+    lams = server.submit(t=0, batch=batch)
     return lams, [p.detach().clone() for p in server.model.parameters()]
 
 
@@ -130,10 +131,10 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         cfg = load_config(None, lm_overrides(tmp_path, tmp_path, arch="qwen3"))
         shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"), reshard)  # noqa: E731
         split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
-        server = get_algorithm("hosfl").server(cfg, split)
-        step = ServerStep(server, EvalServer(server.model, server.task), group=group)
+        server, evaluator = server_side(cfg, get_algorithm("hosfl"), split, group)
+        step = ServerGroup(server, evaluator, group=group)
         _, batch = _server_and_batch(tmp_path, [])
-        if rank == 0:  # rank 0 announces the call (round only) and scatters the rows; rank 1 follows it
+        if rank == 0:  # rank 0 announces the call with its rows; each rank runs its share of them
             lams = step.execute("submit", {"t": 0, "batch": batch})
             m = next(iter(batch))  # an evaluation: a forward with no backward, after which f_s must be sharded again
             step.execute("eval_batch", {"act": batch[m]["act"], "labels": batch[m]["labels"]})

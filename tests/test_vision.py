@@ -265,7 +265,8 @@ def test_running_statistics_update_once_in_a_zeroth_order_step():
 
 
 def test_batch_statistics_server_runs_each_client_alone():
-    from hosfl_dist.algorithms.step import Upload, plan
+    from hosfl_dist.algorithms.compute import Upload
+    from hosfl_dist.runtime.server_compute import plan
 
     uploads = {m: Upload({"z": torch.zeros(3, 2)}, torch.zeros(3, dtype=torch.long)) for m in (2, 5, 7)}
     merged, _ = plan(uploads, 1, 0)[0]
@@ -291,6 +292,7 @@ def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     """SFL in freeze_bn=client: each copy θs_m updates its own statistics, averaged at the round's end."""
     from hosfl_dist.algorithms.base import round_plan
     from hosfl_dist.algorithms.sfl import SFLServer
+    from tiny import server_of
     from hosfl_dist.config import load_config
     from hosfl_dist.models import build_split_model
 
@@ -302,7 +304,7 @@ def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     stats = []
     for order in (sampled, sampled[::-1]):
         split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
-        server = SFLServer(cfg, split)
+        server = server_of(cfg, split, SFLServer)
         for m in order:
             server.submit(0, m, {"z": z[m]}, y[m])
         server.upload(0, {m: {"params": server.client_model_copy(), "weight": 4} for m in sampled})

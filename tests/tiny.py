@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config, load_config
+from hosfl_dist.models import SplitModel
 from hosfl_dist.runtime.inprocess import InProcessRunner
+from hosfl_dist.runtime.server_compute import GroupCompute
 
 TINY_OVERRIDES = [
     "data.name=synthetic",
@@ -40,6 +43,12 @@ TINY_OVERRIDES = [
 def runner(overrides: list[str]) -> InProcessRunner:
     """An in-process runner set up (data, model, server, worker built) but not trained."""
     return InProcessRunner(load_config(None, overrides)).setup()
+
+
+def server_of(cfg: Config, split: SplitModel, cls: type | None = None) -> Any:
+    """The method's server (``cls``, or the registry's for ``algorithm.name``) over ``split``, on one rank."""
+    cls = cls or get_algorithm(cfg.algorithm.name).server
+    return cls(cfg, split, GroupCompute(split.server, split.task, cfg.server))
 
 
 def run_in_process(overrides: list[str]) -> tuple[Config, InProcessRunner, dict[str, Any], list[dict[str, Any]]]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
@@ -50,8 +51,10 @@ class ServerBase:
     ``train.on_nonfinite=skip``, drops that client's contribution (counted in the metrics rows).
     """
 
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
         self.cfg = cfg
+        self.compute = compute
+        """The runtime's forward/backward and step of θs (one rank or the server group)."""
         self.model = split.server
         self.task = split.task
         self.spec = split.spec

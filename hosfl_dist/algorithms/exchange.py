@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms.base import ServerBase, WorkerBase, round_plan
+from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
@@ -119,8 +120,8 @@ class ExchangeServer(ServerBase):
     first_order = True
     """Whether per-client server copies need autograd (first-order server) or not (zeroth-order server)."""
 
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
         self.slots = trainable_slots(self.model)
         # θs^t: the module's own tensors (the slots hold a client's copy while one of its requests runs).
         self.server_model = slot_tensors(self.slots)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import WorkerBase
 from hosfl_dist.algorithms.hosfl import BackpropServer
-from hosfl_dist.algorithms.step import RoundWork
+from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import slot_tensors, trainable_slots
@@ -41,24 +41,19 @@ from hosfl_dist.transport.wire import UPLINK_ACTIVATIONS, wire
 class FrozenClientServer(BackpropServer):
     """HO-SFL's server step, answering nothing; it keeps θc^0 to check the clients' digests and for export."""
 
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
         self.client_params = [p.detach().clone() for p in slot_tensors(trainable_slots(split.client))]  # θc^0
 
     @wire(
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
         gather=True,
-        data_parallel=True,
         closes_round=True,
     )
-    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> RoundWork:
+    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Round t's (z_m, y_m) of the K sampled clients: :meth:`BackpropServer.submit`, whose step closes the
-        round."""
-        return super().submit(t, batch)
-
-    def answers(self, work: RoundWork) -> dict[int, dict[str, Any]]:
-        """No λ: each client gets an empty answer ({"skip": True} if its upload was left out)."""
-        full = super().answers(work)  # records the round's losses
+        round. No λ: each client gets an empty answer ({"skip": True} if its upload was left out)."""
+        full = super().submit(t, batch)
         return {m: {"skip": True} if a.get("skip") else {} for m, a in full.items()}
 
     def expected_client_digest(self, t: int) -> str:

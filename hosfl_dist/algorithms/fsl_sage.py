@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
+from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
 from hosfl_dist.core.optim import build_torch_optimizer
 from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
@@ -83,8 +84,8 @@ def build_aux(split: SplitModel, seed: int) -> AuxModel:
 
 
 class FSLSageServer(ExchangeServer):
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
         # One server model updated in place by every smashed batch, as in FSL-SAGE (no per-client copies).
         self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
         self.aux = build_aux(split, cfg.job.seed)

@@ -9,8 +9,8 @@ Round t, as the code below runs it (a worker runs the client side for the sample
   client     z_m = f_c(x_m; θc^t) goes up with y_m                                              (Eq. 1)
   server     the K activations are gathered into one forward/backward with θs^t (one pass per client when the
              server normalises with batch statistics, model.freeze_bn=client|none); θs steps once with the mean
-             gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered; the runtime's step
-             executor runs its work over the server ranks: submit, settle, step, answers)       (Eq. 11)
+             gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered; the runtime's compute
+             runs the passes on one rank or over the server ranks)                               (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding (zo.overlap) the
              P perturbed forwards of each client whose λ_m is still away run once every z_m has gone up  (Eq. 12-13)
   aggregate  v̄ = mean over the K clients of their P scalars (:func:`mean_over_clients`), among the client
@@ -32,17 +32,16 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
-from hosfl_dist.algorithms.step import Merged, RoundWork, Upload
+from hosfl_dist.algorithms.compute import ServerCompute, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
-from hosfl_dist.core.optim import TensorwiseOptimizer, build_torch_optimizer, lr_at, set_lr
+from hosfl_dist.core.optim import TensorwiseOptimizer, lr_at
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import NoiseCache, Projector, perturbed, perturbed_batch, reconstruct, scalar_coefficients
 from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
-from hosfl_dist.models.vision import uses_batch_stats
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -126,6 +125,22 @@ class Replica:
         return tensors_digest([*self.params, *self.opt.state_tensors()])
 
 
+@dataclass
+class ClientJob:
+    """One sampled client's part of a round on its worker, from its forward to its projection."""
+
+    client: int
+    replica: Replica
+    x: Any
+    """The client's batch (inputs)."""
+    z: Tensor | None
+    """z_m in the client's compute dtype (the projection's reference), dropped once projected."""
+    answer: Any = None
+    """The server's answer on its way (λ_m)."""
+    z_tilde: list[Tensor] | None = None
+    """The P perturbed activations, when they ran before λ arrived (latency hiding)."""
+
+
 def planned_rounds(cfg: Config) -> int:
     """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
     return -(-cfg.train.budget_samples // (cfg.clients.per_round * cfg.clients.batch_size))
@@ -150,16 +165,14 @@ def replay(rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor, mu: float, rn
 # ------------------------------------------------------------------------------------------------------ server
 class BackpropServer(ServerBase):
     """HO-SFL's server step: θs trained by backprop on each round's K gathered activations, one step per round with
-    the mean gradient (Eq. 11), answering each client λ_m. The client side's bookkeeping is :class:`HOSFLServer`'s;
+    the mean gradient (Eq. 11), answering each client λ_m. The forward/backward and the step run through the
+    runtime's compute (one rank or a server group); the client side's bookkeeping is :class:`HOSFLServer`'s;
     ``frozen_client`` (:mod:`.frozen_client`) runs this step alone."""
 
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
-        self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
+        self.opt = compute.optimizer
         self.rounds_done = 0
-        # Batch-statistics BatchNorm (model.freeze_bn=client|none): client m's λ_m must come from its own batch's
-        # statistics, so each client gets its own pass (running statistics updated K times, in client-id order).
-        self.per_client_passes = uses_batch_stats(self.model)
 
     @property
     def optimizer(self) -> Any:
@@ -169,65 +182,40 @@ class BackpropServer(ServerBase):
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
         result={"lam": DOWNLINK_GRADIENTS},
         gather=True,
-        data_parallel=True,
     )
-    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> RoundWork:
-        """Round t's (z_m, y_m) of the K sampled clients in, checked and admitted: the work of θs's step (Eq. 11).
+    def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Round t's (z_m, y_m) of the K sampled clients in; θs steps once with the mean gradient over the clients
+        kept, and each client gets {"lam": λ_m} back (Eq. 11).
 
-        The runtime's step executor runs it over the server ranks and in micro-batches (:mod:`.step`), then this
-        server settles (:meth:`settle`), steps θs once with the mean gradient over the clients kept (:meth:`step`)
-        and answers each client {"lam": λ_m} (:meth:`answers`). A client whose upload or loss is non-finite
-        (``train.on_nonfinite=skip``) is left out of the step and gets {"lam": 0, "skip": True}; a non-finite
-        gradient leaves the whole round out of θs's step.
+        A client whose upload or loss is non-finite (``train.on_nonfinite=skip``) is left out of the step and gets
+        {"lam": 0, "skip": True}; a non-finite gradient or λ leaves the whole round out of θs's step.
         """
         if t != self.rounds_done:
             raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
         clients = sorted(batch)
         if clients != round_plan(self.cfg, t):
             raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
-        kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
-        uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
-        counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
-        zs = {m: batch[m]["act"]["z"] for m in clients}
-        return RoundWork(t, clients, uploads, counts, self.per_client_passes, zs)
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def settle(self, work: RoundWork, merged: Merged, grads_finite: bool) -> int:
-        """Clients with a non-finite loss stop the run or are counted as skipped; a non-finite gradient leaves every
-        client of the round out of θs's step. Returns the number of clients the step averages over."""
-        lams, losses, bad = merged
-        for m in sorted(bad):
-            self._finite_loss(work.t, m, torch.tensor(float("nan")))  # stops, or counts the skip
-        finite = grads_finite and all(bool(torch.isfinite(g).all()) for g in lams.values())
-        if losses and not finite:
-            self.nonfinite(work.t, "all", "server gradient (the round is left out of θs's step)")
-            self._skipped += len(losses) - 1  # every client of the round is left out, counted once each
+        admitted = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
+        uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in admitted}
+        counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in admitted}  # no 0/0
+        passes = self.compute.forward_backward(uploads, counts)  # λ_m = ∂ℓ_m/∂z_m; grads Σ_m ∇ℓ_m
+        for m in sorted(passes.nonfinite):
+            self._finite_loss(t, m, torch.tensor(float("nan")))  # stops, or counts the skip
+        losses, lams = passes.losses, passes.lams
+        if losses and not passes.finite:  # every client of the round is left out, counted once each
+            self.nonfinite(t, "all", "server gradient (the round is left out of θs's step)")
+            self._skipped += len(losses) - 1
             losses, lams = {}, {}
-        work.lams, work.losses = lams, losses
-        return len(losses)
-
-    def step(self, t: int, kept: int) -> None:
-        """θs^{t+1} = θs^t − η · (1/K) Σ_m g_{s,m}: the summed gradient divided by the clients kept (none: no step)."""
-        if kept:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(kept)
-            if self.cfg.server.optim.scheduled:  # round t's rate (warmup, then the schedule)
-                set_lr(self.opt, lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)))
-            self.opt.step()
+        scheduled = self.cfg.server.optim.scheduled  # round t's rate (warmup, then the schedule)
+        lr = lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)) if scheduled else None
+        self.compute.step(len(losses), lr)  # θs^{t+1} = θs^t − η · (1/kept) Σ_m ∇ℓ_m
         self.rounds_done += 1
-
-    def answers(self, work: RoundWork) -> dict[int, dict[str, Any]]:
-        """λ_m = ∂ℓ_m/∂z_m for each client (its own loss, not divided by K); a client left out gets zeros and skip."""
-        if work.losses:
-            self.record_loss([work.losses[m] for m in sorted(work.losses)])
+        if losses:
+            self.record_loss([losses[m] for m in sorted(losses)])
+        zs = {m: batch[m]["act"]["z"] for m in clients}  # λ_m in z_m's dtype; a client left out gets zeros and skip
         return {
-            m: {"lam": work.lams[m].to(work.zs[m].dtype)}
-            if m in work.lams
-            else {"lam": torch.zeros_like(work.zs[m]), "skip": True}
-            for m in work.clients
+            m: {"lam": lams[m].to(zs[m].dtype)} if m in lams else {"lam": torch.zeros_like(zs[m]), "skip": True}
+            for m in clients
         }
 
     def _finite_loss(self, t: int, client: int, loss: Tensor) -> bool:
@@ -238,8 +226,8 @@ class HOSFLServer(BackpropServer):
     """HO-SFL's server: :class:`BackpropServer`'s step, plus the seeds, the (seeds, v̄) history and each replica's
     round (Algorithms 1 and 3)."""
 
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
         self.P = cfg.zo.num_perturbations
         self.history = SeedScalarHistory(self.P)
         # t'_m of Algorithm 1: the round each replica is current at (the evaluation replica included).
@@ -413,10 +401,10 @@ class HOSFLWorker(WorkerBase):
         self.noise: NoiseCache | None = None
         """The round's draws of u (:class:`~hosfl_dist.core.zo.NoiseCache`), while a round runs."""
 
-    def overlap_round(self, jobs: Sequence[Sequence[Any]]) -> bool:
+    def overlap_round(self, jobs: Sequence[ClientJob]) -> bool:
         """Whether this round's perturbed forwards run before λ arrives (``zo.overlap``; ``auto`` looks at what the
         z̃ of this worker's clients would take: P·Σ|z_m|). The first decision, with its cost, is logged."""
-        held = self.P * sum(job[3].numel() * job[3].element_size() for job in jobs)
+        held = self.P * sum(job.z.numel() * job.z.element_size() for job in jobs)
         on = self.cfg.zo.overlap_on(held)
         if not self._overlap_told and jobs:
             self._overlap_told = True
@@ -512,7 +500,8 @@ class HOSFLWorker(WorkerBase):
         # where it was sent)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
         syncs = dict(zip(mine, self.transport.call_many("sync", asks)))
-        jobs, uploads = [], []
+        jobs: list[ClientJob] = []
+        uploads = []
         for m in mine:  # catch-up and forward; every z_m goes up, in one message, before any perturbed forward runs,
             # so the server's step (which needs the round's K uploads) starts as early as this worker can let it
             rep = self.replicas[m]
@@ -526,10 +515,10 @@ class HOSFLWorker(WorkerBase):
             uploads.append({"t": t, "client": m, "act": self.precision.upload(act), "labels": y})
             z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
             del act
-            jobs.append([m, rep, x, z, None, None])
+            jobs.append(ClientJob(m, rep, x, z))
             del z
-        for i, lam in enumerate(self.transport.call_many("submit", uploads)):
-            jobs[i][4] = lam  # (no loop variable keeps a job, and with it its z, alive past its projection)
+        for i, answer in enumerate(self.transport.call_many("submit", uploads)):
+            jobs[i].answer = answer  # (no loop variable keeps a job, and with it its z, alive past its projection)
         del uploads
         # the round's seeds, from answers that came back while the forwards ran
         seeds = {m: syncs[m].wait()["seeds"].tolist() for m in mine}
@@ -537,23 +526,24 @@ class HOSFLWorker(WorkerBase):
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
             # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
             for job in jobs:
-                if not job[4].done():
-                    self.bind(job[1].params)
-                    job[5] = self.zo_activations(job[2], seeds[job[0]])
+                if not job.answer.done():
+                    self.bind(job.replica.params)
+                    job.z_tilde = self.zo_activations(job.x, seeds[job.client])
 
         rows = torch.zeros(self.K, self.P, dtype=torch.float32)
         slot = {m: i for i, m in enumerate(sampled)}
         while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
-            m, rep, x, z, lam, z_tilde = jobs.pop(0)
-            answer = lam.wait()
+            job = jobs.pop(0)
+            m, answer = job.client, job.answer.wait()
             if answer.get("skip"):  # the server left this client out of the round: so does the aggregation
                 rows[slot[m]] = float("nan")
+                del job
                 continue
-            proj = Projector(answer["lam"].to(z.device), z)
-            del z  # only λ and the z̃ being projected stay alive
-            self.bind(rep.params)
-            v = self.zo_scalars(x, seeds[m], proj, z_tilde)
-            del z_tilde, proj
+            proj = Projector(answer["lam"].to(job.z.device), job.z)
+            job.z = None  # only λ and the z̃ being projected stay alive
+            self.bind(job.replica.params)
+            v = self.zo_scalars(job.x, seeds[m], proj, job.z_tilde)
+            del job, proj
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
             rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import server_seed, spsa_pair, step_seed, zo_step
 from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer, ZOSFLWorker
+from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.models import Activation, SplitModel
@@ -34,8 +35,8 @@ from hosfl_dist.transport.wire import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS
 
 
 class MUSplitFedServer(ZOSFLServer):
-    def __init__(self, cfg: Config, split: SplitModel) -> None:
-        super().__init__(cfg, split)
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
         self.global_lr = cfg.algorithm.global_lr  # η_g
         self.tau = cfg.algorithm.server_steps  # τ
 

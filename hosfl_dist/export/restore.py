@@ -140,11 +140,12 @@ def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restor
     from hosfl_dist.core.params import bind_slots, trainable_slots
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import server_side
     from hosfl_dist.runtime.checkpoint import CheckpointStore
 
     spec = get_algorithm(cfg.algorithm.name)
     split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("client", "server"))
-    server = spec.server(cfg, split)
+    server, _ = server_side(cfg, spec, split)
     loop, _, meta = CheckpointStore(run_dir, keep=1).load(server, checkpoint)
     theta_c = server.client_params_at(meta["round"])
     if theta_c is None:

@@ -277,10 +277,12 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
     transport = None
     if mode == "full_local":  # the real SFL server, in this process
         from hosfl_dist.algorithms.sfl import SFLServer
+        from hosfl_dist.runtime.server_compute import GroupCompute
         from hosfl_dist.transport.endpoint import ServerEndpoint
         from hosfl_dist.transport.inprocess import InProcessTransport
 
-        server = SFLServer(worker_config(spec, "sfl"), split)
+        sfl = worker_config(spec, "sfl")
+        server = SFLServer(sfl, split, GroupCompute(split.server, split.task, sfl.server))
         server.copy_for(0, 0)  # SFL's per-round copy of θs's trainable tensors: not part of single-device training
         transport = InProcessTransport(ServerEndpoint(server))
     worker = profiled_worker(spec, setup, _ALGORITHM[mode], transport)

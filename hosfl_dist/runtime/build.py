@@ -4,19 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from hosfl_dist.algorithms import AlgorithmSpec
 from hosfl_dist.config import Config
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import SplitModel
+from hosfl_dist.runtime.server_compute import GroupCompute
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
 from hosfl_dist.transport.metered import MeteredTransport
 from hosfl_dist.transport.wire import CommMeter
 
 
-def server_side(cfg: Config, spec: AlgorithmSpec, split: SplitModel) -> tuple[Any, EvalServer]:
-    """The method's server over f_s, and the evaluation server beside it (the same module)."""
-    server = spec.server(cfg, split)  # after any sharding: the optimizer must see the sharded parameters
+def server_side(
+    cfg: Config, spec: AlgorithmSpec, split: SplitModel, group: dist.ProcessGroup | None = None
+) -> tuple[Any, EvalServer]:
+    """The method's server over f_s with its compute (on this rank, or over the server ranks' ``group``), and the
+    evaluation server beside it (the same module). After any sharding: the optimizer must see the sharded
+    parameters."""
+    server = spec.server(cfg, split, GroupCompute(split.server, split.task, cfg.server, group))
     return server, EvalServer(server.model, split.task)
 
 

@@ -4,7 +4,7 @@ Training calls are server methods declared with :func:`~hosfl_dist.transport.wir
 processes of a run tell each other is one of the messages below, handled by a method declared with :func:`handles`
 (no string kinds, no tuples matched by ``if``/``elif``). Client workers send the first group to the run's front
 (:class:`~hosfl_dist.runtime.front.RunFront`: in the same process, or on rank 0 over RPC); rank 0 sends the second to
-the other server ranks (:class:`~hosfl_dist.runtime.server_step.ServerStep`).
+the other server ranks (:class:`~hosfl_dist.runtime.server_group.ServerGroup`).
 
     client worker -> front       ResumeRequest, EvalReport, CheckpointPart, SaveCheckpoint, Stopped, FinalReport,
                                  FailureReport

@@ -1,6 +1,6 @@
 """The run's front: the server side of a run, in the process that writes its record (in-process, or rank 0).
 
-It holds what the client workers reach: the endpoint that serves the algorithm's calls (through the step executor),
+It holds what the client workers reach: the endpoint that serves the algorithm's calls (through the server group),
 and the run's bookkeeping, which they drive with the control messages of :mod:`hosfl_dist.runtime.control`:
 
     open()        the run's folder made ready, the checkpoint to resume from loaded, the record started
@@ -45,7 +45,7 @@ from hosfl_dist.runtime.record.folder import RunLock, prepare_out_dir, read_mani
 from hosfl_dist.runtime.record.identity import identity_differences, run_identity
 from hosfl_dist.runtime.record.progress import EVAL_SHOWN
 from hosfl_dist.runtime.record.writer import RunRecord, metrics_row
-from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import describe_traffic
 
@@ -69,7 +69,7 @@ class RunFront(Handler):
         self,
         cfg: Config,
         endpoint: ServerEndpoint,
-        step: ServerStep,
+        servers: ServerGroup,
         store: CheckpointStore,
         engine: str,
         layout: dict[str, Any],
@@ -80,7 +80,7 @@ class RunFront(Handler):
         self.endpoint = endpoint
         self.server = endpoint.server
         self.evaluator = endpoint.evaluator
-        self.step = step
+        self.servers = servers
         self.store = store
         self.engine = engine
         self.layout = layout
@@ -108,7 +108,7 @@ class RunFront(Handler):
         if candidates:
             ckpt = self._verified(candidates)
             notes = self._same_run(ckpt)
-            self.step.load(str(ckpt))
+            self.servers.load(str(ckpt))
             loop, parts, meta = self.store.load(self.server, ckpt)
             if meta.get("engine") != self.engine:
                 raise ConfigError(f"checkpoint {ckpt} was written by the {meta.get('engine')} runtime; resume it there")
@@ -133,7 +133,7 @@ class RunFront(Handler):
         """The newest checkpoint every server rank verifies; the ones that fail are named in one line."""
         failed = []
         for path in candidates:
-            problem = next((p for p in self.step.verify(str(path)) if p), None)
+            problem = next((p for p in self.servers.verify(str(path)) if p), None)
             if problem is None:
                 if failed:
                     logger.warning(f"resuming from {_round(path)}: " + "; ".join(
@@ -199,7 +199,7 @@ class RunFront(Handler):
         meta = {"engine": self.engine, "algorithm": self.cfg.algorithm.name, **self.layout}
 
         def save() -> Path:
-            self.step.save(loop, meta)  # the other server ranks write their shards of θs
+            self.servers.save(loop, meta)  # the other server ranks write their shards of θs
             return self.store.save(self.server, loop, parts, meta, self.identity)
 
         self.saved = str(self.endpoint.locked(save))
@@ -250,7 +250,7 @@ class RunFront(Handler):
         if self.stopped is not None:  # the workers checkpointed and stopped
             why = f"{self.stopped.signal} after round {self.stopped.t}"
             self.record.interrupt(why, self.stopped.t, self.saved)
-            self.step.stop()
+            self.servers.stop()
             raise Interrupted(f"{why}; checkpoint {self.saved} (resume with job.resume=auto)")
         if self.failure:
             raise PeerFailure(self.failure)
@@ -258,11 +258,11 @@ class RunFront(Handler):
         if final is None:
             raise RuntimeError("the run ended without the workers' final report")
         problem = self.endpoint.locked(lambda: self.server.audit(final.rounds, final.client_digests))
-        digest = self.step.digest()
+        digest = self.servers.digest()
         memory = []
         if self.memory_role is not None:
-            memory = self.step.memory(process_memory(0, self.memory_role, self.server.model))
-        self.step.stop()
+            memory = self.servers.memory(process_memory(0, self.memory_role, self.server.model))
+        self.servers.stop()
         if problem is not None:
             raise ProtocolError(f"end-of-run report refused: {problem}")
         summary = self.record.completed_summary(final.rounds, final.processed, final.comm, final.client_digests, digest)

@@ -2,7 +2,7 @@
 
 Every server rank holds the same server object around its shard of θs (parameters, gradients and optimizer state
 are split S ways: the memory that does not fit one device). How calls execute on the group is
-:mod:`hosfl_dist.runtime.server_step`'s.
+:mod:`hosfl_dist.runtime.server_group`'s.
 """
 
 from __future__ import annotations

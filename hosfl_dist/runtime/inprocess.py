@@ -29,7 +29,7 @@ from hosfl_dist.runtime.process.host import check_devices, set_threads
 from hosfl_dist.runtime.process.signals import StopRequest
 from hosfl_dist.runtime.record.folder import chosen, resolve_out_dir
 from hosfl_dist.runtime.record.progress import Progress
-from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
@@ -60,9 +60,9 @@ class InProcessRunner:
         self.server: ServerBase
         self.server, self.evaluator = server_side(cfg, spec, self.split)
         store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
-        self.step = ServerStep(self.server, self.evaluator, store=store)
-        self.endpoint = ServerEndpoint(self.server, self.step.execute, self.evaluator)
-        self.front = RunFront(cfg, self.endpoint, self.step, store, "in_process", {"workers": 1})
+        self.servers = ServerGroup(self.server, self.evaluator, store=store)
+        self.endpoint = ServerEndpoint(self.server, self.servers.execute, self.evaluator)
+        self.front = RunFront(cfg, self.endpoint, self.servers, store, "in_process", {"workers": 1})
         transport, collective, self.link = client_stack(
             cfg, spec, InProcessTransport(self.endpoint), LocalCollective(self.meter), self.meter
         )

@@ -4,7 +4,7 @@
   front (:class:`~hosfl_dist.runtime.front.RunFront`), publishes the front over RPC and serves until the client
   workers end the run;
 - ranks 1..S-1, **server shards**: follow rank 0's executions on their FSDP shard of θs
-  (:meth:`~hosfl_dist.runtime.server_step.ServerStep.follow`);
+  (:meth:`~hosfl_dist.runtime.server_group.ServerGroup.follow`);
 - ranks S..W-1, **client workers**: train (:class:`~hosfl_dist.runtime.trainer.Trainer`) over the algorithm's worker,
   which reaches the server through :class:`RPCTransport` and its peers through :class:`ProcessGroupCollective`
   (each wrapped in the emulated link with ``comm.inject_delay``), and the front through :class:`RPCControl`.
@@ -46,7 +46,7 @@ from hosfl_dist.runtime.process.launch import LaunchEnv, role_map
 from hosfl_dist.runtime.process.signals import StopRequest
 from hosfl_dist.runtime.record.folder import chosen, resolve_out_dir, with_out_dir
 from hosfl_dist.runtime.record.progress import Progress
-from hosfl_dist.runtime.server_step import ServerStep
+from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import describe_link
@@ -103,7 +103,7 @@ class TorchrunJob:
             if d.rank == 0:
                 return self.serve(stop)
             if d.rank in d.roles.server_ranks:
-                self.server_step().follow()
+                self.server_group().follow()
             else:
                 self.work(stop)
         return None
@@ -114,7 +114,7 @@ class TorchrunJob:
         cfg, d, roles = self.cfg, self.d, self.d.roles
         logger.info(roles.describe())
         logger.info(f"gloo and TensorPipe bound to {d.interface or 'the interface torch chooses'} (job.interface)")
-        step = self.server_step()
+        servers = self.server_group()
         logger.info(f"run folder {cfg.job.out_dir}")
         layout = {
             "world_size": roles.world_size,
@@ -126,14 +126,14 @@ class TorchrunJob:
             "hosted": {f"worker_{r}": list(ids) for r, ids in roles.hosted.items()},
             "interface": d.interface,
         }
-        endpoint = ServerEndpoint(step.server, step.execute, step.evaluator)
-        self.front = RunFront(cfg, endpoint, step, step.store, "torchrun", layout, "server", described)
+        endpoint = ServerEndpoint(servers.server, servers.execute, servers.evaluator)
+        self.front = RunFront(cfg, endpoint, servers, servers.store, "torchrun", layout, "server", described)
         self.front.open(restarted=d.env.restart > 0)
         publish(self.front)
         self.front.wait(stop)
         return self.front.conclude()
 
-    def server_step(self) -> ServerStep:
+    def server_group(self) -> ServerGroup:
         """A server rank's executor over the method's server on f_s (sharded over the server group before its weights
         exist), from ``job.seed``. Of f_c only the trainable tensors are materialised (θc^0: HO-SFL's base replica,
         the baselines' θc^t); no training data is loaded."""
@@ -144,9 +144,9 @@ class TorchrunJob:
         split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
         threads, why = set_threads(cfg, sum(p.numel() for p in split.server.parameters()))
         logger.info(f"threads: {threads} intra-op ({why})")
-        server, evaluator = server_side(cfg, spec, split)
+        server, evaluator = server_side(cfg, spec, split, group)
         split.keep(spec.server_parts)  # the server copied what it needs of the others (HO-SFL: θc^0)
-        return ServerStep(server, evaluator, group, CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep, group))
+        return ServerGroup(server, evaluator, group, CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep, group))
 
     def work(self, stop: StopRequest) -> None:
         """A client worker: its clients' shards (+ evaluation for the leader), f_c, the transport stack; train."""

@@ -11,9 +11,8 @@ necessary is done here, the same way for the in-process runtime, the torchrun ru
   clients called; the method then runs once with all of them in client-id order, whatever the arrival order, and
   each caller gets its own part of the result (or the error, if the round failed);
 - **one execution at a time**, in one order: calls are executed under one lock, through the runtime's executor
-  (``execute``; :class:`hosfl_dist.runtime.server_step.ServerStep`): it runs a ``data_parallel`` call's work over the
-  server ranks and, with a server group, announces every execution to the other ranks, which replay the same
-  sequence;
+  when one is given (``execute``; :class:`hosfl_dist.runtime.server_group.ServerGroup`: with a server group, it
+  announces every execution to the other ranks, which run the same sequence);
 - **one thread**: calls handed over with :meth:`ServerEndpoint.enqueue` (what the RPC runtime does) are served on the
   endpoint's own long-lived :class:`ServerThread`, in the order they were handed over; the RPC thread that delivered
   a call returns at once with the call's future. :meth:`ServerEndpoint.serve` serves on the calling thread (the
@@ -77,8 +76,7 @@ def _run_jobs(jobs: queue.SimpleQueue, name: str) -> None:
 class ServerEndpoint:
     """Serves the declared calls of ``server`` (and of ``evaluator``, the evaluation server, when given).
 
-    ``execute`` runs each call; without one, the method is called directly (a ``data_parallel`` call needs the
-    runtime's step executor and is refused without it)."""
+    ``execute`` runs each call; without one, the method is called directly."""
 
     def __init__(self, server: Any, execute: Execute | None = None, evaluator: Any = None) -> None:
         self.server = server
@@ -185,9 +183,6 @@ class ServerEndpoint:
         return fut
 
     def _execute(self, method: str, kwargs: dict[str, Any]) -> Any:
-        if self.execute is None and self.spec(method).data_parallel:
-            raise TypeError(f"{method} is a data_parallel call: serve it through the runtime's step executor "
-                            "(hosfl_dist.runtime.server_step.ServerStep)")  # fmt: skip
         self._threads.add(threading.get_ident())
         start = time.perf_counter()
         try:

@@ -8,10 +8,9 @@ Every client -> server call is a server method declared with :func:`wire`:
 - **ordering**, enforced by :class:`hosfl_dist.transport.endpoint.ServerEndpoint` for every runtime alike:
   ``after_previous_round`` (the call reads what round t−1 produced, so it waits until round t−1 is closed),
   ``gather`` (the round's calls from its K clients are collected and the method runs once with all of them, in
-  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed);
-- **execution**: ``data_parallel`` (a gathered call whose method only checks and lays out the round's work; the
-  runtime's step executor runs that work over the server ranks and asks the server for the answers, see
-  :mod:`hosfl_dist.runtime.server_step`).
+  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed).
+
+How a call executes (one rank, a server group) is the runtime's, never the declaration's.
 
 A server side may serve calls from more than one object (the algorithm's server and the evaluation server of
 :mod:`hosfl_dist.evaluation`): the lookups below take a class or a tuple of classes.
@@ -104,9 +103,6 @@ class WireSpec:
     as ``method(t, batch)`` with ``batch = {client: fields}`` and returns ``{client: result}``."""
     closes_round: bool = False
     """Round t is closed once this call ran (held ``after_previous_round`` calls of round t+1 are released)."""
-    data_parallel: bool = False
-    """A gathered call whose method returns the round's work (e.g. :class:`~hosfl_dist.algorithms.step.RoundWork`),
-    not the answers: the runtime's step executor runs it over the server ranks."""
 
     def categories(self) -> set[str]:
         return set(self.args.values()) | set(self.result.values())
@@ -119,13 +115,10 @@ def wire(
     after_previous_round: bool = False,
     gather: bool = False,
     closes_round: bool = False,
-    data_parallel: bool = False,
 ) -> Callable:
     """Declare a server method as a client -> server call (see :class:`WireSpec`)."""
-    if data_parallel and not gather:
-        raise ValueError("a data_parallel call is a gathered call (gather=True)")
     res = {"*": result} if isinstance(result, str) else dict(result or {})
-    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round, data_parallel)
+    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round)
 
     def deco(fn: Callable) -> Callable:
         fn.__wire__ = spec

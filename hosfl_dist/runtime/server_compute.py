@@ -1,20 +1,22 @@
-"""The server's forward/backward over one round's uploads: spread over the server ranks and cut into micro-batches.
+"""The server's compute, one runtime component: forward/backward over a round's rows and the step of θs, on one rank
+or over a server group of S ranks (``server.ranks``), each holding an FSDP2 shard of θs.
 
-This module is the math of that step; moving rows and results between server ranks is the runtime's
-(:class:`hosfl_dist.runtime.server_step.ServerStep`). A server whose gathered call is declared ``data_parallel``
-returns the round's :class:`RoundWork` from that call (checked and admitted uploads); the executor lays the rows out
-with :func:`make_shares`, runs each rank's share with :func:`run_share`, merges the results on rank 0
-(:func:`merge_results`) and asks the server to settle, step and answer (:class:`SteppedServer`).
+A server (:mod:`hosfl_dist.algorithms`) receives a :class:`GroupCompute` and calls it as straight-line code
+(:class:`~hosfl_dist.algorithms.compute.ServerCompute`): check the uploads → :meth:`GroupCompute.forward_backward`
+(λ_m and ℓ_m) → decide who the step is over → :meth:`GroupCompute.step` → answer. Every server rank runs the same
+server code on the same uploads (rank 0 announces each call to the others: :mod:`hosfl_dist.runtime.server_group`),
+so each rank computes the same plan, runs its own share of the rows and takes part in the same collectives.
 
 A round brings K uploads (z_m, y_m). The objective is Σ_m ℓ_m with ℓ_m the mean loss of client m's batch, so
 λ_m = ∂ℓ_m/∂z_m and θs steps with the mean gradient (1/K) Σ_m ∇ℓ_m. Every sample i of client m contributes
 ``sum_i / C_m`` (its loss sum over the client's count C_m, from :meth:`Task.sample_losses`), so any cut of the rows
 into pieces gives the same objective:
 
-- **data parallel** (``server.ranks`` = S > 1): the rows, in client-id order, are split into S contiguous shares of
-  about equal tokens; rank 0 scatters each rank its rows, every rank runs its share through its FSDP2 shard of θs
-  and the gradient reduce-scatter *sums* the shares (divide factor 1), the λ rows and loss parts are gathered back to
-  rank 0, which answers the clients;
+- **data parallel** (S > 1): the rows, in client-id order, are split into S contiguous shares of about equal tokens;
+  every rank runs its share through its FSDP2 shard of θs; the λ rows are gathered to rank 0, which answers the
+  clients, and every rank receives the loss parts and the finiteness flags, so all decide alike. FSDP's
+  reduce-scatter *averages* the shares' gradients, so :meth:`GroupCompute.step` multiplies them by S to get their
+  sum (exact for S a power of two: gloo has no pre-multiplied sum to set a divide factor of 1);
 - **micro-batches** (``server.micro_batch_tokens``): a share is run in pieces of whole samples, at most that many
   tokens each (rows × sequence length; samples for vision models), gradients accumulating, so the autograd graph
   alive at any moment is one piece's.
@@ -24,41 +26,31 @@ pieces runs padding passes of one row with weight 0, which add exact zeros. Rows
 uploads (text batches trimmed to their own length) are never merged into one pass, nor are the rows of different
 clients when the server normalises with batch statistics (``model.freeze_bn=client|none``: each client's batch is
 its own pass, as in the authors' loop over the sampled clients). Otherwise, without micro-batches and with one server
-rank, the pass is the round's single merged forward/backward, as before.
+rank, the pass is the round's single merged forward/backward.
+
+The gradient contract lives here alone: after :meth:`GroupCompute.forward_backward` each rank's gradients are its
+shard of Σ_m ∇ℓ_m (averaged over the ranks by FSDP); :meth:`GroupCompute.step` rescales by S, divides by the number
+of clients kept and steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import cached_property
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from hosfl_dist.models import Activation, server_forward
+from hosfl_dist.algorithms.compute import Passes, Upload
+from hosfl_dist.config import ServerConfig
+from hosfl_dist.core.optim import build_torch_optimizer, set_lr
+from hosfl_dist.models import server_forward
+from hosfl_dist.models.vision import uses_batch_stats
 
 Segment = tuple[int, int, int]
 """(client, first row, end row) of one client's upload."""
-
-
-@dataclass
-class Upload:
-    act: Activation
-    labels: Tensor
-
-    @property
-    def rows(self) -> int:
-        return self.labels.shape[0]
-
-    @property
-    def tokens_per_row(self) -> int:
-        z = self.act["z"]
-        return z.shape[1] if z.dim() == 3 and "attention_mask" in self.act else 1
-
-    @property
-    def shape_key(self) -> tuple:
-        return tuple((k, tuple(v.shape[1:])) for k, v in sorted(self.act.items()))
 
 
 @dataclass
@@ -73,48 +65,6 @@ class Share:
     counts: dict[int, float]
     offsets: dict[int, int] = field(default_factory=dict)
     """Client -> the first row of ``uploads[client]`` within the client's whole upload."""
-
-
-@dataclass
-class RoundWork:
-    """One round's work for the server's data-parallel step (rank 0 only): what ``submit`` admitted."""
-
-    t: int
-    clients: list[int]
-    """Every client of the round, in id order (each gets an answer)."""
-    uploads: dict[int, Upload]
-    """The uploads that take part in the step."""
-    counts: dict[int, float]
-    """Client -> its sample count C_m (each sample's loss is divided by it: ℓ_m is the client's mean loss)."""
-    per_client: bool = False
-    """One pass per client (the server normalises with batch statistics)."""
-    zs: dict[int, Tensor] = field(default_factory=dict)
-    """Client -> its uploaded z (the shape and dtype of its answer)."""
-    lams: dict[int, Tensor] = field(default_factory=dict)
-    """Client -> λ_m, once settled (clients left out have none)."""
-    losses: dict[int, float] = field(default_factory=dict)
-    """Client -> ℓ_m, once settled."""
-
-
-class SteppedServer(Protocol):
-    """What a server with a ``data_parallel`` call offers the step executor besides that call."""
-
-    model: nn.Module
-    task: Any
-    device: torch.device
-
-    def zero_grad(self) -> None:
-        """Before the round's passes (every rank)."""
-
-    def settle(self, work: RoundWork, merged: Merged, grads_finite: bool) -> int:
-        """Rank 0, once every rank's share ran: decide who the step is over (non-finite losses and gradients) and
-        keep λ and ℓ in ``work``; the number of clients θs steps over (0: no step)."""
-
-    def step(self, t: int, kept: int) -> None:
-        """Every rank, with the gradients summed over the kept clients' losses: step θs."""
-
-    def answers(self, work: RoundWork) -> dict[int, Any]:
-        """Rank 0: each client's answer."""
 
 
 Plan = list[tuple[list[list[Segment]], list[bool]]]
@@ -250,26 +200,109 @@ def run_share(model: nn.Module, task: Any, share: Share, device: torch.device) -
     return ShareResult(lams, losses, nonfinite)
 
 
-Merged = tuple[dict[int, Tensor], dict[int, float], set[int]]
-"""(λ_m by client, ℓ_m by client, clients with a non-finite loss part)."""
+class GroupCompute:
+    """The server's compute over ``model`` (f_s, or this rank's FSDP2 shard of it) for ``task``, on one rank
+    (``group`` None) or over the server group (see the module docstring). ``server`` is the config's server section
+    (θs's optimizer, ``micro_batch_tokens``)."""
+
+    def __init__(self, model: nn.Module, task: Any, server: ServerConfig, group: dist.ProcessGroup | None = None):
+        self.model = model
+        self.task = task
+        self.optim = server.optim
+        self.micro_batch_tokens = server.micro_batch_tokens
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.device = next(model.parameters()).device
+        # Batch-statistics BatchNorm (model.freeze_bn=client|none): client m's λ_m must come from its own batch's
+        # statistics, so each client gets its own pass (running statistics updated K times, in client-id order).
+        self.per_client = uses_batch_stats(model)
+        self._pending = False
+
+    @cached_property
+    def optimizer(self) -> Any:
+        """θs's torch optimizer over this rank's parameters (after sharding), built on first use."""
+        return build_torch_optimizer(self.optim, self.model.parameters())
+
+    def forward_backward(self, uploads: dict[int, Upload], counts: dict[int, float]) -> Passes:
+        """The round's passes over this rank's share of the rows; the same :class:`Passes` on every rank (λ on rank
+        0). Gradients of θs afterwards: Σ_m ∇ℓ_m over the clients with a finite loss (averaged over the ranks)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        shares = make_shares(uploads, counts, self.size, self.micro_batch_tokens, self.per_client)
+        result = run_share(self.model, self.task, shares[self.rank], self.device)
+        grads_finite = all(bool(torch.isfinite(g).all()) for g in _local_grads(self.model))
+        lam_finite: dict[int, bool] = {}
+        for m, _, lam in result.lams:
+            lam_finite[m] = lam_finite.get(m, True) and bool(torch.isfinite(lam).all())
+        found = (result.losses, result.nonfinite, grads_finite, lam_finite)
+        if self.group is None:
+            everyone, lam_parts = [found], [result.lams]
+        else:
+            everyone = [None] * self.size
+            dist.all_gather_object(everyone, found, group=self.group)
+            lam_parts = self._gather([(m, row, lam.cpu()) for m, row, lam in result.lams])
+        losses: dict[int, float] = {}
+        bad: set[int] = set()
+        finite = True
+        lam_ok: dict[int, bool] = {}
+        for part_losses, part_bad, part_finite, part_lams in everyone:
+            for m, v in part_losses.items():
+                losses[m] = losses.get(m, 0.0) + v
+            bad.update(part_bad)
+            finite = finite and part_finite
+            for m, ok in part_lams.items():
+                lam_ok[m] = lam_ok.get(m, True) and ok
+        for m in bad:
+            losses.pop(m, None)
+        finite = finite and all(ok for m, ok in lam_ok.items() if m not in bad)
+        self._pending = True
+        return Passes(losses, bad, finite, _assemble(lam_parts, bad))
+
+    def step(self, kept: int, lr: float | None = None) -> None:
+        """θs ← opt(θs, (1/kept) Σ_m ∇ℓ_m) at ``lr`` (None: the optimizer's own); ``kept`` = 0: no step."""
+        if not self._pending:
+            raise RuntimeError("GroupCompute.step without a forward_backward before it")
+        self._pending = False
+        if not kept:
+            return
+        grads = _local_grads(self.model)
+        if self.size > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
+            for g in grads:
+                g.mul_(self.size)
+        for p in self.model.parameters():  # the mean over the clients kept
+            if p.grad is not None:
+                p.grad.div_(kept)
+        if lr is not None:
+            set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def _gather(self, item: Any) -> list[Any]:
+        """Every rank's ``item``, in rank order, on rank 0 (an empty list elsewhere)."""
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(item, out, group=self.group, group_dst=0)
+        return out or []
 
 
-def merge_results(results: Sequence[ShareResult]) -> Merged:
-    """Rank 0: λ_m assembled from its row blocks, ℓ_m summed from its parts, and the clients with a non-finite part."""
+def _assemble(parts: list[list[tuple[int, int, Tensor]]], bad: set[int]) -> dict[int, Tensor]:
+    """λ_m from its row blocks (each (client, first row, rows)), for the clients not in ``bad``."""
     blocks: dict[int, list[tuple[int, Tensor]]] = {}
-    losses: dict[int, float] = {}
-    bad: set[int] = set()
-    for res in results:
-        for m, row, lam in res.lams:
+    for part in parts:
+        for m, row, lam in part:
             blocks.setdefault(m, []).append((row, lam))
-        for m, v in res.losses.items():
-            losses[m] = losses.get(m, 0.0) + v
-        bad.update(res.nonfinite)
     lams = {}
-    for m, parts in blocks.items():
-        parts.sort(key=lambda p: p[0])
-        lams[m] = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-    for m in bad:
-        lams.pop(m, None)
-        losses.pop(m, None)
-    return lams, losses, bad
+    for m, pieces in blocks.items():
+        if m in bad:
+            continue
+        pieces.sort(key=lambda p: p[0])
+        lams[m] = pieces[0][1] if len(pieces) == 1 else torch.cat([p[1] for p in pieces])
+    return lams
+
+
+def _local_grads(model: nn.Module) -> list[Tensor]:
+    """This rank's gradients (its FSDP2 shard's local tensors)."""
+    out = []
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            out.append(g.to_local() if hasattr(g, "to_local") else g)
+    return out
