@@ -193,6 +193,16 @@ def test_imports_follow_the_layers(folder, forbidden):
     assert not {f: n for f, n in bad.items() if n}
 
 
+def test_the_wire_starts_no_process_group_or_rpc_agent():
+    """The wire (declarations, protocols, the client transport, metering, the in-process and emulated links) is what
+    algorithms may see; RPC entry points, the token, the front and the process groups are the runtime's."""
+    for path in (PACKAGE / "transport").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in modules if m.startswith("torch.distributed")], path
+
+
 def test_the_transport_layer_names_no_algorithms_call():
     """Ordering is declared with @wire next to the calls; no transport module special-cases a method by name."""
     names = {name for n in algorithm_names() for name in _declared(get_algorithm(n).server)} | _declared(EvalServer)

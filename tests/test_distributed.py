@@ -164,7 +164,8 @@ ORDER_SCRIPT = textwrap.dedent(
     # Runs hosfl_dist.run with the leader's submits delayed (its clients arrive last) and the server logging arrivals.
     import json, os, sys, time
     from hosfl_dist.run import main
-    from hosfl_dist.transport import endpoint, rpc
+    from hosfl_dist.runtime import rpc
+    from hosfl_dist.transport import endpoint
 
     rank, log = int(os.environ["RANK"]), os.environ["ARRIVALS"]
     if rank == 1:

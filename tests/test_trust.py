@@ -30,7 +30,7 @@ from hosfl_dist.errors import ConfigError, ProtocolError
 from hosfl_dist.runtime.process.groups import Distributed, job_token, launcher_secret, store_address
 from hosfl_dist.runtime.process.launch import LaunchEnv
 from hosfl_dist.transport import done
-from hosfl_dist.transport import rpc as entry
+from hosfl_dist.runtime import rpc as entry
 from tiny import TINY_OVERRIDES, torchrun
 
 TOKEN = "a1" * 32
@@ -281,7 +281,7 @@ JOB_SCRIPT = LISTENING + textwrap.dedent(
     from pathlib import Path
     from hosfl_dist.run import main
     from hosfl_dist.runtime import torchrun
-    from hosfl_dist.transport import rpc
+    from hosfl_dist.runtime import rpc
 
     rank, folder = int(os.environ["RANK"]), Path(os.environ["TRUST_DIR"])
     outcome = folder / "outsider.json"
@@ -331,7 +331,7 @@ OUTSIDER = textwrap.dedent(
     from pathlib import Path
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
-    from hosfl_dist.transport import rpc as entry
+    from hosfl_dist.runtime import rpc as entry
 
     port, key, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     got = {}

@@ -13,7 +13,7 @@ and the run's bookkeeping, which they drive with the control messages of :mod:`h
                   state), or failed
 
 Both runtimes use it the same way: in one process the trainer's control calls it directly
-(:class:`LocalControl`), under torchrun over RPC (:class:`~hosfl_dist.transport.rpc.RPCControl`). Handlers run on
+(:class:`LocalControl`), under torchrun over RPC (:class:`~hosfl_dist.runtime.rpc.RPCControl`). Handlers run on
 the caller's thread (an RPC thread under torchrun); whatever reads or changes the server does so between its
 executions (``endpoint.locked``).
 """

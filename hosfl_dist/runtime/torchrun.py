@@ -50,7 +50,7 @@ from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import describe_link
-from hosfl_dist.transport.rpc import (
+from hosfl_dist.runtime.rpc import (
     ProcessGroupCollective,
     RPCControl,
     RPCTransport,

@@ -3,10 +3,10 @@
 Algorithm code calls ``transport.call("method", **kwargs)`` (a blocking round trip), ``transport.call_async``
 (returns a pending answer at once), ``transport.post`` or ``transport.prefetch`` (the worker's
 :class:`~hosfl_dist.transport.client.ClientTransport`) on the server, and ``collective.aggregate(...)`` among client
-workers. It never knows
-whether the other side is in the same process (:mod:`~hosfl_dist.transport.inprocess`), behind
-``torch.distributed.rpc`` and a process group (:mod:`~hosfl_dist.transport.rpc`), or behind an emulated link
-(:mod:`~hosfl_dist.transport.link`). On the server side one :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`
+workers. It never knows whether the other side is in the same process (:mod:`~hosfl_dist.transport.inprocess`),
+behind ``torch.distributed.rpc`` and a process group (the torchrun runtime's :mod:`~hosfl_dist.runtime.rpc`), or
+behind an emulated link (:mod:`~hosfl_dist.transport.link`). This package is the wire alone: nothing in it starts a
+process group or an RPC agent. On the server side one :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`
 serves every transport; traffic and ordering rules come from the :mod:`~hosfl_dist.transport.wire` declarations.
 """
 

@@ -10,7 +10,7 @@ not in the algorithm:
 - ``prefetch``: a call sent ahead of need; the later ``call_async`` with the same method and arguments takes its
   answer instead of sending again (HO-SFL sends round t+1's syncs while round t's update runs);
 - ``call_many`` / ``prefetch_many``: the same for several calls of one method at once (a worker's sampled clients).
-  A transport that can (:class:`~hosfl_dist.transport.rpc.RPCTransport`) sends them as one message, each call still
+  A transport that can (:class:`~hosfl_dist.runtime.rpc.RPCTransport`) sends them as one message, each call still
   served, counted and answered on its own; the others send them one by one;
 - ``together()``: the posts and prefetches made in the block leave as one message at its end, in the order they were
   made (HO-SFL's leader sends its report of round t and round t+1's syncs together: the server closes the round and

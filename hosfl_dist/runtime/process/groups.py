@@ -50,7 +50,7 @@ RPC_CHANNELS = ["cma", "basic"]
 """TensorPipe channels for the tensors: between processes of one node "cma" (one process_vm_readv copy; its thread
 sleeps on a queue), else "basic" (in the transport's own messages). A 64 MiB round trip on loopback took 119 ms
 with cma, 251 ms with basic alone, 1421 ms with TensorPipe's defaults (shm busy-polling on 2 cores). Every tensor is
-staged to CPU before it crosses (:func:`~hosfl_dist.transport.rpc.to_wire`): no CUDA channel is needed."""
+staged to CPU before it crosses (:func:`~hosfl_dist.runtime.rpc.to_wire`): no CUDA channel is needed."""
 
 
 def process_device(cfg: Config, env: LaunchEnv) -> torch.device:
@@ -164,7 +164,7 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    from hosfl_dist.transport.rpc import expect_token
+    from hosfl_dist.runtime.rpc import expect_token
 
     secret = launcher_secret()  # a bad HOSFL_JOB_TOKEN stops the run before anything starts
     limit_malloc_arenas()  # before RPC, gloo and the server start their threads

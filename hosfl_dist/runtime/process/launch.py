@@ -171,7 +171,7 @@ class RoleMap:
         return "worker"
 
     def rpc_name(self, rank: int) -> str:
-        from hosfl_dist.transport.rpc import SERVER_NAME
+        from hosfl_dist.runtime.rpc import SERVER_NAME
 
         return SERVER_NAME if rank == 0 else f"{self.role(rank)}{rank}"
 

@@ -1,5 +1,8 @@
-"""The distributed transport: client worker -> server over ``torch.distributed.rpc``, worker <-> worker over a
-process group.
+"""The torchrun runtime's plumbing: client worker -> server over ``torch.distributed.rpc``, worker <-> worker over a
+process group, the RPC entry points on rank 0 with the job's token, and the run's control messages.
+
+The wire (what crosses and in which order: :mod:`hosfl_dist.transport`) is what algorithms see; this module is how
+the torchrun runtime carries it between processes.
 
 :class:`RPCTransport` is the RPC twin of :class:`~hosfl_dist.transport.inprocess.InProcessTransport`: on rank 0 the
 call reaches the same :class:`~hosfl_dist.transport.endpoint.ServerEndpoint`, so both runtimes obey the same ordering
