@@ -20,7 +20,7 @@ from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.tasks.generation import IGNORE_INDEX, GenerationTask, lm_loss
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport
-from tiny import lm_overrides, write_text_files
+from tiny import lm_overrides, server_of, write_text_files
 
 ARCHS = ("llama", "qwen3", "gemma3", "opt")
 
@@ -106,7 +106,7 @@ def server_and_worker(arch: str, side: str, max_new_tokens: int = 12) -> tuple[E
     split = SplitModel(client, server, task)
     cfg = load_config(None, [])
     srv = EvalServer(server, task)
-    endpoint = ServerEndpoint(ServerBase(cfg, split), evaluator=srv)
+    endpoint = ServerEndpoint(server_of(cfg, split, ServerBase), evaluator=srv)
     return srv, Evaluator(WorkerBase(cfg, split, None, [], InProcessTransport(endpoint), None))
 
 
