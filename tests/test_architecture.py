@@ -29,9 +29,11 @@ from hosfl_dist.transport.client import ClientTransport
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import LocalCollective
 from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.stub import ServerStub
 from hosfl_dist.transport.wire import (
     DOWNLINK_MODEL,
     DOWNLINK_SCALARS_SEEDS,
+    PAPER_CATEGORIES,
     UPLINK_ACTIVATIONS,
     UPLINK_SCALARS,
     CommMeter,
@@ -77,6 +79,38 @@ def test_a_spec_whose_server_sends_traffic_outside_its_categories_is_refused():
 
     with pytest.raises(ValueError, match=r"Leaky.download sends \['downlink_model'\] outside its traffic"):
         register(AlgorithmSpec("leaky", Leaky, HOSFLWorker, True, frozenset({UPLINK_ACTIVATIONS})))
+
+
+def test_a_spec_whose_worker_calls_another_server_is_refused():
+    from hosfl_dist.algorithms.sfl import SFLServer
+
+    with pytest.raises(ValueError, match=r"HOSFLWorker calls HOSFLServer, not the registered server SFLServer"):
+        AlgorithmSpec("crossed", SFLServer, HOSFLWorker, True, frozenset(PAPER_CATEGORIES))
+
+
+def test_a_worker_calls_its_server_through_a_stub_of_the_declared_methods():
+    """``self.server.submit`` is the declared method, resolved once: its docstring and signature travel with it, its
+    arguments are checked on the worker before anything is sent, and an undeclared name is refused by name."""
+    sent = []
+
+    class Recording:
+        def call_async(self, method, **kwargs):
+            sent.append((method, kwargs))
+            return done({"seeds": torch.zeros(3)})
+
+    stub = ServerStub(HOSFLServer, ClientTransport(Recording()))
+    assert stub.sync.method is HOSFLServer.sync and stub.sync.__doc__ == HOSFLServer.sync.__doc__
+    assert stub.sync(t=0, client=1, since=0)["seeds"].shape == (3,) and sent == [("sync", {"t": 0, "client": 1,
+                                                                                             "since": 0})]  # fmt: skip
+    with pytest.raises(TypeError, match="sync: missing a required argument: 'since'"):
+        stub.sync.send(t=0, client=1, sinse=0)
+    with pytest.raises(TypeError, match="sync: got an unexpected keyword argument 'sinse'"):
+        stub.sync.prefetch_many([{"t": 0, "client": 1, "since": 0, "sinse": 0}])
+    with pytest.raises(TypeError, match="submit: a gathered call needs labels"):
+        stub.submit.send_many([{"t": 0, "client": 1, "act": {}}])
+    with pytest.raises(AttributeError, match="HOSFLServer.sumbit is not a server method declared with @wire"):
+        stub.sumbit  # noqa: B018
+    assert len(sent) == 1  # nothing malformed left the worker
 
 
 # -- pure aggregation ----------------------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class AlgorithmSpec:
                 raise ValueError(
                     f"{self.name}: {self.server.__name__}.{method} sends {sorted(stray)} outside its traffic"
                 )
+        called = getattr(self.worker, "server_class", None)
+        if not (isinstance(called, type) and issubclass(self.server, called)):
+            raise ValueError(f"{self.name}: {self.worker.__name__} calls {getattr(called, '__name__', called)}, not "
+                             f"the registered server {self.server.__name__} (set {self.worker.__name__}.server_class)")
         for part in (*self.worker_parts, *self.server_parts):
             if part not in MODEL_PARTS:
                 raise ValueError(f"{self.name}: unknown model part {part!r}")

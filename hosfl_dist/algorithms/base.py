@@ -32,6 +32,7 @@ from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.client import ClientTransport
+from hosfl_dist.transport.stub import ServerStub
 
 EVAL_CLIENT = -1
 """Id of the evaluation replica kept by the leader client worker."""
@@ -151,7 +152,11 @@ class ServerBase:
 
 
 class WorkerBase:
-    """Parts every client worker shares: hosting logical clients, binding replicas into the client module."""
+    """Parts every client worker shares: hosting logical clients, binding replicas into the client module, and the
+    server as the worker calls it (``self.server``, a stub of :attr:`server_class`'s declared calls)."""
+
+    server_class: type = ServerBase
+    """The server this worker calls (its ``@wire`` methods make ``self.server``)."""
 
     def __init__(
         self,
@@ -168,6 +173,7 @@ class WorkerBase:
         self.data = data
         self.hosted = set(hosted)
         self.transport = transport if isinstance(transport, ClientTransport) else ClientTransport(transport)
+        self.server = ServerStub(self.server_class, self.transport)
         self.collective = collective
         self.slots = trainable_slots(self.module)
         self.processed = 0

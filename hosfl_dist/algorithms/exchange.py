@@ -232,6 +232,8 @@ class ExchangeServer(ServerBase):
 class ExchangeWorker(WorkerBase):
     """Runs rounds for the hosted clients: download θc, ``train_client`` (the method), upload θc_m."""
 
+    server_class = ExchangeServer
+
     first_order = True
     """Whether the client back-propagates (its downloaded θc then needs autograd)."""
 
@@ -265,13 +267,13 @@ class ExchangeWorker(WorkerBase):
         steps = dict(zip(sampled, self.round_steps(sampled, mine)))
         uploads: list[Pending] = []
         for m in mine:
-            got = self.transport.call("download", t=t, client=m)
+            got = self.server.download(t=t, client=m)
             params = clone_params(got["params"], self.first_order, self.device)
             self.bind(params)
             self.train_client(t, m, params, steps[m], got)
             weight = steps[m] * self.B
             uploads.append(
-                self.transport.call_async("upload", t=t, client=m, params=[p.detach() for p in params], weight=weight)
+                self.server.upload.send(t=t, client=m, params=[p.detach() for p in params], weight=weight)
             )
         for fut in uploads:  # answered once the round's K uploads are aggregated (errors surface here)
             fut.wait()
@@ -284,7 +286,7 @@ class ExchangeWorker(WorkerBase):
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
-        return clone_params(self.transport.call("eval_model", t=t)["params"], False, self.device)
+        return clone_params(self.server.eval_model(t=t)["params"], False, self.device)
 
     def sync_all(self, t: int) -> None:
         """Fetch θc^t at the end of the run: every worker digests the same global client model."""

@@ -67,6 +67,8 @@ class FrozenClientServer(BackpropServer):
 class FrozenClientWorker(WorkerBase):
     """A client worker whose clients forward f_c at θc^0 and send z; nothing comes back that changes them."""
 
+    server_class = FrozenClientServer
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.precision = client_precision(self.cfg, self.split)  # HO-SFL's client forward (and its checks)
@@ -83,7 +85,7 @@ class FrozenClientWorker(WorkerBase):
         for m in mine:
             x, y = self.data.next_batch(m)
             act = self.precision.upload(self.client_forward_frozen(x))
-            pending.append(self.transport.call_async("submit", t=t, client=m, act=act, labels=y))
+            pending.append(self.server.submit.send(t=t, client=m, act=act, labels=y))
         for answer in pending:  # empty, once the round is stepped (a server error surfaces here)
             answer.wait()
         n = len(sampled) * self.cfg.clients.batch_size

@@ -183,6 +183,8 @@ class FSLSageServer(ExchangeServer):
 class FSLSageWorker(ExchangeWorker):
     """Clients that back-propagate the auxiliary model's gradient estimate and only send smashed data now and then."""
 
+    server_class = FSLSageServer
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.aux = build_aux(self.split, self.cfg.job.seed).to(self.device)
@@ -218,7 +220,7 @@ class FSLSageWorker(ExchangeWorker):
                 opt.step()
                 if j % interval == 0:  # smashed data for the server's update; nothing to wait for
                     sent.append(
-                        self.transport.call_async("submit", t=t, client=client, step=j, act=detached(act), labels=y)
+                        self.server.submit.send(t=t, client=client, step=j, act=detached(act), labels=y)
                     )
         for fut in sent:  # delivered before the model upload that may close the round
             fut.wait()

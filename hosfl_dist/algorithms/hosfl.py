@@ -374,6 +374,8 @@ class HOSFLWorker(WorkerBase):
     :mod:`hosfl_dist.models.precision`); z goes up in the server's dtype and the float32 z is kept for Eq. 13.
     """
 
+    server_class = HOSFLServer
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
@@ -499,7 +501,7 @@ class HOSFLWorker(WorkerBase):
         # each replica's catch-up and the round's seeds, in one message (taken from the previous round's prefetch
         # where it was sent)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
-        syncs = dict(zip(mine, self.transport.call_many("sync", asks)))
+        syncs = dict(zip(mine, self.server.sync.send_many(asks)))
         jobs: list[ClientJob] = []
         uploads = []
         for m in mine:  # catch-up and forward; every z_m goes up, in one message, before any perturbed forward runs,
@@ -517,7 +519,7 @@ class HOSFLWorker(WorkerBase):
             del act
             jobs.append(ClientJob(m, rep, x, z))
             del z
-        for i, answer in enumerate(self.transport.call_many("submit", uploads)):
+        for i, answer in enumerate(self.server.submit.send_many(uploads)):
             jobs[i].answer = answer  # (no loop variable keeps a job, and with it its z, alive past its projection)
         del uploads
         # the round's seeds, from answers that came back while the forwards ran
@@ -553,12 +555,12 @@ class HOSFLWorker(WorkerBase):
             self.client_round[m] = t + 1  # the update below is applied before the next round starts
         n = len(sampled) * self.cfg.clients.batch_size
         self.processed += n
-        with self.transport.together():  # one message: the server closes the round, then answers the syncs at once
+        with self.server.together():  # one message: the server closes the round, then answers the syncs at once
             if self.collective.is_leader:  # the round's report; nobody waits for its answer
-                self.transport.post("finish_round", t=t, scalars=vbar)
+                self.server.finish_round.post(t=t, scalars=vbar)
             if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
                 asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.plan(t + 1)[1]]
-                self.transport.prefetch_many("sync", asks)
+                self.server.sync.prefetch_many(asks)
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:
@@ -569,7 +571,7 @@ class HOSFLWorker(WorkerBase):
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
     def _catch_up(self, t: int, client: int) -> None:
-        got = self.transport.call("eval_sync", t=t, since=self.client_round[client], client=client)
+        got = self.server.eval_sync(t=t, since=self.client_round[client], client=client)
         if self.per_client:
             self.replay(self.replicas[client], got["hist_seeds"], got["hist_scalars"])
         self.client_round[client] = t

@@ -72,6 +72,8 @@ class MUSplitFedServer(ZOSFLServer):
 class MUSplitFedWorker(ZOSFLWorker):
     """ZO-SFL's client (its forwards' precision included) with MU-SplitFed's step: three uploads, one scalar."""
 
+    server_class = MUSplitFedServer
+
     def local_steps(self, client: int) -> int:
         return 1  # clients aggregate after every step
 
@@ -82,9 +84,7 @@ class MUSplitFedWorker(ZOSFLWorker):
         with torch.no_grad():
             act = self.upload_forward(x)
         act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign: self.upload_forward(x))
-        delta = self.transport.call(
-            "submit", t=t, client=client, act=act, act_plus=act_plus, act_minus=act_minus, labels=y
-        )["g"]
+        delta = self.server.submit(t=t, client=client, act=act, act_plus=act_plus, act_minus=act_minus, labels=y)["g"]
         del act, act_plus, act_minus  # sent: the update needs only the scalar
         zo_step(TensorwiseOptimizer(self.cfg.clients.optim, params), params, seed, float(delta), zo.rng_device)
 

@@ -52,12 +52,14 @@ class SFLServer(ExchangeServer):
 class SFLWorker(ExchangeWorker):
     """A client worker whose clients back-propagate through f_c with the server's λ."""
 
+    server_class = SFLServer
+
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
         opt = build_torch_optimizer(self.cfg.clients.optim, params)
         for _ in range(steps):
             x, y = self.data.next_batch(client)
             act = self.client_forward(x)  # keeps the graph of f_c
-            lam = self.transport.call("submit", t=t, client=client, act=detached(act), labels=y)["lam"]
+            lam = self.server.submit(t=t, client=client, act=detached(act), labels=y)["lam"]
             opt.zero_grad(set_to_none=True)
             act["z"].backward(lam.to(act["z"].device))  # ∂ℓ/∂θc = (∂z/∂θc)ᵀ λ
             opt.step()

@@ -75,6 +75,8 @@ class ZOSFLServer(ExchangeServer):
 class ZOSFLWorker(ExchangeWorker):
     """Clients that only run forwards: two perturbed ones per step, then a seeded update with the returned g."""
 
+    server_class = ZOSFLServer
+
     first_order = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -93,9 +95,7 @@ class ZOSFLWorker(ExchangeWorker):
             x, y = self.data.next_batch(client)
             seed = step_seed(self.cfg.job.seed, t, client, j)
             act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign, x=x: self.upload_forward(x))
-            g = self.transport.call(
-                "submit", t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y
-            )["g"]
+            g = self.server.submit(t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y)["g"]
             del act_plus, act_minus  # sent: the update needs only the scalar
             zo_step(opt, params, seed, float(g), zo.rng_device)  # θc ← opt(θc, g·u)
 

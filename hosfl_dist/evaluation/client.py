@@ -8,12 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hosfl_dist.evaluation.server import EvalServer
+from hosfl_dist.transport.stub import ServerStub
+
 
 class Evaluator:
     """Runs the held-out split through the worker's up-to-date θc and the server (leader worker only)."""
 
     def __init__(self, worker: Any, kv_cache: bool = True) -> None:
         self.worker = worker
+        self.server = ServerStub(EvalServer, worker.transport)
+        """The evaluation server's calls."""
         self.kv_cache = kv_cache
         """Generation tasks: greedy decoding keeps KV caches on both sides of the split (False: each step re-runs
         the whole sequences, the reference path the generation benchmark times against it)."""
@@ -27,9 +32,9 @@ class Evaluator:
         with torch.no_grad():
             for i, (x, y) in enumerate(w.data.eval_batches(w.cfg.train.eval_batch_size)):
                 if not generation:
-                    w.transport.call("eval_batch", act=w.client_forward(x), labels=y)
+                    self.server.eval_batch(act=w.client_forward(x), labels=y)
                 else:
-                    w.transport.call("eval_generated", tokens=self.generate(x, key=(t, i)), labels=y)
+                    self.server.eval_generated(tokens=self.generate(x, key=(t, i)), labels=y)
         w.module.train()
 
     def generate(self, x: dict[str, Tensor], key: Hashable) -> Tensor:
@@ -42,7 +47,7 @@ class Evaluator:
         task = w.split.task
         client = _decoder_client(w.module) if self.kv_cache else None
         if client is None:
-            step = lambda act: w.transport.call("eval_next_token", act=act)["token"]  # noqa: E731
+            step = lambda act: self.server.eval_next_token(act=act)["token"]  # noqa: E731
             return task.generate(x, w.client_forward, step)
         kv = client.new_cache()
 
@@ -50,7 +55,7 @@ class Evaluator:
             if keep is not None:
                 kv.batch_select_indices(keep.to(w.device))
             act = client(input_ids.to(w.device), attention_mask.to(w.device), past_key_values=kv)
-            return w.transport.call("eval_next_token", act=act, cache=key, keep=keep)["token"]
+            return self.server.eval_next_token(act=act, cache=key, keep=keep)["token"]
 
         return task.generate_cached(x, cached_step)
 
