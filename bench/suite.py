@@ -296,6 +296,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     for b in (
         _zo_step("zo_step", (), "glibc's default malloc"),
         _zo_step("zo_step_tuned", ("--tune-malloc",), "glibc keeping freed memory (--tune-malloc)"),
+        _zo_step("zo_step_noise_cache", ("--tune-malloc", "--noise-cache-mb", "64"),
+                 "glibc keeping freed memory, the round's draws kept (zo.noise_cache_mb=64)"),  # fmt: skip
         _gpu_zo_step("gpu_zo_step", (), "noise drawn on the CPU and copied (zo.rng_device=cpu, the default)"),
         _gpu_zo_step("gpu_zo_step_cuda_rng", ("--rng-device", "cuda"), "noise drawn on the GPU (zo.rng_device=cuda)"),
         _batched("zo_step_batched", (), "one thread (a 2-core CPU has no parallelism to spare: reported)", None, False),

@@ -2,10 +2,13 @@
 
     python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--clock cpu|wall] [--out bench/out]
     python -m bench.zo_step --perturb-batch 64 [--P 10] [--device cuda --rng-device cuda]   # zo.perturb_batch
+    python -m bench.zo_step --tune-malloc --noise-cache-mb 64                                # zo.noise_cache_mb
 
 With ``--perturb-batch k`` the step's perturbed forwards run k at a time as one batched forward (``zo.perturb_batch``)
 and the record is ``zo_step_batched`` (``gpu_zo_step_batched`` on CUDA); the floor stays (P+1) sequential forwards,
-so a ratio below 1 is what batching buys. ``--P`` sets every client's P.
+so a ratio below 1 is what batching buys. ``--P`` sets every client's P. With ``--noise-cache-mb`` above 0 (on the
+CPU) the round keeps its draws for the update and the record is ``zo_step_noise_cache``: its floor has one pass of
+draws instead of two, and beside ``zo_step_tuned`` of the same invocation it says what keeping them saves.
 
 One HO-SFL client step is what HOSFLWorker.run_round does for a sampled client, with a stand-in server (the memory
 profiler's): z = f_c(x), the P perturbed forwards (zo_activations), the P projections v_p = λᵀ(z̃_p − z), and the
@@ -204,6 +207,8 @@ def record_name(args: argparse.Namespace) -> str:
         return "gpu_zo_step_batched" if args.device.startswith("cuda") else "zo_step_batched"
     if args.device.startswith("cuda"):
         return "gpu_zo_step_cuda_rng" if args.rng_device.startswith("cuda") else "gpu_zo_step"
+    if args.noise_cache_mb > 0:
+        return "zo_step_noise_cache"
     return "zo_step_tuned" if args.tune_malloc else "zo_step"
 
 

@@ -68,9 +68,9 @@ class JobConfig:
     id>, which a requeued job continues; job.resume=auto continues latest)."""
     threads: int = 0
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = auto: OMP_NUM_THREADS where it is set
-    (torchrun sets 1), else 1 for a model under 10M parameters (measured fastest: results/bench/README.md,
-    'threads') and, for a larger one, the cores other work leaves free (cores less the 1-minute load average, at
-    least 1). Printed at start, with where the number came from."""
+    (torchrun sets 1), else 1 for a model under 10M parameters (the faster on a loaded machine:
+    results/bench/README.md#threads) and, for a larger one, the cores other work leaves free (cores less the 1-minute
+    load average, at least 1). Printed at start, with where the number came from."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
@@ -231,18 +231,18 @@ class ZOConfig:
     """HO-SFL: perturbed forwards run together as one batched forward (``torch.func.vmap`` over k stacked copies of
     θc + μu_p; what no trainable tensor touches is computed once). 1 (the default): one at a time, at inference-level
     memory. k > 1: k at a time (P or more: all P in one), for k× the forward's activations, k·|θc| perturbed tensors
-    and the k z̃ of the batch; worth it where the device has parallelism to spare (a GPU: one forward of the 10×
-    batch took 0.10× the time of 10 forwards of a tiny Llama client on an H200, results/gpu/README.md), not on a
-    2-core CPU. The client's model must run under vmap (a run that cannot says so at its first round). The scalars
-    may differ in their last bits from one-at-a-time forwards (other kernels), so it is part of the run's
-    identity."""
+    and the k z̃ of the batch; worth it where the device has parallelism to spare (a GPU, where one forward of the
+    k× batch costs little more than one forward: results/gpu/README.md, "The ZO step with its perturbed forwards
+    batched"), not on a 2-core CPU. The client's model must run under vmap (a run that cannot says so at its first
+    round). The scalars may differ in their last bits from one-at-a-time forwards (other kernels), so it is part of
+    the run's identity."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
     """dtype of the zeroth-order client's forwards (z and every z̃): float32 keeps half-precision weights stored as
     they are and upcasts one module at a time; model = model.dtype; auto = float32 unless model.dtype is float32."""
 
     HALF_PRECISION_MU_FLOOR = {"bfloat16": 1e-2, "float16": 1e-2}
     """Smallest μ for forwards computed in a half-precision dtype: at μ = 1e-3 the scalars' relative error against
-    float64 is 1.4-7 in bfloat16 and 0.3-1.3 in float16 (results/scale/zo_precision.md)."""
+    float64 is of order 1 in bfloat16 and in float16 (measured in results/scale/zo_precision.md)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_perturbations <= MAX_PERTURBATIONS, "num_perturbations", self.num_perturbations,
@@ -544,8 +544,8 @@ class CheckpointConfig:
     """Complete checkpoints kept in job.out_dir/checkpoints (older ones are removed)."""
     final: bool = True
     """Also save a checkpoint after the last round, so a finished run's weights can be exported
-    (python -m hosfl_dist.export): one more save (quickstart ~20 ms and 1 MB; SmolLM2-135M with LoRA ~0.25 s and
-    6.5 MB). false: only interval and stop checkpoints."""
+    (python -m hosfl_dist.export): one more save (its size and time: results/bench/README.md#checkpoint_cost).
+    false: only interval and stop checkpoints."""
 
     def __post_init__(self) -> None:
         _check(self.interval_samples >= 0, "interval_samples", self.interval_samples, "must be >= 0 (0 = off)")

@@ -9,8 +9,9 @@ Perturbations use the project's seeded, write-free scheme (``zo.perturb_mode``),
 in-place ±μz (same memory: one module's perturbed copy at a time; θ is never modified, so nothing drifts).
 The client's forwards run in ``zo.compute_dtype`` and z± go up in the server's dtype. With half-precision weights
 that upload rounds z₊ − z₋ whatever the client computed in: at μ = 1e-3 in bfloat16 the relative error of λᵀ(z₊ − z₋)
-is 0.4-1.3 (1.4-7 with bfloat16 forwards; results/scale/zo_precision.md), so a half-precision run is refused below
-zo.mu = 1e-2 (``ZOConfig.precision_problem``). HO-SFL's client projects its float32 difference itself.
+is of order 1, with float32 forwards or bfloat16 ones (measured in results/scale/zo_precision.md), so a half-precision
+run is refused below zo.mu = 1e-2 (``ZOConfig.precision_problem``). HO-SFL's client projects its float32 difference
+itself.
 """
 
 from __future__ import annotations

@@ -310,8 +310,9 @@ class Expectation:
 
     peak_bytes: float
     """Live tensor storage at the step's peak (what ``peak_bytes`` measures), within a factor ~2: for SmolLM2-135M,
-    cut 5, batch 32 x 128 it gives 269 MiB / 986 MiB / 7.6 GiB for inference / sfl / full_local against 284 MiB /
-    874 MiB / 7.2 GiB measured; for tiny:llama 15 / 56 / 127 MiB against 10 / 32 / 70 MiB."""
+    cut 5, batch 32 x 128 it gives 269 MiB / 986 MiB / 7.6 GiB for inference / sfl / full_local, and for tiny:llama
+    15 / 56 / 127 MiB (the measured peaks: results/memory/README.md and the suite's ``memory`` record,
+    results/bench/README.md#memory)."""
     step_flops: float
     """Floating-point operations of one client step (matmuls and convolutions; elementwise work left out)."""
 

@@ -155,16 +155,16 @@ class MaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` that pools a channels_last copy on CPU and hands back a contiguous (NCHW) result.
 
     PyTorch's CPU max-pool kernel for NCHW walks one window at a time, the channels_last kernel vectorises over
-    channels: at the client's shapes (1 thread) the copy, the pool and the copy back take 0.10-0.29× the NCHW pool's
-    time (B=32: [32, 16, 28, 28] 2x2, [32, 32, 14, 14] 2x2, ResNet-18's stem [32, 64, 16, 16] 3x3/2), 0.5-0.85× at
-    B=1 and B=1000 (results/bench/README.md). A maximum is a selection, not a sum, and the backward scatters into
-    the same positions in the same order, so outputs and gradients are bit-identical to the NCHW pool's: the layout
-    is free to differ between processes and devices. Everything around the pool stays NCHW (a channels_last
-    convolution sums in another order), its gradient included: the copy hands the pool's channels_last gradient back
-    as NCHW, so the ReLU and convolution backward before it never mix layouts (they did: the server's forward and
-    backward of the quickstart, 128 samples, took 1.3× as long, results/bench/round_overlap). On other devices, and
-    under ``torch.func.vmap`` (``zo.perturb_batch``, which cannot batch a layout change), the NCHW kernel is used as
-    is.
+    channels: at the client's shapes (B=32: [32, 16, 28, 28] 2x2, [32, 32, 14, 14] 2x2, ResNet-18's stem
+    [32, 64, 16, 16] 3x3/2; 1 thread) the copy, the pool and the copy back take a fraction of the NCHW pool's time,
+    and less than it at B=1 and B=1000 too (measured in results/bench/README.md#zo_step, "The pool"). A maximum is a
+    selection, not a sum, and the backward scatters into the same positions in the same order, so outputs and
+    gradients are bit-identical to the NCHW pool's: the layout is free to differ between processes and devices.
+    Everything around the pool stays NCHW (a channels_last convolution sums in another order), its gradient included:
+    the copy hands the pool's channels_last gradient back as NCHW, so the ReLU and convolution backward before it
+    never mix layouts (they did, and the quickstart server's forward and backward took longer:
+    results/bench/changes.md#round_overlap). On other devices, and under ``torch.func.vmap`` (``zo.perturb_batch``,
+    which cannot batch a layout change), the NCHW kernel is used as is.
     """
 
     def forward(self, x: Tensor) -> Tensor:

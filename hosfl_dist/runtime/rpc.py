@@ -120,7 +120,8 @@ def raised(answer: Any) -> Any:
 INLINE_BYTES = 1 << 12
 """Tensors up to this size cross inside the message's pickle instead of as TensorPipe payloads. Each payload is a
 channel operation of its own: on loopback with the product's transports (uv + cma) an answer of 12 tiny tensors (a
-4-client ``sync``) took 1.13 ms a round trip against 0.67 ms for the same numbers inline."""
+4-client ``sync``) took markedly longer a round trip than the same numbers inline (measured in
+results/bench/changes.md#round_messages)."""
 
 
 class Inline:

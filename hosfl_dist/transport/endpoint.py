@@ -45,9 +45,9 @@ class ServerThread:
 
     Why one thread: glibc gives a thread that allocates while the others hold their arenas a malloc arena of its own
     (up to 8 per core) and keeps what is freed in the arena it came from. Rounds executed on whichever RPC thread
-    delivered the call spread the server's activations, gradients and optimizer temporaries over as many arenas: the
-    server's RSS grew 0.40 -> 0.87 GiB over 50 tiny-Qwen3 rounds on 2 cores (0.73 -> 4.07 GiB over 12 rounds on a
-    larger node); executed on one thread, they reuse one and it stayed at 0.41 GiB (results/scale/cpu_hygiene.md).
+    delivered the call spread the server's activations, gradients and optimizer temporaries over as many arenas, and
+    the server's RSS grew round after round (faster on a larger node, with more RPC threads); executed on one thread,
+    they reuse one and it stays flat (before and after: results/scale/cpu_hygiene.md).
     The thread ends when its owner is collected.
     """
 

@@ -36,7 +36,5 @@ grep "^rank" "$out/nccl.log"; grep -m3 -i "duplicate\|invalid usage" "$out/nccl.
   done
   timeout 150 python3 -m bench.server_step --arch qwen3-0.6b qwen3-1.7b --reps 10 --optimizer-impl auto for_loop fused \
     --out "$out/big"
-  timeout 60 python3 results/bench/p_batched/probe.py --device cuda --threads 1 --clients tiny_llama_lora \
-    --P 2 5 10 20 --reps 10
 } 2>&1 | tee "$out/bench.log" | grep -v "^  "
 echo "== all done at $(( $(date +%s) - t0 )) s"

@@ -43,9 +43,8 @@ SHUTDOWN_TIMEOUT_S = 30.0
 RPC_TRANSPORTS = ["uv"]
 """TensorPipe transports: TCP through libuv, which sleeps in epoll while nothing arrives. TensorPipe's defaults add
 "shm" (its first choice on one node) and "ibv", whose reactors poll in a busy loop: client workers waiting for the
-server used 47-54 % of a core (0.19-0.22 CPU s per round) instead of 14-18 % (0.02-0.03 s), on a node whose cores
-the server needed for the answer: on 2 cores a round of the previous version took 0.41 s, of this one 0.155 s
-(results/scale/cpu_hygiene.md)."""
+server then burn the cores the server needs for the answer, and rounds on a small node slow down with them (CPU per
+round and round time, before and after: results/scale/cpu_hygiene.md)."""
 RPC_CHANNELS = ["cma", "basic"]
 """TensorPipe channels for the tensors: between processes of one node "cma" (one process_vm_readv copy; its thread
 sleeps on a queue), else "basic" (in the transport's own messages). A 64 MiB round trip on loopback took 119 ms

@@ -20,8 +20,8 @@ MALLOC_ARENAS = 2
 A thread that allocates while the others hold their arenas gets a new one, and memory freed in an arena stays there.
 The server's executions run on one thread (:class:`~hosfl_dist.transport.endpoint.ServerThread`), which alone kept
 its RSS flat; the cap bounds what the other threads (RPC, gloo, TensorPipe: more of them on larger nodes) can spread.
-Alone, it held the server of the old runtime at 0.49 GiB instead of 0.87 over 50 tiny-Qwen3 rounds, at no cost
-measured in round time (results/scale/cpu_hygiene.md). Set in code rather than by the launch scripts so that every start
+Alone, it stopped most of the old runtime's server RSS growth over 50 tiny-Qwen3 rounds, at no cost measured in
+round time (results/scale/cpu_hygiene.md). Set in code rather than by the launch scripts so that every start
 (scripts, Slurm, tests, benchmarks) gets it."""
 
 
@@ -57,15 +57,15 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> int | None:
     """A client worker, and a server that is one rank (no FSDP all-gather buffers), keeps the memory it frees (mmap
     threshold :data:`WORKER_MMAP_THRESHOLD`, trim threshold :data:`WORKER_TRIM_THRESHOLD`) unless
     MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ are set; the mmap threshold in force, or None where there is no
-    glibc. A server rank's round allocates and frees the same activation sizes too: the quickstart server's compute
-    per round under torchrun was 45-49 ms with the threshold fixed at 1 MiB and 22-24 ms keeping freed memory, for
-    16 MB more peak resident memory (435 → 453 MB; results/bench/round_overlap).
+    glibc. A server rank's round allocates and frees the same activation sizes too: keeping freed memory cut the
+    quickstart server's compute per round under torchrun, for a little more peak resident memory (measured in
+    results/bench/changes.md#round_overlap).
 
     A client runs the same forward P+1 times a round, each allocating and freeing the same activation sizes. With the
     threshold fixed at :data:`MMAP_THRESHOLD` every activation of 1 MiB or more is a fresh mapping whose pages fault
-    on first touch: the quickstart client's forward (32×16×28×28 float32 = 1.6 MB per layer output) took 3.0-5.8 ms
-    against 0.9-1.4 ms with freed memory kept, tiny Llama's 55 against 25-28 ms, ResNet-18 cut 2's 23 against 14
-    (one thread, results/bench/README.md). A worker's peak is what it holds at once, unchanged; its resident size
+    on first touch (the quickstart client's forward: 32×16×28×28 float32 = 1.6 MB per layer output), so its forwards
+    take several times as long as with freed memory kept (measured in results/bench/README.md#zo_step, "Torchrun
+    client workers"). A worker's peak is what it holds at once, unchanged; its resident size
     stays at that peak between rounds instead of falling back."""
     threshold = _malloc_option("MALLOC_MMAP_THRESHOLD_", -3, WORKER_MMAP_THRESHOLD, environ)
     _malloc_option("MALLOC_TRIM_THRESHOLD_", -1, WORKER_TRIM_THRESHOLD, environ)  # M_TRIM_THRESHOLD of <malloc.h>
@@ -144,10 +144,9 @@ def check_devices(cfg: Config) -> None:
 
 SMALL_MODEL_PARAMS = 10_000_000
 """Below this many parameters a process runs on one intra-op thread (``job.threads=0``): the work per kernel is too
-small to split, and threads that wait for cores other processes hold cost more than they save. In one process on a
-2-core machine under a load of 2-5 (results/bench/README.md, "threads") the quickstart CNN took 0.18 s per round with
-one thread and 2.47 s with two; a 135M-parameter LM 25.6 s and 59.0 s: a larger model gains from a core only while
-no other work holds it, hence the rule's other branch (:func:`free_cores`)."""
+small to split, and threads that wait for cores other processes hold cost more than they save (measured in one
+process on a loaded 2-core machine: results/bench/README.md#threads). A larger model gains from a core only while no
+other work holds it, hence the rule's other branch (:func:`free_cores`)."""
 
 
 def free_cores(cores: int, load: float) -> int:
