@@ -161,18 +161,31 @@ def assert_same_run(dist_dir: Path, reference, n_workers: int) -> dict:
 
 ORDER_SCRIPT = textwrap.dedent(
     """
-    # Runs hosfl_dist.run with the leader's submits delayed (its clients arrive last) and the server logging arrivals.
+    # Runs hosfl_dist.run with the server logging arrivals and the leader's submits of a round held until the server
+    # has logged one from the other worker (which then arrives first, however loaded the machine).
     import json, os, sys, time
+    from hosfl_dist.algorithms.base import round_plan
+    from hosfl_dist.config import load_config
     from hosfl_dist.run import main
     from hosfl_dist.runtime import rpc
+    from hosfl_dist.runtime.process.launch import role_map
     from hosfl_dist.transport import endpoint
 
     rank, log = int(os.environ["RANK"]), os.environ["ARRIVALS"]
     if rank == 1:
+        cfg = load_config(None, sys.argv[1:])
+        others = set(role_map(cfg, 3).hosted[2])
+        def arrived(t):
+            if not os.path.exists(log):
+                return False
+            with open(log) as f:
+                return any(json.loads(line) in ([t, m] for m in others) for line in f if line.endswith("\\n"))
         call_async = rpc.RPCTransport.call_async
         def late(self, method, **kwargs):
-            if method == "submit":
-                time.sleep(0.15)
+            if method == "submit" and others & set(round_plan(cfg, kwargs["t"])):
+                deadline = time.monotonic() + 60  # only a hang
+                while not arrived(kwargs["t"]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             return call_async(self, method, **kwargs)
         rpc.RPCTransport.call_async = late
     if rank == 0:
@@ -191,7 +204,8 @@ ORDER_SCRIPT = textwrap.dedent(
 @pytest.mark.multiprocess
 def test_torchrun_equals_in_process_with_overlap_and_any_arrival_order(tmp_path, reference, monkeypatch):
     """1 server + 2 workers against the in-process runtime (overlap off): latency hiding on (zo.overlap), and the
-    leader's activations delayed so that rounds reach the server out of client-id order. Neither may change a bit."""
+    leader's activations held back until the other worker's have begun to arrive, so that rounds reach the server
+    out of client-id order. Neither may change a bit."""
     script, arrivals = tmp_path / "order.py", tmp_path / "arrivals.jsonl"
     script.write_text(ORDER_SCRIPT)
     monkeypatch.setenv("ARRIVALS", str(arrivals))

@@ -96,7 +96,7 @@ RUNS = {"hosfl": (5, 10, []), "sfl": (1, 5, SFL)}
 @pytest.mark.parametrize("alg", ["hosfl", pytest.param("sfl", marks=pytest.mark.slow)])  # 40 s each
 def test_sigterm_to_the_launcher_checkpoints_and_a_resume_finishes_identically(tmp_path, monkeypatch, references, alg):
     at, rounds, extra = RUNS[alg]
-    rc, out, seconds = launch(tmp_path, monkeypatch, f"term:{at}", alg, extra=extra)
+    rc, out, _ = launch(tmp_path, monkeypatch, f"term:{at}", alg, extra=extra)
     assert rc != 0, out[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted", (summary, out[-3000:])
@@ -104,7 +104,9 @@ def test_sigterm_to_the_launcher_checkpoints_and_a_resume_finishes_identically(t
     assert at < t < rounds and summary["error"] == f"SIGTERM after round {t}"
     assert summary["checkpoint"].endswith(f"round-{t:08d}")
     assert f"[server] interrupted: SIGTERM after round {t}" in out
-    assert seconds < 60  # well inside torchrun's 30 s stop wait after the signal, plus start-up
+    # every rank ended by itself inside torchrun's 30 s stop wait: one that outlived it would have been killed, and
+    # torchrun says so (a time limit from the launch would count the machine's load, start-up included)
+    assert "closing signal SIGTERM" in out and "Unable to shutdown process" not in out, out[-3000:]
     rc, out, _ = launch(tmp_path, monkeypatch, f"term:{at}", alg, extra=[*extra, "job.resume=auto"])
     assert rc == 0, out[-3000:]
     summary = assert_same_as(tmp_path / "run", references(alg, extra))

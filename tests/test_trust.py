@@ -162,16 +162,29 @@ def test_what_crosses_rpc_arrives_as_it_was_sent_small_tensors_inside_the_messag
 
 
 def test_a_wait_counts_as_blocked_with_its_time_only_when_the_answer_was_not_there_yet():
-    """TransportStats.blocked / blocked_s: the round trips on the worker's critical path, not every wait()."""
+    """TransportStats.blocked / blocked_s: the round trips on the worker's critical path, not every wait(). The late
+    answer is set only once wait() has looked for it (and found none), so it blocks on any machine; its time is
+    positive and within the caller's own clock, never compared with a sleep's length."""
     stats, lock = entry.TransportStats(), threading.Lock()
     ready = entry._TimedFuture("sync", stats, lock)
     ready.set_result("early")
     assert ready.wait() == "early" and stats.blocked == {} and stats.blocked_s == {}
-    late = entry._TimedFuture("submit", stats, lock)
-    threading.Timer(0.05, late.set_result, args=("late",)).start()
+
+    looked = threading.Event()
+
+    class Late(entry._TimedFuture):
+        def done(self) -> bool:  # wait() asks whether the answer is there before it waits
+            answered = super().done()
+            looked.set()
+            return answered
+
+    late = Late("submit", stats, lock)
+    answer = threading.Thread(target=lambda: (looked.wait(60), late.set_result("late")))  # 60 s: only a hang
+    answer.start()
     start = time.perf_counter()
     assert late.wait() == "late"
-    assert stats.blocked == {"submit": 1} and 0.04 < stats.blocked_s["submit"] <= time.perf_counter() - start
+    answer.join()
+    assert stats.blocked == {"submit": 1} and 0 < stats.blocked_s["submit"] <= time.perf_counter() - start
     assert stats.rpc_wait_s >= stats.blocked_s["submit"] and set(stats.as_dict()["blocked_s"]) == {"submit"}
 
 
