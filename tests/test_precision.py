@@ -48,25 +48,30 @@ def test_bf16_hosfl_moves_every_lora_tensor_and_the_server_steps_on_every_upload
     client0 = [p.detach().clone() for p in worker.current_params()]
     server0 = lora_tensors(server.model)
     assert client0 and server0 and all(p.dtype == torch.float32 for p in client0)
-    uploads, steps = [], []
-    original = server.submit
+    uploads, batches, steps = [], [], []
+    submit, forward_backward = server.submit, server.compute.forward_backward
 
-    def submit(t, batch):
+    def submitted(t, batch):
         uploads.extend((b["act"], b["labels"]) for b in batch.values())
-        work = original(t=t, batch=batch)
-        steps.append((batch, work))
-        return work
+        batches.append(batch)
+        answers = submit(t=t, batch=batch)
+        assert not any(a.get("skip") for a in answers.values())
+        return answers
 
-    server.submit = submit
+    def computed(rows, counts):  # what the server's compute steps θs over
+        steps.append(rows)
+        return forward_backward(rows, counts)
+
+    server.submit, server.compute.forward_backward = submitted, computed
     engine.run()
 
-    assert len(uploads) == 6 and len(steps) == 3  # 3 rounds of K=2
+    assert len(uploads) == 6 and len(batches) == len(steps) == 3  # 3 rounds of K=2
     for act, labels in uploads:
         assert act["z"].dtype == torch.bfloat16 == server.spec.dtypes["z"]
         assert server.spec.problem(act, labels, 4) is None
-    for batch, work in steps:  # every client of the round takes part in θs's step with the very tensors it sent
-        assert sorted(work.uploads) == work.clients == sorted(batch)
-        assert all(work.uploads[m].act["z"] is batch[m]["act"]["z"] for m in batch)
+    for batch, rows in zip(batches, steps):  # every client of the round takes part in θs's step with what it sent
+        assert sorted(rows) == sorted(batch)
+        assert all(rows[m].act["z"] is batch[m]["act"]["z"] for m in batch)
     for rep in {id(r): r for r in worker.replicas.values()}.values():
         for p, p0 in zip(rep.params, client0, strict=True):
             assert not torch.equal(p, p0), "a client LoRA tensor did not move"
