@@ -18,7 +18,7 @@ import typing
 from functools import cache
 from typing import Any
 
-from hosfl_dist import config as config_module
+from hosfl_dist.config import schema
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 
@@ -27,8 +27,8 @@ WIDTH = 100
 
 @cache
 def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field name -> the docstring under the field, for every class of hosfl_dist.config."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """class name -> field name -> the docstring under the field, for every class of hosfl_dist.config.schema."""
+    tree = ast.parse(inspect.getsource(schema))
     out: dict[str, dict[str, str]] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
@@ -136,7 +136,7 @@ def markdown_config() -> str:
     entries = _entries(default_tree(), "")
     sections = [(key, doc) for key, _, _, doc, is_section in entries if is_section]
     intro = (
-        "Every key of the config tree (`hosfl_dist/config.py`) with its type, default and meaning, a table per"
+        "Every key of the config tree (`hosfl_dist/config/schema.py`) with its type, default and meaning, a table per"
         " section. A run's config is the defaults, then a YAML file (`--config`), then dotted overrides on the"
         " command line (`section.key=value`); an unknown key, a wrongly typed value or an invalid combination stops"
         " the run with one `error:` line naming the key ([running.md](running.md#configuration) says how files and"
@@ -148,8 +148,8 @@ def markdown_config() -> str:
         "",
         textwrap.fill(intro, 120, break_on_hyphens=False),
         "",
-        f"<!-- Generated from hosfl_dist/config.py by `{MARKDOWN_COMMAND}`;",
-        "     edit the docstrings there, not this file. -->",
+        "<!-- Generated from hosfl_dist/config/schema.py by",
+        f"     `{MARKDOWN_COMMAND}`; edit the docstrings there, not this file. -->",
         "",
         textwrap.fill(index, 120, break_on_hyphens=False),
     ]
