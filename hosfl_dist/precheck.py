@@ -1,8 +1,10 @@
 """What ``python -m hosfl_dist.run --check`` refuses beyond the config tree: the value checks a run makes while it
 builds, made without building weights or tokenising data.
 
-The config tree already refuses what it can see alone (:mod:`hosfl_dist.config`: types, ranges, sizes that would
-overflow, thread counts, the vision models' cut), and ``--check`` adds the devices, the interface and the folder.
+The config tree already refuses what each section tells alone (:mod:`hosfl_dist.config`: types, ranges, sizes
+that would overflow, thread counts), :mod:`hosfl_dist.runtime.checks` what needs two sections or the algorithm
+registry (the vision models' cut, what the method implements), and ``--check`` adds the devices, the interface and
+the folder.
 This module adds what needs the model's architecture or the task's files:
 
 - an LM (``model.name=hf``): the split model built as a run builds it, on the meta device with no weight read or
@@ -47,10 +49,11 @@ def check_build(cfg: Config, world: int) -> None:
         return
     if _unjoined(cfg.model.source, cfg.model.gguf_file):
         return
+    from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data.text_fed import text_data_info
     from hosfl_dist.models import build_split_model
 
-    build_split_model(cfg, text_data_info(cfg), parts=())
+    build_split_model(cfg, text_data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
 
 
 def build_key(cfg: Config) -> str:

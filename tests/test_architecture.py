@@ -20,6 +20,7 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime import control, server_step
+from hosfl_dist.runtime.checks import load_run_config
 from hosfl_dist.runtime.control import Handler, handles
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.server_step import ServerStep
@@ -48,7 +49,7 @@ def test_a_method_is_one_registry_entry_and_the_config_and_runtimes_find_it(monk
     alias = AlgorithmSpec("hosfl_alias", hosfl.server, hosfl.worker, True, hosfl.traffic)
     monkeypatch.setitem(algorithms._REGISTRY, "hosfl_alias", alias)
     with pytest.raises(ConfigError, match="invalid value for algorithm.name: 'nope'"):
-        load_config(None, [*TINY_OVERRIDES, "algorithm.name=nope"])
+        load_run_config(None, [*TINY_OVERRIDES, "algorithm.name=nope"])
     _, _, ref, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'a'}"])
     _, _, got, _ = run_in_process([*TINY_OVERRIDES, "algorithm.name=hosfl_alias", f"job.out_dir={tmp_path / 'b'}"])
     assert got["algorithm"] == "hosfl_alias" and got["client_digests"] == ref["client_digests"]
@@ -64,7 +65,7 @@ def test_the_registry_lists_the_papers_methods_with_their_capabilities():
         "vision",
     )
     with pytest.raises(ConfigError, match=r"fsl_sage.*implemented for vision models, not model.name=hf"):
-        load_config(None, ["algorithm.name=fsl_sage", "model.name=hf", "model.source=tiny:llama", "data.name=sst2"])
+        load_run_config(None, ["algorithm.name=fsl_sage", "model.name=hf", "model.source=tiny:llama", "data.name=sst2"])
 
 
 def test_a_spec_whose_server_sends_traffic_outside_its_categories_is_refused():
@@ -237,7 +238,7 @@ def test_a_data_parallel_call_needs_the_step_executor():
     """HO-SFL's submit returns the round's work, not answers: an endpoint without the runtime's executor refuses it
     instead of answering with the wrong thing."""
     cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
-    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
+    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True))
     endpoint = ServerEndpoint(server)
     upload = {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}
     futs = [endpoint.serve("submit", {"t": 0, "client": m, **upload}) for m in range(3)]

@@ -107,7 +107,7 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     """A worker asks for round t's history as soon as round t−1's scalars are aggregated, possibly before the
     leader's finish_round arrived: the endpoint must not answer early (``after_previous_round``)."""
     cfg = load_config(None, TINY)
-    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True)
     server = HOSFLServer(cfg, split)
     server.rounds_done = 1  # round 0's activations went through the server
     endpoint = local_endpoint(server)

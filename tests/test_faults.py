@@ -122,7 +122,7 @@ def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):
     tensor — trainable ones, running statistics, optimizer state — and leaves the frozen ones as built."""
     cfg = load_config(None, [*SMALL, "model.name=resnet18", "model.freeze_bn=client"])
     spec = get_algorithm("hosfl")
-    build = lambda: spec.server(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))  # noqa: E731
+    build = lambda: spec.server(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True))  # noqa: E731
     saved = build()
     for p in saved.model.parameters():
         p.grad = torch.randn_like(p) if p.requires_grad else None
@@ -221,7 +221,7 @@ def test_divergence_stops_the_run_instead_of_completing(tmp_path):
 @pytest.fixture
 def endpoint():
     cfg = load_config(None, TINY_OVERRIDES)
-    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}))
+    server = HOSFLServer(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True))
     return server, local_endpoint(server)
 
 

@@ -236,7 +236,7 @@ def test_freeze_bn_none_trains_affine_parameters_on_both_sides(tmp_path):
     from hosfl_dist.models.vision import BatchStatsNorm, FrozenBatchNorm
 
     cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=none"])
-    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True)
     client_bn = [m for m in split.client.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     server_bn = [m for m in split.server.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert all(type(m) is FrozenBatchNorm for m in client_bn) and all(type(m) is BatchStatsNorm for m in server_bn)
@@ -279,12 +279,10 @@ def test_batch_statistics_server_runs_each_client_alone():
     [("server.ranks=2", r"server.ranks: 2 \(model.freeze_bn=client"), ("server.micro_batch_tokens=2", "micro_batch")],
 )
 def test_batch_statistics_server_refuses_cutting_a_client_batch(override, needle):
-    from hosfl_dist.config import load_config
-    from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.checks import load_run_config
 
-    with pytest.raises(ConfigError, match=needle):  # where the config is built (--check too), else at the build
-        cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
-        build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    with pytest.raises(ConfigError, match=needle):  # where a run's config is built (--check too)
+        load_run_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
 
 
 def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
@@ -301,7 +299,7 @@ def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     y = {m: torch.randint(0, 4, (4,)) for m in sampled}
     stats = []
     for order in (sampled, sampled[::-1]):
-        split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+        split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, False)
         server = SFLServer(cfg, split)
         for m in order:
             server.submit(0, m, {"z": z[m]}, y[m])

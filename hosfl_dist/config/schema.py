@@ -16,7 +16,7 @@ from typing import Any, Literal
 from hosfl_dist.errors import ConfigError
 
 # Names the rest of the package registers under; validated here so a typo fails before anything is built
-# (algorithm names come from the registry in hosfl_dist.algorithms).
+# (algorithm names come from the registry in hosfl_dist.algorithms: hosfl_dist.runtime.checks checks them).
 VISION_MODELS = ("small_cnn", "resnet18")
 MODELS = (*VISION_MODELS, "hf")
 VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
@@ -161,6 +161,8 @@ class ModelConfig:
     """Channels of the first block of small_cnn (doubled per block)."""
 
     def __post_init__(self) -> None:
+        check(self.name in MODELS, "name", self.name, f"choose one of {list(MODELS)}")
+        check(self.name != "hf" or bool(self.source), "source", self.source, "model.name=hf needs a source")
         if isinstance(self.freeze_bn, bool):  # the boolean of older configs: frozen everywhere, or trainable
             self.freeze_bn = "all" if self.freeze_bn else "none"
         check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
@@ -465,6 +467,7 @@ class DataConfig:
     """Classes of each vision data set (data.classes is checked against them before anything is loaded)."""
 
     def __post_init__(self) -> None:
+        check(self.name in DATASETS, "name", self.name, f"choose one of {list(DATASETS)}")
         check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
         check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
@@ -546,6 +549,9 @@ class CheckpointConfig:
 
 @dataclass
 class Config:
+    """The whole tree. Each section checks itself; what needs two sections or the algorithm registry is checked by
+    :func:`hosfl_dist.runtime.checks.check_config` where a run's config is built."""
+
     job: JobConfig = field(default_factory=JobConfig)
     """Run-level settings."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -571,83 +577,6 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints for exact resume."""
 
-    def __post_init__(self) -> None:
-        check(self.model.name in MODELS, "model.name", self.model.name, f"choose one of {list(MODELS)}")
-        check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
-        is_text = self.data.name in TEXT_DATASETS
-        check(
-            (self.model.name == "hf") == is_text,
-            "model.name",
-            self.model.name,
-            f"data.name={self.data.name} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
-        )
-        if self.model.name == "hf":
-            check(bool(self.model.source), "model.source", self.model.source, "model.name=hf needs a source")
-            check(self.split.cut >= 1, "split.cut", self.split.cut, "the client keeps at least one decoder block")
-        if self.model.name in VISION_CUT_RANGE:
-            lo, hi = VISION_CUT_RANGE[self.model.name]
-            check(
-                lo <= self.split.cut <= hi,
-                "split.cut",
-                self.split.cut,
-                f"{self.model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part",
-            )
-        if self.model.name == "resnet18" and self.model.freeze_bn != "all":
-            self._check_batch_stats_server()
-        self._check_algorithm()
-        check(
-            self.train.budget_samples >= self.clients.batch_size,
-            "train.budget_samples",
-            self.train.budget_samples,
-            f"is smaller than one client batch (clients.batch_size={self.clients.batch_size})",
-        )
-
-    def _check_batch_stats_server(self) -> None:
-        """A server normalising with batch statistics must see each client's batch whole and in one place."""
-        mode = f"model.freeze_bn={self.model.freeze_bn} (batch statistics on the server)"
-        check(self.server.ranks == 1, "server.ranks", self.server.ranks, f"{mode} needs one server rank: each rank "
-              "would normalise and update its own statistics")  # fmt: skip
-        micro, batch = self.server.micro_batch_tokens, self.clients.batch_size
-        check(not 0 < micro < batch, "server.micro_batch_tokens", micro, f"{mode} needs 0 or at least "
-              f"clients.batch_size={batch}: a client's batch must not be cut into pieces")  # fmt: skip
-
-    def _check_algorithm(self) -> None:
-        from hosfl_dist.algorithms import algorithm_names, get_algorithm  # the registry; imports the algorithm modules
-
-        spec = get_algorithm(self.algorithm.name)
-        family = "hf" if self.model.name == "hf" else "vision"
-        lora = self.lora
-        check(
-            not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),
-            "algorithm.name",
-            spec.name,
-            "needs LoRA adapters on both sides (model.name=hf with lora.client_targets and lora.server_targets); "
-            "use algorithm.name=sfl otherwise",
-        )
-        check(
-            family in spec.families,
-            "algorithm.name",
-            spec.name,
-            f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
-        )
-        if family == "hf":  # half-precision rounding against μ (torch-free: refused before anything is built)
-            problem = self.zo.precision_problem(self.model.dtype, spec.uploads_perturbed_pair)
-            if problem is not None and spec.zeroth_order_client:
-                raise ConfigError(problem)
-        for side in ("clients", "server"):
-            scheduling = "/".join(n for n in algorithm_names() if get_algorithm(n).lr_schedules)
-            check(not getattr(self, side).optim.scheduled or spec.lr_schedules, f"{side}.optim.schedule",
-                  getattr(self, side).optim.schedule, f"learning-rate schedules are implemented for {scheduling}, "
-                  f"not algorithm.name={spec.name}")  # fmt: skip
-        check(self.zo.perturb_batch == 1 or spec.batches_perturbations, "zo.perturb_batch", self.zo.perturb_batch,
-              f"batched perturbed forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
-        check(
-            self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
-            "train.on_nonfinite",
-            self.train.on_nonfinite,
-            f"algorithm.name={spec.name} stops on a non-finite value; skip is implemented for hosfl",
-        )
-
 
 class FieldError(ConfigError):
     """A failed check inside a section; the loader prefixes the section path to `key`."""
@@ -658,6 +587,7 @@ class FieldError(ConfigError):
 
 
 def check(ok: bool, key: str, value: Any, why: str) -> None:
+    """Refuse ``value`` of ``key`` (relative to its section, or dotted from the root) unless ``ok``."""
     if not ok:
         raise FieldError(key, value, why)
 
