@@ -1,7 +1,7 @@
 """HO-SFL (Algorithms 1-3): server backprop + client zeroth-order projection with dimension-free aggregation.
 
 Round t, as the code below runs it (a worker runs the client side for the sampled clients it hosts):
-  plan       S_t = the K clients of a seeded draw (``round_plan``: server and workers compute the same set)
+  plan       S_t = the K clients of a seeded draw (``RoundPlan``: server and workers compute the same set)
   sync       each sampled client m receives the round's seeds s^t and the (seeds, v̄) history since its replica's
              round t'_m, and replays it (ClientSync, Algorithm 3). The request is prefetched as soon as round
              t−1's scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
+from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase
 from hosfl_dist.algorithms.step import Merged, RoundWork, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
@@ -183,8 +183,8 @@ class BackpropServer(ServerBase):
         if t != self.rounds_done:
             raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
         clients = sorted(batch)
-        if clients != round_plan(self.cfg, t):
-            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        if clients != self.round_plan.sampled(t):
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {self.round_plan.sampled(t)}")
         kept = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
         uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in kept}
         counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in kept}  # no 0/0
@@ -314,7 +314,7 @@ class HOSFLServer(BackpropServer):
         if not bool(torch.isfinite(scalars).all()):
             raise NonFiniteError(f"round {t}: the aggregated scalars v̄ are not finite")
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
-        for m in round_plan(self.cfg, t):
+        for m in self.round_plan.sampled(t):
             self.client_round[m] = t + 1
         self._trim()
 
