@@ -41,11 +41,11 @@ def check_build(cfg: Config, world: int) -> None:
     if cfg.data.name in TEXT_DATASETS and cfg.data.source == "local":
         from hosfl_dist.data.text_fed import load_examples
 
-        load_examples(cfg)
+        load_examples(cfg.data)
     from hosfl_dist.models.lm import check_without_hub, hub_requirements
 
-    if any(need.startswith("model.source") for need in hub_requirements(cfg)):
-        check_without_hub(cfg)  # no download: the depths of the paper's hub models are known
+    if any(need.startswith("model.source") for need in hub_requirements(cfg.model, cfg.data)):
+        check_without_hub(cfg.model, cfg.split)  # no download: the depths of the paper's hub models are known
         return
     if _unjoined(cfg.model.source, cfg.model.gguf_file):
         return
@@ -53,7 +53,8 @@ def check_build(cfg: Config, world: int) -> None:
     from hosfl_dist.data.text_fed import text_data_info
     from hosfl_dist.models import build_split_model
 
-    build_split_model(cfg, text_data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
+    info = text_data_info(cfg.data, cfg.model)
+    build_split_model(cfg, info, get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
 
 
 def build_key(cfg: Config) -> str:

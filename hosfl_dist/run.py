@@ -69,9 +69,9 @@ def dry_run(cfg: Config) -> dict:
     if cfg.model.name == "hf":  # hub models/data cannot be built offline: validate what can be, say what was not
         from hosfl_dist.models.lm import check_without_hub, hub_requirements
 
-        needs = hub_requirements(cfg)
+        needs = hub_requirements(cfg.model, cfg.data)
         if needs:
-            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg)}
+            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg.model, cfg.split)}
     import torch
 
     if cfg.job.device.startswith("cuda") and not torch.cuda.is_available():  # a GPU job checked on a CPU node

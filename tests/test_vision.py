@@ -293,7 +293,7 @@ def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     from hosfl_dist.models import build_split_model
 
     cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", "algorithm.name=sfl"])
-    sampled = RoundPlan(cfg.job.seed, cfg.clients.total, cfg.clients.per_round).sampled(0)
+    sampled = RoundPlan.of(cfg).sampled(0)
     torch.manual_seed(0)
     z = {m: torch.randn(4, 128, 1, 1) for m in sampled}
     y = {m: torch.randint(0, 4, (4,)) for m in sampled}
@@ -316,7 +316,7 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
 
     full = synthetic_images(0)
     cfg = load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "clients.total=4", "clients.per_round=2"])
-    got = load_vision_data(cfg)
+    got = load_vision_data(cfg.data, cfg.job.seed)
     for x, y, fx, fy in ((got.train_x, got.train_y, full.train_x, full.train_y),
                          (got.eval_x, got.eval_y, full.test_x, full.test_y)):  # fmt: skip
         keep = (fy == 3) | (fy == 1)
@@ -324,7 +324,7 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
     assert got.info["num_classes"] == 2 and build_data(cfg).info["num_classes"] == 2
     assert data_info(load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"]))["num_classes"] == 3
     capped = load_vision_data(
-        load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"])
+        load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"]).data, 0
     )
     assert len(capped.train_y) == 50 and set(capped.train_y.tolist()) <= {0, 1}  # the cap counts kept classes
 

@@ -39,9 +39,9 @@ EVAL_CLIENT = -1
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """Who takes part in each round: S_t, the K of M clients a seeded draw picks for round t. The server and every
-    worker hold the same plan and compute the same set without a message; the server's instructions to the sampled
-    clients (seeds, catch-up) are the traffic."""
+    """The run's rounds and who takes part in each: S_t, the K of M clients a seeded draw picks for round t. The
+    server and every worker hold the same plan and compute the same set without a message; the server's instructions
+    to the sampled clients (seeds, catch-up) are the traffic."""
 
     seed: int
     """job.seed."""
@@ -49,6 +49,15 @@ class RoundPlan:
     """M, clients.total."""
     per_round: int
     """K, clients.per_round."""
+    rounds: int
+    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
+
+    @classmethod
+    def of(cls, cfg: Config) -> RoundPlan:
+        """The plan of a run's config (what its server and workers build once)."""
+        round_samples = cfg.clients.per_round * cfg.clients.batch_size
+        rounds = -(-cfg.train.budget_samples // round_samples)
+        return cls(cfg.job.seed, cfg.clients.total, cfg.clients.per_round, rounds)
 
     def sampled(self, t: int) -> list[int]:
         """S_t, sorted."""
@@ -65,7 +74,7 @@ class ServerBase:
 
     def __init__(self, cfg: Config, split: SplitModel) -> None:
         self.cfg = cfg
-        self.round_plan = RoundPlan(cfg.job.seed, cfg.clients.total, cfg.clients.per_round)
+        self.round_plan = RoundPlan.of(cfg)
         self.model = split.server
         self.task = split.task
         self.spec = split.spec
@@ -174,7 +183,7 @@ class WorkerBase:
         collective: Collective,
     ) -> None:
         self.cfg = cfg
-        self.round_plan = RoundPlan(cfg.job.seed, cfg.clients.total, cfg.clients.per_round)
+        self.round_plan = RoundPlan.of(cfg)
         self.split = split
         self.module = split.client
         self.data = data

@@ -74,7 +74,7 @@ class FrozenClientWorker(WorkerBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.precision = client_precision(self.cfg, self.split)  # HO-SFL's client forward (and its checks)
+        self.precision = client_precision(self.cfg.model, self.cfg.zo, self.split)  # HO-SFL's client forward
         self.params = self.current_params()  # θc^0, the module's own tensors: nothing writes them
 
     def client_forward_frozen(self, x: Any) -> Activation:

@@ -126,11 +126,6 @@ class Replica:
         return tensors_digest([*self.params, *self.opt.state_tensors()])
 
 
-def planned_rounds(cfg: Config) -> int:
-    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
-    return -(-cfg.train.budget_samples // (cfg.clients.per_round * cfg.clients.batch_size))
-
-
 def apply_update(
     rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
 ) -> None:
@@ -215,7 +210,7 @@ class BackpropServer(ServerBase):
                 if p.grad is not None:
                     p.grad.div_(kept)
             if self.cfg.server.optim.scheduled:  # round t's rate (warmup, then the schedule)
-                set_lr(self.opt, lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)))
+                set_lr(self.opt, lr_at(self.cfg.server.optim, t, self.round_plan.rounds))
             self.opt.step()
         self.rounds_done += 1
 
@@ -249,7 +244,7 @@ class HOSFLServer(BackpropServer):
         params = [
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
-        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
+        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, self.round_plan.rounds))
 
     def seeds_of(self, t: int) -> Tensor:
         return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
@@ -389,7 +384,7 @@ class HOSFLWorker(WorkerBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
-        self.precision = client_precision(cfg, self.split)  # refuses a half-precision client below the μ floor
+        self.precision = client_precision(cfg.model, cfg.zo, self.split)  # refuses half precision below the μ floor
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
         if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.collective.is_leader:
@@ -428,7 +423,7 @@ class HOSFLWorker(WorkerBase):
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
-        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params, planned_rounds(self.cfg)))
+        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params, self.round_plan.rounds))
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:

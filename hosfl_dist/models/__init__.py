@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import Config, ModelConfig
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.tasks import Task
@@ -152,19 +152,19 @@ def build_split_model(
     return SplitModel(client.to(device), server, ClassificationTask(), spec)
 
 
-def build_whole_vision_model(cfg: Config, data_info: dict[str, Any]) -> nn.Module:
+def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed: int, device: str) -> nn.Module:
     """The uncut vision model with trainable BatchNorm (train mode: batch statistics, running statistics updated),
-    initialised from ``job.seed``: what ``python -m hosfl_dist.experiments.pretrain`` trains. Its state dict is in
-    the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
+    initialised from ``seed`` (job.seed) on ``device``: what ``python -m hosfl_dist.experiments.pretrain`` trains.
+    Its state dict is in the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
     from hosfl_dist.models import vision
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
-        if cfg.model.name == "resnet18":
+        torch.manual_seed(stream_seed(seed, Stream.VISION_INIT))
+        if model.name == "resnet18":
             net: nn.Module = vision.ResNet18(data_info["num_classes"], data_info["input_shape"][0], frozen_bn=False)
-        elif cfg.model.name == "small_cnn":
-            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], cfg.model.width)
+        elif model.name == "small_cnn":
+            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], model.width)
         else:
-            raise ConfigError(f"invalid value for model.name: {cfg.model.name!r} (pretraining is implemented for "
+            raise ConfigError(f"invalid value for model.name: {model.name!r} (pretraining is implemented for "
                               "the vision models resnet18 and small_cnn)")  # fmt: skip
-    return net.to(torch.device(cfg.job.device))
+    return net.to(torch.device(device))

@@ -118,7 +118,7 @@ def sizes_or_none(cfg: Config) -> tuple[dict[str, dict[str, int]] | None, str | 
     if cfg.model.name == "hf":
         from hosfl_dist.models.lm import hub_requirements
 
-        hub = [need for need in hub_requirements(cfg) if need.startswith("model.source")]
+        hub = [need for need in hub_requirements(cfg.model, cfg.data) if need.startswith("model.source")]
         if hub:
             return None, hub[0]
     try:
