@@ -68,7 +68,7 @@ def build(arch: str, cut: int, device: str, seed: int = 0):
             "job": {"seed": seed, "device": device, "progress": False},
         }
     )
-    return cfg, build_split_model(cfg, data_info(cfg))
+    return cfg, build_split_model(cfg, data_info(cfg), True)  # hosfl: a zeroth-order client
 
 
 def step_flops(server: torch.nn.Module, tokens: int, seq: int) -> tuple[float, int]:

@@ -1,10 +1,10 @@
 """``python -m hosfl_dist.run --help-config [section]``: every config key with its type, default and docstring.
 
-Generated from the dataclasses of :mod:`hosfl_dist.config`: the types from their annotations, the defaults from a
-default :class:`~hosfl_dist.config.Config` built section by section, the text from the string literal under each
-field (attribute docstrings are not kept at run time, so they are read from the module's source with :mod:`ast`).
-Torch-free: ``Config``'s own checks consult the algorithm registry, which imports torch (6 s on the 2-core machine),
-so the defaults are built without them and the help answers in a fraction of a second.
+Generated from the dataclasses of :mod:`hosfl_dist.config.schema`: the types from their annotations, the defaults
+from a default :class:`~hosfl_dist.config.Config`, the text from the string literal under each field (attribute
+docstrings are not kept at run time, so they are read from the module's source with :mod:`ast`). Torch-free: the
+checks that consult the algorithm registry, which imports torch (6 s on the 2-core machine), are not the tree's
+(:mod:`hosfl_dist.runtime.checks`), so the help answers in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import typing
 from functools import cache
 from typing import Any
 
-from hosfl_dist import config as config_module
+from hosfl_dist.config import schema
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 
@@ -27,8 +27,8 @@ WIDTH = 100
 
 @cache
 def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field name -> the docstring under the field, for every class of hosfl_dist.config."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """class name -> field name -> the docstring under the field, for every class of hosfl_dist.config.schema."""
+    tree = ast.parse(inspect.getsource(schema))
     out: dict[str, dict[str, str]] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
@@ -80,18 +80,9 @@ def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
     return out
 
 
-def default_tree() -> Config:
-    """The default config, each section built by its own default factory (and checked by its own
-    ``__post_init__``); ``Config``'s cross-section checks are skipped, as they import the algorithm registry."""
-    tree = object.__new__(Config)
-    for f in dataclasses.fields(Config):
-        setattr(tree, f.name, f.default_factory())  # type: ignore[misc]
-    return tree
-
-
 def help_config(section: str = "") -> str:
     """The help text of every key under ``section`` (all keys when empty)."""
-    entries = _entries(default_tree(), "")
+    entries = _entries(Config(), "")
     sections = [k for k, *_, is_section in entries if is_section]
     if section and section not in sections:
         raise ConfigError(f"--help-config: no section {section!r}; sections: {', '.join(sections)}")
@@ -133,10 +124,10 @@ def _anchor(heading: str) -> str:
 def markdown_config() -> str:
     """Every config key as Markdown (docs/configuration.md): a section per config section, each a table of key,
     type, default and meaning, generated like :func:`help_config` from :mod:`hosfl_dist.config`."""
-    entries = _entries(default_tree(), "")
+    entries = _entries(Config(), "")
     sections = [(key, doc) for key, _, _, doc, is_section in entries if is_section]
     intro = (
-        "Every key of the config tree (`hosfl_dist/config.py`) with its type, default and meaning, a table per"
+        "Every key of the config tree (`hosfl_dist/config/schema.py`) with its type, default and meaning, a table per"
         " section. A run's config is the defaults, then a YAML file (`--config`), then dotted overrides on the"
         " command line (`section.key=value`); an unknown key, a wrongly typed value or an invalid combination stops"
         " the run with one `error:` line naming the key ([running.md](running.md#configuration) says how files and"
@@ -148,8 +139,8 @@ def markdown_config() -> str:
         "",
         textwrap.fill(intro, 120, break_on_hyphens=False),
         "",
-        f"<!-- Generated from hosfl_dist/config.py by `{MARKDOWN_COMMAND}`;",
-        "     edit the docstrings there, not this file. -->",
+        "<!-- Generated from hosfl_dist/config/schema.py by",
+        f"     `{MARKDOWN_COMMAND}`; edit the docstrings there, not this file. -->",
         "",
         textwrap.fill(index, 120, break_on_hyphens=False),
     ]

@@ -1,8 +1,10 @@
 """What ``python -m hosfl_dist.run --check`` refuses beyond the config tree: the value checks a run makes while it
 builds, made without building weights or tokenising data.
 
-The config tree already refuses what it can see alone (:mod:`hosfl_dist.config`: types, ranges, sizes that would
-overflow, thread counts, the vision models' cut), and ``--check`` adds the devices, the interface and the folder.
+The config tree already refuses what each section tells alone (:mod:`hosfl_dist.config`: types, ranges, sizes
+that would overflow, thread counts), :mod:`hosfl_dist.runtime.checks` what needs two sections or the algorithm
+registry (the vision models' cut, what the method implements), and ``--check`` adds the devices, the interface and
+the folder.
 This module adds what needs the model's architecture or the task's files:
 
 - an LM (``model.name=hf``): the split model built as a run builds it, on the meta device with no weight read or
@@ -39,18 +41,20 @@ def check_build(cfg: Config, world: int) -> None:
     if cfg.data.name in TEXT_DATASETS and cfg.data.source == "local":
         from hosfl_dist.data.text_fed import load_examples
 
-        load_examples(cfg)
+        load_examples(cfg.data)
     from hosfl_dist.models.lm import check_without_hub, hub_requirements
 
-    if any(need.startswith("model.source") for need in hub_requirements(cfg)):
-        check_without_hub(cfg)  # no download: the depths of the paper's hub models are known
+    if any(need.startswith("model.source") for need in hub_requirements(cfg.model, cfg.data)):
+        check_without_hub(cfg.model, cfg.split)  # no download: the depths of the paper's hub models are known
         return
     if _unjoined(cfg.model.source, cfg.model.gguf_file):
         return
+    from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data.text_fed import text_data_info
     from hosfl_dist.models import build_split_model
 
-    build_split_model(cfg, text_data_info(cfg), parts=())
+    info = text_data_info(cfg.data, cfg.model)
+    build_split_model(cfg, info, get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
 
 
 def build_key(cfg: Config) -> str:

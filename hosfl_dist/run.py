@@ -62,21 +62,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def dry_run(cfg: Config) -> dict:
     """Validate what can be validated without training: config, data files, model construction and split."""
+    from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import build_data
     from hosfl_dist.models import build_split_model
 
     if cfg.model.name == "hf":  # hub models/data cannot be built offline: validate what can be, say what was not
         from hosfl_dist.models.lm import check_without_hub, hub_requirements
 
-        needs = hub_requirements(cfg)
+        needs = hub_requirements(cfg.model, cfg.data)
         if needs:
-            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg)}
+            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg.model, cfg.split)}
     import torch
 
     if cfg.job.device.startswith("cuda") and not torch.cuda.is_available():  # a GPU job checked on a CPU node
         cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device="cpu"))
     data = build_data(cfg)
-    split = build_split_model(cfg, data.info, parts=())  # LMs stay on the meta device: an 8B model costs nothing
+    zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
+    split = build_split_model(cfg, data.info, zeroth_order, parts=())  # LMs stay on the meta device: 8B costs nothing
 
     def count(m, trainable: bool) -> int:
         return sum(p.numel() for p in m.parameters() if p.requires_grad or not trainable)
@@ -114,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         from hosfl_dist.runtime.record.tracking import check_loggers
 
         check_loggers(cfg)  # a logger without its package: one line, before torch
+        from hosfl_dist.runtime.checks import check_config  # the algorithm registry (imports torch)
+
+        check_config(cfg)  # the sections against each other and what the method implements
         if args.record_death:  # the run this config writes (a new folder's: runs/<job.name>/latest)
             from hosfl_dist.runtime.record.folder import describe_status, record_death
 

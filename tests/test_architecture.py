@@ -21,6 +21,7 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime import control, server_group
+from hosfl_dist.runtime.checks import load_run_config
 from hosfl_dist.runtime.control import Handler, handles
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.server_group import ServerGroup
@@ -52,7 +53,7 @@ def test_a_method_is_one_registry_entry_and_the_config_and_runtimes_find_it(monk
     alias = AlgorithmSpec("hosfl_alias", hosfl.server, hosfl.worker, True, hosfl.traffic)
     monkeypatch.setitem(algorithms._REGISTRY, "hosfl_alias", alias)
     with pytest.raises(ConfigError, match="invalid value for algorithm.name: 'nope'"):
-        load_config(None, [*TINY_OVERRIDES, "algorithm.name=nope"])
+        load_run_config(None, [*TINY_OVERRIDES, "algorithm.name=nope"])
     _, _, ref, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'a'}"])
     _, _, got, _ = run_in_process([*TINY_OVERRIDES, "algorithm.name=hosfl_alias", f"job.out_dir={tmp_path / 'b'}"])
     assert got["algorithm"] == "hosfl_alias" and got["client_digests"] == ref["client_digests"]
@@ -68,7 +69,7 @@ def test_the_registry_lists_the_papers_methods_with_their_capabilities():
         "vision",
     )
     with pytest.raises(ConfigError, match=r"fsl_sage.*implemented for vision models, not model.name=hf"):
-        load_config(None, ["algorithm.name=fsl_sage", "model.name=hf", "model.source=tiny:llama", "data.name=sst2"])
+        load_run_config(None, ["algorithm.name=fsl_sage", "model.name=hf", "model.source=tiny:llama", "data.name=sst2"])
 
 
 def test_a_spec_whose_server_sends_traffic_outside_its_categories_is_refused():
@@ -188,42 +189,84 @@ def test_answers_are_counted_when_taken_so_metrics_rows_do_not_depend_on_timing(
 
 
 # -- layers --------------------------------------------------------------------------------------------------------
+def _imported(path: Path) -> set[str]:
+    """Every hosfl_dist module ``path`` imports, wherever the import stands: at module level, inside a function or
+    a branch (``ast.walk`` visits every node), relative imports resolved, ``importlib.import_module("...")`` with a
+    literal name included."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from .x import y / from .. import y
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+                names.update(f"{base}.{a.name}" for a in node.names)  # from . import x: the module .x, if it is one
+            names.add(base)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names.add(node.args[0].value)
+    return {n for n in names if n == "hosfl_dist" or n.startswith("hosfl_dist.")}
+
+
 def _imports(folder: str) -> dict[str, set[str]]:
-    out = {}
-    for path in (PACKAGE / folder).rglob("*.py"):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-        out[str(path.relative_to(PACKAGE))] = {n for n in names if n.startswith("hosfl_dist")}
-    return out
+    """File (relative to the package) -> the hosfl_dist modules it imports, for a folder or a single module."""
+    where = PACKAGE / folder
+    paths = sorted(where.rglob("*.py")) if where.is_dir() else [where]
+    return {str(path.relative_to(PACKAGE)): _imported(path) for path in paths}
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+ABOVE_MODELS = ("hosfl_dist.transport", "hosfl_dist.algorithms", "hosfl_dist.evaluation", "hosfl_dist.runtime",
+                "hosfl_dist.measure", "hosfl_dist.experiments", "hosfl_dist.export", "hosfl_dist.run",
+                "hosfl_dist.precheck", "hosfl_dist.predict", "hosfl_dist.config_help")  # fmt: skip
+"""What lies above models/, data/ and tasks/ (docs/architecture.md, "Layers")."""
+
+
+@pytest.mark.parametrize(
+    ("folder", "allowed"),
+    [
+        ("config", ("hosfl_dist.config", "hosfl_dist.errors", "hosfl_dist.safe_yaml")),
+        ("core", ("hosfl_dist.config", "hosfl_dist.core", "hosfl_dist.errors")),
+        ("errors.py", ()),
+        ("safe_yaml.py", ("hosfl_dist.errors",)),
+    ],
+)
+def test_the_bottom_layer_imports_only_itself(folder, allowed):
+    """The config tree and the pure math stand on nothing of the package but the errors and the YAML reader: a check
+    that needs the algorithm registry (or a model) lives above it (hosfl_dist.runtime.checks)."""
+    bad = {f: sorted(n for n in names if not _under(n, allowed)) for f, names in _imports(folder).items()}
+    assert not {f: n for f, n in bad.items() if n}
 
 
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        (
-            "core",
-            (
-                "hosfl_dist.algorithms",
-                "hosfl_dist.data",
-                "hosfl_dist.models",
-                "hosfl_dist.runtime",
-                "hosfl_dist.transport",
-            ),
-        ),
-        ("tasks", ("hosfl_dist.data", "hosfl_dist.models", "hosfl_dist.algorithms", "hosfl_dist.runtime")),
-        ("models", ("hosfl_dist.data", "hosfl_dist.runtime", "hosfl_dist.transport")),
+        ("core", ("hosfl_dist.data", "hosfl_dist.models", "hosfl_dist.tasks", *ABOVE_MODELS)),
+        ("tasks", ("hosfl_dist.data", "hosfl_dist.models", *ABOVE_MODELS)),
+        ("models", ("hosfl_dist.data", *ABOVE_MODELS)),
+        ("data", ("hosfl_dist.models.lm", "hosfl_dist.models.hf_split", *ABOVE_MODELS)),
         ("transport", ("hosfl_dist.algorithms", "hosfl_dist.models", "hosfl_dist.data", "hosfl_dist.runtime")),
         ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.evaluation")),
         ("evaluation", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.data")),
-        ("data", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.models.lm", "hosfl_dist.models.hf_split")),
     ],
 )
 def test_imports_follow_the_layers(folder, forbidden):
-    bad = {f: sorted(n for n in names if n.startswith(forbidden)) for f, names in _imports(folder).items()}
+    """No import runs upward, not even one inside a function (where it would hide from a reader and from a test
+    that looked at module level only)."""
+    bad = {f: sorted(n for n in names if _under(n, forbidden)) for f, names in _imports(folder).items()}
     assert not {f: n for f, n in bad.items() if n}
 
 
@@ -235,6 +278,29 @@ def test_the_wire_starts_no_process_group_or_rpc_agent():
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not [m for m in modules if m.startswith("torch.distributed")], path
+
+
+def test_the_import_reader_sees_imports_inside_functions_and_relative_ones(tmp_path, monkeypatch):
+    fake = tmp_path / "hosfl_dist"
+    (fake / "models").mkdir(parents=True)
+    (fake / "models" / "m.py").write_text(
+        "import importlib\n"
+        "def build():\n"
+        "    from hosfl_dist.algorithms import get_algorithm\n"
+        "    if True:\n"
+        "        from ..runtime import checks\n"
+        "    importlib.import_module('hosfl_dist.transport.rpc')\n"
+        "    from . import vision\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert _imports("models")["models/m.py"] == {
+        "hosfl_dist.algorithms",
+        "hosfl_dist.runtime",
+        "hosfl_dist.runtime.checks",
+        "hosfl_dist.transport.rpc",
+        "hosfl_dist.models",
+        "hosfl_dist.models.vision",
+    }
 
 
 def test_the_transport_layer_names_no_algorithms_call():
@@ -286,7 +352,7 @@ def test_a_wire_declaration_says_what_crosses_and_in_which_order_never_how_it_ex
         "args", "result", "after_previous_round", "gather", "closes_round"
     }  # fmt: skip
     cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
-    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True), HOSFLServer)
     endpoint = ServerEndpoint(server)
     upload = {"act": {"z": torch.zeros(2, 4, 4, 4)}, "labels": torch.zeros(2).long()}
     futs = [endpoint.serve("submit", {"t": 0, "client": m, **upload}) for m in range(3)]
@@ -298,7 +364,7 @@ def test_the_server_compute_is_stepped_once_per_forward_backward():
     """The compute's step follows its forward/backward: a server that stepped without one is refused, not silently
     stepped with stale gradients."""
     cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
-    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True), HOSFLServer)
     with pytest.raises(RuntimeError, match="step without a forward_backward"):
         server.compute.step(1)
 

@@ -77,7 +77,7 @@ def one_step(small, alg, clients=1, extra=()):
 def fresh(cfg) -> tuple[SplitModel, FederatedData]:
     """θ^0 and the data streams exactly as the engine built them (everything derives from job.seed)."""
     data = build_data(cfg)
-    return build_split_model(cfg, data.info), data
+    return build_split_model(cfg, data.info, get_algorithm(cfg.algorithm.name).zeroth_order_client), data
 
 
 def trainable(module) -> list[torch.Tensor]:

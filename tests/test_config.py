@@ -9,6 +9,7 @@ import yaml
 
 from hosfl_dist.config import Config, build_config, dump_config, load_config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.runtime.checks import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,7 @@ def test_contract_keys_exist():
 )
 def test_bad_input_names_the_key(overrides, needle):
     with pytest.raises(ConfigError) as exc:
-        load_config(None, overrides)
+        load_run_config(None, overrides)  # the tree, then the checks across its sections
     assert needle in str(exc.value)
     assert "\n" not in str(exc.value)
 
@@ -110,7 +111,7 @@ def test_every_shipped_config_loads(path):
 
         load_latency_setup(path)
         return
-    load_config(path)
+    load_run_config(path)
     first = path.read_text().splitlines()[0]
     assert first.startswith("#") and "hosfl_dist.run" in first, f"{path} must open with the command that runs it"
 

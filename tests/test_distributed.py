@@ -107,7 +107,7 @@ def test_endpoint_holds_a_round_t_sync_until_round_t_minus_1_is_closed():
     """A worker asks for round t's history as soon as round t−1's scalars are aggregated, possibly before the
     leader's finish_round arrived: the endpoint must not answer early (``after_previous_round``)."""
     cfg = load_config(None, TINY)
-    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True)
     server = server_of(cfg, split, HOSFLServer)
     server.rounds_done = 1  # round 0's activations went through the server
     endpoint = local_endpoint(server)
@@ -164,7 +164,7 @@ ORDER_SCRIPT = textwrap.dedent(
     # Runs hosfl_dist.run with the server logging arrivals and the leader's submits of a round held until the server
     # has logged one from the other worker (which then arrives first, however loaded the machine).
     import json, os, sys, time
-    from hosfl_dist.algorithms.base import round_plan
+    from hosfl_dist.algorithms.base import RoundPlan
     from hosfl_dist.config import load_config
     from hosfl_dist.run import main
     from hosfl_dist.runtime import rpc
@@ -182,7 +182,7 @@ ORDER_SCRIPT = textwrap.dedent(
                 return any(json.loads(line) in ([t, m] for m in others) for line in f if line.endswith("\\n"))
         call_async = rpc.RPCTransport.call_async
         def late(self, method, **kwargs):
-            if method == "submit" and others & set(round_plan(cfg, kwargs["t"])):
+            if method == "submit" and others & set(RoundPlan.of(cfg).sampled(kwargs["t"])):
                 deadline = time.monotonic() + 60  # only a hang
                 while not arrived(kwargs["t"]) and time.monotonic() < deadline:
                     time.sleep(0.01)

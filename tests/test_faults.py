@@ -122,7 +122,8 @@ def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):
     tensor — trainable ones, running statistics, optimizer state — and leaves the frozen ones as built."""
     cfg = load_config(None, [*SMALL, "model.name=resnet18", "model.freeze_bn=client"])
     spec = get_algorithm("hosfl")
-    build = lambda: server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), spec.server)  # noqa: E731
+    info = {"num_classes": 4, "input_shape": (1, 8, 8)}
+    build = lambda: server_of(cfg, build_split_model(cfg, info, True), spec.server)  # noqa: E731
     saved = build()
     for p in saved.model.parameters():
         p.grad = torch.randn_like(p) if p.requires_grad else None
@@ -221,7 +222,7 @@ def test_divergence_stops_the_run_instead_of_completing(tmp_path):
 @pytest.fixture
 def endpoint():
     cfg = load_config(None, TINY_OVERRIDES)
-    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}), HOSFLServer)
+    server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True), HOSFLServer)
     return server, local_endpoint(server)
 
 

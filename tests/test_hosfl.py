@@ -160,7 +160,7 @@ def test_server_round_is_order_independent_and_steps_once():
     labels = {m: torch.randint(0, 4, (5,)) for m in sampled}
     results = []
     for order in (sampled, sampled[::-1]):
-        split: SplitModel = build_split_model(cfg, info)
+        split: SplitModel = build_split_model(cfg, info, True)
         server = server_of(cfg, split, HOSFLServer)
         tr = InProcessTransport(local_endpoint(server))
         futs = {m: tr.call_async("submit", t=0, client=m, act=acts[m], labels=labels[m]) for m in order[:-1]}
@@ -174,18 +174,18 @@ def test_server_round_is_order_independent_and_steps_once():
     for m in l1:
         assert torch.equal(l1[m], l2[m])
     # λ_m is the gradient of client m's own loss with θs of round t, computed one by one here
-    split = build_split_model(cfg, info)
+    split = build_split_model(cfg, info, True)
     z = acts[1]["z"].clone().requires_grad_(True)
     split.task.loss(split.server(z), labels[1]).backward()
     torch.testing.assert_close(l1[1], z.grad)
     # a round from the future is refused rather than mixed: every client of that round gets the error
-    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info), HOSFLServer)))
+    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info, True), HOSFLServer)))
     futs = [tr.call_async("submit", t=1, client=m, act=acts[m], labels=labels[m]) for m in sampled]
     for f in futs:
         with pytest.raises(ProtocolError, match="rounds must not mix"):
             f.wait()
     # activations from clients that were not sampled are refused too
-    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info), HOSFLServer)))
+    tr = InProcessTransport(local_endpoint(server_of(cfg, build_split_model(cfg, info, True), HOSFLServer)))
     futs = [tr.call_async("submit", t=0, client=m, act=acts[sampled[0]], labels=labels[sampled[0]]) for m in (0, 1, 2)]
     with pytest.raises(ProtocolError, match=r"activations from clients \[0, 1, 2\], sampled \[0, 1, 3\]"):
         futs[0].wait()

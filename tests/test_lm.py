@@ -244,8 +244,10 @@ def test_a_package_shipping_its_gguf_in_chunks_is_joined_once_into_the_cache(tmp
     ],
 )
 def test_config_cross_checks(overrides, needle):
+    from hosfl_dist.runtime.checks import load_run_config
+
     with pytest.raises(ConfigError, match=needle):
-        load_config(None, overrides)
+        load_run_config(None, overrides)
 
 
 def test_cut_out_of_range_is_a_config_error(tmp_path, text_files):

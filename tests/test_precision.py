@@ -17,6 +17,7 @@ from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coeffic
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.measure.modes import ProfileSpec, build_setup
 from hosfl_dist.models.precision import computing_in
+from hosfl_dist.runtime.checks import load_run_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from tiny import lm_overrides, write_text_files
 
@@ -181,8 +182,8 @@ def test_half_precision_forwards_below_the_mu_floor_are_refused(tmp_path, text_f
     assert ZOConfig(mu=1e-3, compute_dtype="model").precision_problem("float32") is None
     assert "model.dtype=float32" in ZOConfig(mu=1e-3).precision_problem("bfloat16", uploads_both=True)
     assert ZOConfig(mu=1e-2).precision_problem("bfloat16", uploads_both=True) is None
-    with pytest.raises(ConfigError, match=r"zo\.mu: 0\.001 .*zo\.compute_dtype=auto"):  # at load, before torch
-        load_config(None, bf16_overrides(tmp_path, text_files, "zo.compute_dtype=model"))
+    with pytest.raises(ConfigError, match=r"zo\.mu: 0\.001 .*zo\.compute_dtype=auto"):  # at load, before a build
+        load_run_config(None, bf16_overrides(tmp_path, text_files, "zo.compute_dtype=model"))
 
 
 def test_float32_models_install_nothing(tmp_path, text_files):

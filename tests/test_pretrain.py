@@ -32,7 +32,7 @@ def pretrain(tmp_path: Path, model: list[str], *extra: str) -> tuple[Path, dict]
 def split_state(overrides: list[str]) -> dict[str, torch.Tensor]:
     """The state of f_c and f_s under the whole model's names (ResNet-18: torchvision's; small_cnn: blocks.i, head)."""
     cfg = load_config(None, [*TINY, *overrides])
-    split = build_split_model(cfg, data_info(cfg))
+    split = build_split_model(cfg, data_info(cfg), True)
     stage, first = ("layers.", "layer{}.") if cfg.model.name == "resnet18" else ("blocks.", "blocks.{}.")
     base = 1 if cfg.model.name == "resnet18" else 0  # torchvision counts its stages from layer1
     out = {}

@@ -15,7 +15,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hosfl_dist.algorithms import get_algorithm
-from hosfl_dist.algorithms.base import round_plan
 from hosfl_dist.algorithms.compute import Upload
 from hosfl_dist.config import load_config
 from hosfl_dist.data import data_info
@@ -86,7 +85,7 @@ def _server_and_batch(tmp_path: Path, extra: list[str], arch: str = "qwen3"):
     server, _ = server_side(cfg, get_algorithm("hosfl"), split)
     gen = torch.Generator().manual_seed(0)
     batch = {}
-    for i, m in enumerate(round_plan(cfg, 0)):
+    for i, m in enumerate(server.round_plan.sampled(0)):
         t = 6 + 2 * i  # different lengths: one pass per client, as trimmed text batches are
         z = torch.randn(4, t, 64, generator=gen)
         mask = torch.ones(4, t, dtype=torch.long)

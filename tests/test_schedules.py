@@ -12,6 +12,7 @@ from tiny import TINY_OVERRIDES, run_in_process
 from hosfl_dist.config import OptimConfig, load_config
 from hosfl_dist.core.optim import lr_at
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.runtime.checks import load_run_config
 
 
 def test_warmup_then_linear_or_cosine_to_the_final_ratio():
@@ -50,6 +51,6 @@ def test_replicas_that_catch_up_equal_the_always_current_one_under_a_schedule(tm
 
 def test_schedules_are_refused_where_they_are_not_implemented():
     with pytest.raises(ConfigError, match=r"clients\.optim\.schedule.*implemented for (\w+/)?hosfl\b"):
-        load_config(None, [*TINY_OVERRIDES, "algorithm.name=sfl", "clients.optim.schedule=cosine"])
+        load_run_config(None, [*TINY_OVERRIDES, "algorithm.name=sfl", "clients.optim.schedule=cosine"])
     with pytest.raises(ConfigError, match=r"final_lr_ratio"):
         load_config(None, ["server.optim.final_lr_ratio=2"])

@@ -236,7 +236,7 @@ def test_freeze_bn_none_trains_affine_parameters_on_both_sides(tmp_path):
     from hosfl_dist.models.vision import BatchStatsNorm, FrozenBatchNorm
 
     cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=none"])
-    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True)
     client_bn = [m for m in split.client.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     server_bn = [m for m in split.server.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert all(type(m) is FrozenBatchNorm for m in client_bn) and all(type(m) is BatchStatsNorm for m in server_bn)
@@ -280,30 +280,28 @@ def test_batch_statistics_server_runs_each_client_alone():
     [("server.ranks=2", r"server.ranks: 2 \(model.freeze_bn=client"), ("server.micro_batch_tokens=2", "micro_batch")],
 )
 def test_batch_statistics_server_refuses_cutting_a_client_batch(override, needle):
-    from hosfl_dist.config import load_config
-    from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.checks import load_run_config
 
-    with pytest.raises(ConfigError, match=needle):  # where the config is built (--check too), else at the build
-        cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
-        build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+    with pytest.raises(ConfigError, match=needle):  # where a run's config is built (--check too)
+        load_run_config(None, [*RESNET_TINY, "model.freeze_bn=client", override])
 
 
 def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     """SFL in freeze_bn=client: each copy θs_m updates its own statistics, averaged at the round's end."""
-    from hosfl_dist.algorithms.base import round_plan
+    from hosfl_dist.algorithms.base import RoundPlan
     from hosfl_dist.algorithms.sfl import SFLServer
     from tiny import server_of
     from hosfl_dist.config import load_config
     from hosfl_dist.models import build_split_model
 
     cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", "algorithm.name=sfl"])
-    sampled = round_plan(cfg, 0)
+    sampled = RoundPlan.of(cfg).sampled(0)
     torch.manual_seed(0)
     z = {m: torch.randn(4, 128, 1, 1) for m in sampled}
     y = {m: torch.randint(0, 4, (4,)) for m in sampled}
     stats = []
     for order in (sampled, sampled[::-1]):
-        split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)})
+        split = build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, False)
         server = server_of(cfg, split, SFLServer)
         for m in order:
             server.submit(0, m, {"z": z[m]}, y[m])
@@ -320,7 +318,7 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
 
     full = synthetic_images(0)
     cfg = load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "clients.total=4", "clients.per_round=2"])
-    got = load_vision_data(cfg)
+    got = load_vision_data(cfg.data, cfg.job.seed)
     for x, y, fx, fy in ((got.train_x, got.train_y, full.train_x, full.train_y),
                          (got.eval_x, got.eval_y, full.test_x, full.test_y)):  # fmt: skip
         keep = (fy == 3) | (fy == 1)
@@ -328,7 +326,7 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
     assert got.info["num_classes"] == 2 and build_data(cfg).info["num_classes"] == 2
     assert data_info(load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"]))["num_classes"] == 3
     capped = load_vision_data(
-        load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"])
+        load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"]).data, 0
     )
     assert len(capped.train_y) == 50 and set(capped.train_y.tolist()) <= {0, 1}  # the cap counts kept classes
 

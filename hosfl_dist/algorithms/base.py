@@ -17,6 +17,7 @@ theirs either (:mod:`hosfl_dist.evaluation`); a worker only says which θc is ev
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,10 +39,31 @@ EVAL_CLIENT = -1
 """Id of the evaluation replica kept by the leader client worker."""
 
 
-def round_plan(cfg: Config, t: int) -> list[int]:
-    """S_t: the K clients the server samples for round t. A seeded draw, so the server and every worker compute the
-    same set without a message; the server's instructions to the sampled clients (seeds, catch-up) are the traffic."""
-    return sample_clients(cfg.job.seed, t, cfg.clients.total, cfg.clients.per_round)
+@dataclass(frozen=True)
+class RoundPlan:
+    """The run's rounds and who takes part in each: S_t, the K of M clients a seeded draw picks for round t. The
+    server and every worker hold the same plan and compute the same set without a message; the server's instructions
+    to the sampled clients (seeds, catch-up) are the traffic."""
+
+    seed: int
+    """job.seed."""
+    total: int
+    """M, clients.total."""
+    per_round: int
+    """K, clients.per_round."""
+    rounds: int
+    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
+
+    @classmethod
+    def of(cls, cfg: Config) -> RoundPlan:
+        """The plan of a run's config (what its server and workers build once)."""
+        round_samples = cfg.clients.per_round * cfg.clients.batch_size
+        rounds = -(-cfg.train.budget_samples // round_samples)
+        return cls(cfg.job.seed, cfg.clients.total, cfg.clients.per_round, rounds)
+
+    def sampled(self, t: int) -> list[int]:
+        """S_t, sorted."""
+        return sample_clients(self.seed, t, self.total, self.per_round)
 
 
 class ServerBase:
@@ -56,6 +78,7 @@ class ServerBase:
         self.cfg = cfg
         self.compute = compute
         """The runtime's forward/backward and step of θs (one rank or the server group)."""
+        self.round_plan = RoundPlan.of(cfg)
         self.model = split.server
         self.task = split.task
         self.spec = split.spec
@@ -71,9 +94,9 @@ class ServerBase:
     # -- what arrives --------------------------------------------------------------------------------------------
     def check_sampled(self, t: int, client: int, what: str) -> None:
         """Refuse a call about a client that the server did not sample for round t."""
-        if client not in round_plan(self.cfg, t):
+        if client not in self.round_plan.sampled(t):
             raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "
-                                f"{round_plan(self.cfg, t)})")  # fmt: skip
+                                f"{self.round_plan.sampled(t)})")  # fmt: skip
 
     def admit(self, t: int, client: int, act: Activation, labels: Tensor) -> bool:
         """Whether an upload takes part in round t: a malformed one is refused; a non-finite one stops the run or,
@@ -168,6 +191,7 @@ class WorkerBase:
         collective: Collective,
     ) -> None:
         self.cfg = cfg
+        self.round_plan = RoundPlan.of(cfg)
         self.split = split
         self.module = split.client
         self.data = data
@@ -181,7 +205,7 @@ class WorkerBase:
 
     def plan(self, t: int) -> tuple[list[int], list[int]]:
         """(S_t, the sampled clients this worker hosts)."""
-        sampled = round_plan(self.cfg, t)
+        sampled = self.round_plan.sampled(t)
         return sampled, [m for m in sampled if m in self.hosted]
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:

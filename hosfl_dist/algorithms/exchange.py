@@ -1,7 +1,7 @@
 """What the baselines share: methods that exchange client models (SFL, SplitLoRA, FSL-SAGE, ZO-SFL, MU-SplitFed).
 
 Unlike HO-SFL, these methods aggregate θc by shipping it. A round t of any of them is:
-  plan       S_t, as in HO-SFL (``round_plan``), and every sampled client's number of local steps
+  plan       S_t, as in HO-SFL (``RoundPlan``), and every sampled client's number of local steps
   download   every sampled client m downloads the global θc^t (downlink model; answered once round t−1 is
              closed) — the SplitFed "fed server" role is played by the server object, which keeps θc^t beside θs^t
   train      it trains locally for its steps (E local epochs, or one step for MU-SplitFed), talking to the server
@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import ServerBase, WorkerBase, round_plan
+from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
@@ -176,8 +176,8 @@ class ExchangeServer(ServerBase):
         """θc_m of the round's K clients after their local training, each with its aggregation weight n_m."""
         self.check_round(t)
         clients = sorted(batch)
-        if clients != round_plan(self.cfg, t):
-            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        if clients != self.round_plan.sampled(t):
+            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {self.round_plan.sampled(t)}")
         for m in clients:
             if not all(bool(torch.isfinite(p).all()) for p in batch[m]["params"]):
                 self.nonfinite(t, m, "client model")

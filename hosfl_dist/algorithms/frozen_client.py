@@ -3,7 +3,7 @@
 What the zeroth-order client adds to HO-SFL is the difference between HO-SFL and this method: the clients keep θc^0
 (the pretrained part, its LoRA adapters as initialised) and only forward; the server trains f_s exactly as HO-SFL's
 does. Round t, for the sampled clients a worker hosts:
-  plan       S_t, the seeded draw HO-SFL makes (``round_plan``)
+  plan       S_t, the seeded draw HO-SFL makes (``RoundPlan``)
   client     z_m = f_c(x_m; θc^0) goes up with y_m, computed as HO-SFL's z is (no dropout, ``zo.compute_dtype``,
              sent in the server's dtype)                                                          (Eq. 1)
   server     HO-SFL's step (:class:`~hosfl_dist.algorithms.hosfl.BackpropServer`): the K activations gathered into
@@ -71,7 +71,7 @@ class FrozenClientWorker(WorkerBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.precision = client_precision(self.cfg, self.split)  # HO-SFL's client forward (and its checks)
+        self.precision = client_precision(self.cfg.model, self.cfg.zo, self.split)  # HO-SFL's client forward
         self.params = self.current_params()  # θc^0, the module's own tensors: nothing writes them
 
     def client_forward_frozen(self, x: Any) -> Activation:

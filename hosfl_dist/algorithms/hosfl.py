@@ -1,7 +1,7 @@
 """HO-SFL (Algorithms 1-3): server backprop + client zeroth-order projection with dimension-free aggregation.
 
 Round t, as the code below runs it (a worker runs the client side for the sampled clients it hosts):
-  plan       S_t = the K clients of a seeded draw (``round_plan``: server and workers compute the same set)
+  plan       S_t = the K clients of a seeded draw (``RoundPlan``: server and workers compute the same set)
   sync       each sampled client m receives the round's seeds s^t and the (seeds, v̄) history since its replica's
              round t'_m, and replays it (ClientSync, Algorithm 3). The request is prefetched as soon as round
              t−1's scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase, round_plan
+from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase
 from hosfl_dist.algorithms.compute import ServerCompute, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
@@ -141,11 +141,6 @@ class ClientJob:
     """The P perturbed activations, when they ran before λ arrived (latency hiding)."""
 
 
-def planned_rounds(cfg: Config) -> int:
-    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
-    return -(-cfg.train.budget_samples // (cfg.clients.per_round * cfg.clients.batch_size))
-
-
 def apply_update(
     rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
 ) -> None:
@@ -193,8 +188,8 @@ class BackpropServer(ServerBase):
         if t != self.rounds_done:
             raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
         clients = sorted(batch)
-        if clients != round_plan(self.cfg, t):
-            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {round_plan(self.cfg, t)}")
+        if clients != self.round_plan.sampled(t):
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {self.round_plan.sampled(t)}")
         admitted = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
         uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in admitted}
         counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in admitted}  # no 0/0
@@ -207,7 +202,7 @@ class BackpropServer(ServerBase):
             self._skipped += len(losses) - 1
             losses, lams = {}, {}
         scheduled = self.cfg.server.optim.scheduled  # round t's rate (warmup, then the schedule)
-        lr = lr_at(self.cfg.server.optim, t, planned_rounds(self.cfg)) if scheduled else None
+        lr = lr_at(self.cfg.server.optim, t, self.round_plan.rounds) if scheduled else None
         self.compute.step(len(losses), lr)  # θs^{t+1} = θs^t − η · (1/kept) Σ_m ∇ℓ_m
         self.rounds_done += 1
         if losses:
@@ -237,7 +232,7 @@ class HOSFLServer(BackpropServer):
         params = [
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
-        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, planned_rounds(cfg)))
+        self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, self.round_plan.rounds))
 
     def seeds_of(self, t: int) -> Tensor:
         return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
@@ -302,7 +297,7 @@ class HOSFLServer(BackpropServer):
         if not bool(torch.isfinite(scalars).all()):
             raise NonFiniteError(f"round {t}: the aggregated scalars v̄ are not finite")
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
-        for m in round_plan(self.cfg, t):
+        for m in self.round_plan.sampled(t):
             self.client_round[m] = t + 1
         self._trim()
 
@@ -379,7 +374,7 @@ class HOSFLWorker(WorkerBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         cfg = self.cfg
-        self.precision = client_precision(cfg, self.split)  # refuses a half-precision client below the μ floor
+        self.precision = client_precision(cfg.model, cfg.zo, self.split)  # refuses half precision below the μ floor
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
         if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.collective.is_leader:
@@ -418,7 +413,7 @@ class HOSFLWorker(WorkerBase):
 
     def _new_replica(self) -> Replica:
         params = self.fresh_params(requires_grad=False)  # clients never build an autograd graph
-        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params, planned_rounds(self.cfg)))
+        return Replica(params, TensorwiseOptimizer(self.cfg.clients.optim, params, self.round_plan.rounds))
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:

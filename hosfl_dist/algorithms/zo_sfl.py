@@ -82,7 +82,7 @@ class ZOSFLWorker(ExchangeWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.precision = client_precision(self.cfg, self.split, uploads_both=True)  # refuses a half-precision run
+        self.precision = client_precision(self.cfg.model, self.cfg.zo, self.split, uploads_both=True)  # μ floor
 
     def upload_forward(self, x: Any) -> Activation:
         """f_c(x) at the bound (perturbed) θc, computed in ``zo.compute_dtype``, in the dtype the server accepts."""

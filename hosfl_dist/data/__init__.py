@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import TEXT_DATASETS, Config
+from hosfl_dist.config import TEXT_DATASETS, Config, DataConfig
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.errors import DataError
@@ -160,11 +160,13 @@ def _check_shards(shards: Sequence[np.ndarray], batch_size: int) -> None:
         )
 
 
-def partition(labels: Tensor, cfg: Config) -> list[np.ndarray]:
-    seed = stream_seed(cfg.job.seed, Stream.PARTITION)
-    if cfg.data.partition == "dirichlet":
-        return dirichlet_partition(labels.numpy(), cfg.clients.total, cfg.data.alpha, seed)
-    return iid_partition(len(labels), cfg.clients.total, seed)
+def partition(labels: Tensor, data: DataConfig, total: int, seed: int) -> list[np.ndarray]:
+    """The training samples' indices of each of ``total`` clients (``data.partition``), drawn from ``seed``
+    (job.seed)."""
+    seed = stream_seed(seed, Stream.PARTITION)
+    if data.partition == "dirichlet":
+        return dirichlet_partition(labels.numpy(), total, data.alpha, seed)
+    return iid_partition(len(labels), total, seed)
 
 
 VISION_INFO = {
@@ -182,27 +184,27 @@ def data_info(cfg: Config) -> dict[str, Any]:
     if cfg.data.name in TEXT_DATASETS:
         from hosfl_dist.data.text_fed import text_data_info
 
-        return text_data_info(cfg)
+        return text_data_info(cfg.data, cfg.model)
     if cfg.data.name in VISION_INFO:
         classes, shape = VISION_INFO[cfg.data.name]
         return {"num_classes": len(cfg.data.classes) or classes, "input_shape": shape}  # data.classes: the kept ones
     return build_data(cfg).info  # synthetic images: generated, not loaded
 
 
-def input_sources(cfg: Config) -> dict[str, Any]:
+def input_sources(data: DataConfig) -> dict[str, Any]:
     """What the configured data is read from, by role: a local file's path (``data.train`` / ``data.eval`` for text,
     ``data.files[i]`` for images), or for the hub the data set's name and splits (``data.hub``). Generated data reads
     nothing. A run's identity hashes these files (:mod:`hosfl_dist.runtime.record.identity`)."""
-    if cfg.data.name in TEXT_DATASETS:
+    if data.name in TEXT_DATASETS:
         from hosfl_dist.data.text_fed import hub_splits, text_files
 
-        files = text_files(cfg)
+        files = text_files(data)
         if files is None:
-            return {"data.hub": hub_splits(cfg)}
+            return {"data.hub": hub_splits(data)}
         return {"data.train": files[0], "data.eval": files[1]}
     from hosfl_dist.data.vision import image_files
 
-    return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(cfg.data.name, cfg.data.root))}
+    return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(data.name, data.root))}
 
 
 def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
@@ -216,10 +218,10 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
         from hosfl_dist.data.text_fed import build_text_data
 
         return build_text_data(cfg, clients, evaluation)
-    images = load_vision_data(cfg)
+    images = load_vision_data(cfg.data, cfg.job.seed)
     tx, ty, vx, vy = images.train_x, images.train_y, images.eval_x, images.eval_y
     info = images.info
-    shards = partition(ty, cfg)
+    shards = partition(ty, cfg.data, cfg.clients.total, cfg.job.seed)
     row_of = None
     if clients is not None:
         rows = torch.as_tensor(np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, np.int64)])))
@@ -250,26 +252,27 @@ class VisionData:
     """Stored rows -> model inputs of an evaluation batch (normalisation only)."""
 
 
-def load_vision_data(cfg: Config) -> VisionData:
+def load_vision_data(data: DataConfig, seed: int) -> VisionData:
     """The configured image data set from local files: ``data.classes`` kept and relabelled 0..n-1 in their order,
-    then ``data.train_max_samples`` (a seeded subset) and ``data.eval_max_samples`` (the first ones) applied. The
-    federated runs (:func:`build_data`) and centralised pretraining (hosfl_dist.experiments.pretrain) share it."""
+    then ``data.train_max_samples`` (a subset drawn from ``seed``, job.seed) and ``data.eval_max_samples`` (the first
+    ones) applied. The federated runs (:func:`build_data`) and centralised pretraining
+    (hosfl_dist.experiments.pretrain) share it."""
     from hosfl_dist.data.vision import augment, load_images, normalize, select_classes
 
-    splits = load_images(cfg.data.name, cfg.data.root, cfg.job.seed)
+    splits = load_images(data.name, data.root, seed)
     tx, ty, vx, vy = splits.train_x, splits.train_y, splits.test_x, splits.test_y
     num_classes = splits.num_classes
-    if cfg.data.classes:
-        (tx, ty), (vx, vy) = (select_classes(x, y, cfg.data.classes, num_classes) for x, y in ((tx, ty), (vx, vy)))
-        num_classes = len(cfg.data.classes)
-    if cfg.data.train_max_samples:
-        keep = torch.randperm(len(ty), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
-        keep = keep[: cfg.data.train_max_samples].sort().values
+    if data.classes:
+        (tx, ty), (vx, vy) = (select_classes(x, y, data.classes, num_classes) for x, y in ((tx, ty), (vx, vy)))
+        num_classes = len(data.classes)
+    if data.train_max_samples:
+        keep = torch.randperm(len(ty), generator=generator(seed, Stream.TRAIN_SUBSET))
+        keep = keep[: data.train_max_samples].sort().values
         tx, ty = tx[keep], ty[keep]
-    if cfg.data.eval_max_samples:
-        vx, vy = vx[: cfg.data.eval_max_samples], vy[: cfg.data.eval_max_samples]
+    if data.eval_max_samples:
+        vx, vy = vx[: data.eval_max_samples], vy[: data.eval_max_samples]
     mean, std = splits.mean, splits.std
-    use_aug = cfg.data.augment
+    use_aug = data.augment
 
     def train_tf(x: Tensor, gen: torch.Generator | None) -> Tensor:
         if use_aug and gen is not None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import Config, DataConfig, ModelConfig
 from hosfl_dist.data import FederatedData, partition
 from hosfl_dist.data.partition import iid_partition
 from hosfl_dist.data.text import (
@@ -81,76 +81,74 @@ class TextFederatedData(FederatedData):
             yield {"input_ids": b.input_ids, "attention_mask": b.attention_mask}, self.eval_labels[idx]
 
 
-def task_name(cfg: Config) -> str:
+def task_name(data: DataConfig) -> str:
     """The prompt/label task of ``data.name`` (the offline sentiment data is SST-2 shaped)."""
-    return "sst2" if cfg.data.name == "sentiment_multiemo" else cfg.data.name
+    return "sst2" if data.name == "sentiment_multiemo" else data.name
 
 
-def task_spec(cfg: Config) -> TextTaskSpec:
+def task_spec(data: DataConfig) -> TextTaskSpec:
     """The task of ``data.name``: a preset, or the user's (``data.name=custom``: ``data.task``, ``data.template``,
     ``data.label_words``)."""
-    d = cfg.data
-    if d.name == CUSTOM:
-        return custom_task(d.task, d.template, d.label_words)
-    return get_task(task_name(cfg))
+    if data.name == CUSTOM:
+        return custom_task(data.task, data.template, data.label_words)
+    return get_task(task_name(data))
 
 
-def text_files(cfg: Config) -> tuple[str, str] | None:
+def text_files(data: DataConfig) -> tuple[str, str] | None:
     """(train, eval) local files of the configured text data set; None when it comes from the hub."""
-    d = cfg.data
-    if d.name == "sentiment_multiemo":
-        if d.source == "hub":
+    if data.name == "sentiment_multiemo":
+        if data.source == "hub":
             raise ConfigError("data.source=hub: sentiment_multiemo is a local data set; use data.source=local")
         from hosfl_dist.data.vision import shared_data_dir
 
-        train_path, eval_path = d.train_path, d.eval_path
+        train_path, eval_path = data.train_path, data.eval_path
         if not (train_path and eval_path):
-            default_train, default_eval = local_sentiment_paths(d.root or str(shared_data_dir()))
+            default_train, default_eval = local_sentiment_paths(data.root or str(shared_data_dir()))
             train_path, eval_path = train_path or default_train, eval_path or default_eval
         return train_path, eval_path
-    if d.source == "hub":
+    if data.source == "hub":
         return None
     for key in ("train_path", "eval_path"):
-        if not getattr(d, key):
-            raise ConfigError(f"data.{key} is empty: data.name={d.name} with data.source=local needs a local file")
-    return d.train_path, d.eval_path
+        if not getattr(data, key):
+            raise ConfigError(f"data.{key} is empty: data.name={data.name} with data.source=local needs a local file")
+    return data.train_path, data.eval_path
 
 
-def hub_splits(cfg: Config) -> dict[str, Any]:
+def hub_splits(data: DataConfig) -> dict[str, Any]:
     """What a hub data set is named by: its path, configuration and the splits a run reads."""
-    task = task_spec(cfg)
+    task = task_spec(data)
     return {"hub": task.hub[0], "name": task.hub[1], "splits": [HUB_SPLITS["train"], HUB_SPLITS["eval"]]}
 
 
-def load_examples(cfg: Config) -> tuple[list[dict], list[dict]]:
+def load_examples(data: DataConfig) -> tuple[list[dict], list[dict]]:
     """(train, eval) canonical examples of the configured text data set."""
-    d = cfg.data
-    task = task_spec(cfg)
-    files = text_files(cfg)
+    task = task_spec(data)
+    files = text_files(data)
     if files is None:
         return (
-            load_text_split(task, HUB_SPLITS["train"], "hub", None, d.columns or None),
-            load_text_split(task, HUB_SPLITS["eval"], "hub", None, d.columns or None),
+            load_text_split(task, HUB_SPLITS["train"], "hub", None, data.columns or None),
+            load_text_split(task, HUB_SPLITS["eval"], "hub", None, data.columns or None),
         )
-    columns = d.columns or (SENTIMENT_COLUMNS if d.name == "sentiment_multiemo" else None)
-    eval_split = "test" if d.name == "sentiment_multiemo" else "eval"
+    columns = data.columns or (SENTIMENT_COLUMNS if data.name == "sentiment_multiemo" else None)
+    eval_split = "test" if data.name == "sentiment_multiemo" else "eval"
     return (
         load_text_split(task, "train", "local", files[0], columns),
         load_text_split(task, eval_split, "local", files[1], columns),
     )
 
 
-def text_data_info(cfg: Config) -> dict[str, Any]:
-    """What the model builders need to know of the text task (its kind, label words), without loading examples."""
-    spec = task_spec(cfg)
+def text_data_info(data: DataConfig, model: ModelConfig) -> dict[str, Any]:
+    """What the model builders need to know of the text task (its kind, label words, with ``model``'s tokenizer),
+    without loading examples."""
+    spec = task_spec(data)
     info: dict[str, Any] = {
         "task": spec.name,
         "kind": spec.kind,
-        "max_length": cfg.data.max_length,
-        "padding_side": cfg.data.padding_side,
+        "max_length": data.max_length,
+        "padding_side": data.padding_side,
     }
     if spec.kind == "classification":
-        info["label_word_ids"] = label_word_ids(spec, load_tokenizer(resolve(cfg.model.source, cfg.model.gguf_file)))
+        info["label_word_ids"] = label_word_ids(spec, load_tokenizer(resolve(model.source, model.gguf_file)))
         info["num_classes"] = len(info["label_word_ids"])
     return info
 
@@ -164,16 +162,17 @@ def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluatio
     (each batch is trimmed to its own longest sequence).
     """
     d = cfg.data
-    spec = task_spec(cfg)
-    train_ex, eval_ex = load_examples(cfg)
+    spec = task_spec(d)
+    train_ex, eval_ex = load_examples(d)
     if d.train_max_samples and d.train_max_samples < len(train_ex):
         keep = torch.randperm(len(train_ex), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
         train_ex = [train_ex[i] for i in keep[: d.train_max_samples].sort().values.tolist()]
     if d.eval_max_samples:
         eval_ex = eval_ex[: d.eval_max_samples]
-    info = {**text_data_info(cfg), "train_size": len(train_ex), "eval_size": len(eval_ex)}
+    info = {**text_data_info(d, cfg.model), "train_size": len(train_ex), "eval_size": len(eval_ex)}
     if spec.kind == "classification":
-        shards = partition(torch.tensor([int(ex["label"]) for ex in train_ex], dtype=torch.long), cfg)
+        labels = torch.tensor([int(ex["label"]) for ex in train_ex], dtype=torch.long)
+        shards = partition(labels, d, cfg.clients.total, cfg.job.seed)
     else:
         if d.partition != "iid":
             raise ConfigError(f"data.partition={d.partition} needs class labels; {spec.name} supports only iid")

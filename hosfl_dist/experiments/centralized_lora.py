@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-from hosfl_dist.config import dump_config, load_config
+from hosfl_dist.algorithms import get_algorithm
+from hosfl_dist.config import dump_config
 from hosfl_dist.data import build_data
+from hosfl_dist.runtime.checks import load_run_config
 from hosfl_dist.runtime.trainer import eval_points
 from hosfl_dist.errors import HosflError
 from hosfl_dist.models import SplitModel, build_split_model, server_forward
@@ -54,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         # A first-order method: the client part keeps its train-mode behaviour (no ZO eval-mode wrapper).
-        cfg = load_config(args.config, ["algorithm.name=splitlora", *args.overrides])
+        cfg = load_run_config(args.config, ["algorithm.name=splitlora", *args.overrides])
         data = build_data(cfg)
         if data.info.get("kind") != "classification":
             raise HosflError("the centralized LoRA reference evaluates classification tasks only")
-        split = build_split_model(cfg, data.info)
+        split = build_split_model(cfg, data.info, get_algorithm(cfg.algorithm.name).zeroth_order_client)
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

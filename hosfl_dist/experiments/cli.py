@@ -117,11 +117,20 @@ def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[A
 
 
 def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
-    """Build each row's config once. Unknown keys and malformed overrides fail before the algorithm registry (and
-    so torch) is imported; the first valid config imports it, the later ones are cheap."""
+    """Build each row's config once. Unknown keys and malformed overrides of every row fail before the algorithm
+    registry (and so torch) is imported; then each row's sections are checked against each other and the registry
+    (:func:`hosfl_dist.runtime.checks.check_config`)."""
+    trees = {}
     for name, overrides in variants.items():
         try:
-            load_config(config, overrides)
+            trees[name] = load_config(config, overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    from hosfl_dist.runtime.checks import check_config
+
+    for name, cfg in trees.items():
+        try:
+            check_config(cfg)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
 
@@ -192,6 +201,7 @@ def check_builds(
     - with ``--node-memory`` / ``--gpu-memory`` (or Slurm's ``--mem``), the floor of its memory per node or rank
       (:mod:`hosfl_dist.experiments.launch.memory`)."""
     from hosfl_dist.precheck import build_key, check_build
+    from hosfl_dist.runtime.checks import load_run_config
 
     launch = launch or Launch()
     worlds = worlds or {}
@@ -200,7 +210,7 @@ def check_builds(
     builds_only = True
     failed = []
     for name, overrides in variants.items():
-        cfg = load_config(config, overrides)
+        cfg = load_run_config(config, overrides)
         world = worlds.get(name, World())
         key = build_key(cfg)
         if (key, world.nproc > 1) not in seen:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import VISION_MODELS, config_to_dict, load_config
+from hosfl_dist.config import VISION_MODELS, config_to_dict
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.logs import init_logging
 
@@ -71,9 +71,10 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from hosfl_dist.core.seeding import Stream, generator
     from hosfl_dist.data import load_vision_data
     from hosfl_dist.models import build_whole_vision_model
+    from hosfl_dist.runtime.checks import load_run_config
     from hosfl_dist.tasks.classification import ClassificationTask
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     if cfg.model.name not in VISION_MODELS:
         raise ConfigError(f"invalid value for model.name: {cfg.model.name!r} (pretraining is implemented for the "
                           f"vision models {list(VISION_MODELS)})")  # fmt: skip
@@ -82,9 +83,9 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     out = Path(args.out)
     record_path = out.with_suffix(".json")
     start = time.perf_counter()
-    data = load_vision_data(cfg)
+    data = load_vision_data(cfg.data, cfg.job.seed)
     device = torch.device(cfg.job.device)
-    net = build_whole_vision_model(cfg, data.info).train()
+    net = build_whole_vision_model(cfg.model, data.info, cfg.job.seed, cfg.job.device).train()
     task = ClassificationTask()
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay)
     n = len(data.train_y)

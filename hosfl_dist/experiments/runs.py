@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import Config, load_config
+from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.experiments.launch.worlds import World
 from hosfl_dist.runtime.record.folder import config_differences, input_differences, recorded_summary, run_status
@@ -52,8 +52,10 @@ class RunData:
 
 def resolve(config: str | None, spec: RunSpec) -> Config:
     """The config the run will get (validates every override before anything starts)."""
+    from hosfl_dist.runtime.checks import load_run_config
+
     try:
-        return load_config(config, spec.all_overrides())
+        return load_run_config(config, spec.all_overrides())
     except ConfigError as exc:
         raise ConfigError(f"{spec.variant} seed {spec.seed}: {exc}") from None
 

@@ -87,10 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sizes(cfg: Config) -> dict[str, int]:
     """The model's, f_c's and f_s's parameter counts and f_c's bytes, from a meta-device build of ``cfg``."""
+    from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
 
-    split = build_split_model(cfg, data_info(cfg), parts=())
+    split = build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
     client = list(split.client.parameters())
     server = sum(p.numel() for p in split.server.parameters())
     return {

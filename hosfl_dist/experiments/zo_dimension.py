@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from hosfl_dist.algorithms.exchange import server_seed, spsa_pair
-from hosfl_dist.config import load_config
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.data import build_data
 from hosfl_dist.errors import HosflError
 from hosfl_dist.models import build_split_model, server_forward
+from hosfl_dist.runtime.checks import load_run_config
 
 PROG = "python -m hosfl_dist.experiments.zo_dimension"
 
@@ -53,7 +53,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure_cut(cfg_path: str, overrides: list[str], cut: int, ps: list[int], repeats: int) -> dict:
-    cfg = load_config(cfg_path, [*overrides, f"split.cut={cut}"])
+    cfg = load_run_config(cfg_path, [*overrides, f"split.cut={cut}"])
     data = build_data(cfg, clients=[0], evaluation=False)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     client, server, task, zo = split.client, split.server, split.task, cfg.zo

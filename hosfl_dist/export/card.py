@@ -33,7 +33,7 @@ def task_record(restored: Restored) -> dict[str, Any] | None:
     from hosfl_dist.data.text import SENTIMENT_COLUMNS
     from hosfl_dist.data.text_fed import task_spec
 
-    spec = task_spec(cfg)
+    spec = task_spec(cfg.data)
     columns = dict(cfg.data.columns) or (dict(SENTIMENT_COLUMNS) if cfg.data.name == "sentiment_multiemo" else {})
     return {
         "data": cfg.data.name,

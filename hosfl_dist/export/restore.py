@@ -22,9 +22,10 @@ from typing import Any
 
 from torch import nn
 
-from hosfl_dist.config import Config, load_config
+from hosfl_dist.config import Config
 from hosfl_dist.errors import HosflError
 from hosfl_dist.models import SplitModel
+from hosfl_dist.runtime.checks import load_run_config
 
 
 class ExportError(HosflError):
@@ -132,9 +133,9 @@ def _dotted(tree: dict[str, Any], key: str) -> Any:
 def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restored:
     """Verify, check and load checkpoint ``which`` of the run in ``run_dir`` (see the module docstring)."""
     checkpoint = find_checkpoint(run_dir, which)
-    cfg = load_config(run_dir / CONFIG)
+    cfg = load_run_config(run_dir / CONFIG)
     check_same_run(cfg, checkpoint)
-    cfg = load_config(run_dir / CONFIG, [f"job.device={device}"])
+    cfg = load_run_config(run_dir / CONFIG, [f"job.device={device}"])
 
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.core.params import bind_slots, trainable_slots

@@ -30,6 +30,7 @@ from hosfl_dist.measure.standin import NoPeers, OneBatch, StandInServer
 from hosfl_dist.measure.tracker import ModeStep, storage_bytes
 from hosfl_dist.models import SplitModel
 from hosfl_dist.models.sources import DTYPES
+from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.tasks.classification import ClassificationTask
 from hosfl_dist.tasks.generation import lm_loss
 
@@ -190,7 +191,7 @@ def _client_setup(spec: ProfileSpec, gen: torch.Generator, device: torch.device)
 def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
     """The run config a profiled worker sees: the zo and clients sections, and model.dtype (what a zeroth-order
     client computes in and uploads follows from it)."""
-    return build_config(
+    tree = build_config(
         {
             "algorithm": {"name": algorithm},
             # model and data just have to be a valid pair
@@ -214,6 +215,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
             "job": {"seed": spec.seed, "device": spec.device, "progress": False},
         }
     )
+    return check_config(tree)
 
 
 def profiled_worker(spec: ProfileSpec, setup: Setup, algorithm: str, transport: Any = None) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import Config, ModelConfig
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.tasks import Task
@@ -103,25 +103,22 @@ def server_forward(server: nn.Module, act: Activation) -> Tensor:
 def build_split_model(
     cfg: Config,
     data_info: dict[str, Any],
-    zeroth_order_client: bool | None = None,
+    zeroth_order_client: bool,
     parts: Sequence[str] = ("client", "server"),
     shard: Callable[[nn.Module], Any] | None = None,
 ) -> SplitModel:
     """Build f_c and f_s with weights that depend only on ``job.seed`` (identical in every process and layout).
 
-    ``zeroth_order_client`` (default: what the registry says of ``algorithm.name``) keeps an LM client part free of
-    dropout. ``parts``: the parts this process runs; an LM is built on the meta device and only these are
-    materialised (of the others, only their trainable tensors). ``shard`` is applied to f_s before its weights exist
-    (FSDP2 over the server group), so a server rank materialises only its shard. Vision models are small: built
-    whole, then sharded.
+    ``zeroth_order_client``: whether the method's client is zeroth-order (its registry entry says; the caller asks
+    it), which keeps an LM client part free of dropout; vision models ignore it. ``parts``: the parts this process
+    runs; an LM is built on the meta device and only these are materialised (of the others, only their trainable
+    tensors). ``shard`` is applied to f_s before its weights exist (FSDP2 over the server group), so a server rank
+    materialises only its shard. Vision models are small: built whole, then sharded. A server normalising with batch
+    statistics needs one server rank and whole client batches (:func:`hosfl_dist.runtime.checks.check_config`).
     """
     if cfg.model.name == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
         from hosfl_dist.models import lm
 
-        if zeroth_order_client is None:
-            from hosfl_dist.algorithms import get_algorithm
-
-            zeroth_order_client = get_algorithm(cfg.algorithm.name).zeroth_order_client
         return lm.build(cfg, data_info, zeroth_order_client, parts, shard)
     from hosfl_dist.models import vision
 
@@ -143,8 +140,6 @@ def build_split_model(
             )
         else:
             raise ConfigError(f"unknown model.name {cfg.model.name!r}")
-    if vision.uses_batch_stats(server):
-        _check_batch_stats_server(cfg)
     device = torch.device(cfg.job.device)
     was = client.training
     with torch.no_grad():
@@ -157,32 +152,19 @@ def build_split_model(
     return SplitModel(client.to(device), server, ClassificationTask(), spec)
 
 
-def _check_batch_stats_server(cfg: Config) -> None:
-    """A server normalising with batch statistics (``model.freeze_bn=client|none``) must see each client's batch
-    whole and in one place: its outputs, λ and running statistics depend on which rows share a pass."""
-    mode = f"model.freeze_bn={cfg.model.freeze_bn} (batch statistics on the server)"
-    if cfg.server.ranks > 1:
-        raise ConfigError(f"invalid value for server.ranks: {cfg.server.ranks} ({mode} needs one server rank: each "
-                          "rank would normalise and update its own statistics)")  # fmt: skip
-    if 0 < cfg.server.micro_batch_tokens < cfg.clients.batch_size:
-        raise ConfigError(f"invalid value for server.micro_batch_tokens: {cfg.server.micro_batch_tokens} ({mode} "
-                          f"needs 0 or at least clients.batch_size={cfg.clients.batch_size}: a client's batch must not "
-                          "be cut into pieces)")  # fmt: skip
-
-
-def build_whole_vision_model(cfg: Config, data_info: dict[str, Any]) -> nn.Module:
+def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed: int, device: str) -> nn.Module:
     """The uncut vision model with trainable BatchNorm (train mode: batch statistics, running statistics updated),
-    initialised from ``job.seed``: what ``python -m hosfl_dist.experiments.pretrain`` trains. Its state dict is in
-    the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
+    initialised from ``seed`` (job.seed) on ``device``: what ``python -m hosfl_dist.experiments.pretrain`` trains.
+    Its state dict is in the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
     from hosfl_dist.models import vision
 
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
-        if cfg.model.name == "resnet18":
+        torch.manual_seed(stream_seed(seed, Stream.VISION_INIT))
+        if model.name == "resnet18":
             net: nn.Module = vision.ResNet18(data_info["num_classes"], data_info["input_shape"][0], frozen_bn=False)
-        elif cfg.model.name == "small_cnn":
-            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], cfg.model.width)
+        elif model.name == "small_cnn":
+            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], model.width)
         else:
-            raise ConfigError(f"invalid value for model.name: {cfg.model.name!r} (pretraining is implemented for "
+            raise ConfigError(f"invalid value for model.name: {model.name!r} (pretraining is implemented for "
                               "the vision models resnet18 and small_cnn)")  # fmt: skip
-    return net.to(torch.device(cfg.job.device))
+    return net.to(torch.device(device))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import Config, DataConfig, ModelConfig, SplitConfig
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import ActivationSpec, SplitModel
@@ -36,25 +36,25 @@ from hosfl_dist.tasks.classification import ClassificationTask, last_real_index
 from hosfl_dist.tasks.generation import GenerationTask
 
 
-def hub_requirements(cfg: Config) -> list[str]:
-    """What in ``cfg`` needs the Hugging Face hub (empty when everything is local)."""
+def hub_requirements(model: ModelConfig, data: DataConfig) -> list[str]:
+    """What of the model and data sections needs the Hugging Face hub (empty when everything is local)."""
     needs = []
-    if cfg.model.name == "hf" and is_hub_id(cfg.model.source):
-        needs.append(f"model.source={cfg.model.source!r} is a hub model")
-    if cfg.data.source == "hub":
-        needs.append(f"data.source=hub loads {cfg.data.name} with datasets.load_dataset")
+    if model.name == "hf" and is_hub_id(model.source):
+        needs.append(f"model.source={model.source!r} is a hub model")
+    if data.source == "hub":
+        needs.append(f"data.source=hub loads {data.name} with datasets.load_dataset")
     return needs
 
 
-def check_without_hub(cfg: Config) -> dict[str, Any]:
+def check_without_hub(model: ModelConfig, split: SplitConfig) -> dict[str, Any]:
     """The checks of a hub config that need no download: the cut against the model's known depth."""
-    depth = KNOWN_DEPTHS.get(cfg.model.source)
-    if depth is not None and not 1 <= cfg.split.cut < depth:
+    depth = KNOWN_DEPTHS.get(model.source)
+    if depth is not None and not 1 <= split.cut < depth:
         raise ConfigError(
-            f"invalid value for split.cut: {cfg.split.cut} ({cfg.model.source} has {depth} decoder blocks; "
+            f"invalid value for split.cut: {split.cut} ({model.source} has {depth} decoder blocks; "
             f"need 1 <= cut < {depth})"
         )
-    return {"decoder_blocks": depth, "client_blocks": cfg.split.cut}
+    return {"decoder_blocks": depth, "client_blocks": split.cut}
 
 
 class LabelWordServer(nn.Module):

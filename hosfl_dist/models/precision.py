@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import ModelConfig, ZOConfig
 from hosfl_dist.core.params import Slots
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import Activation, SplitModel
@@ -104,17 +104,19 @@ class ClientPrecision:
         return {k: v.to(self.wire[k]) if k in self.wire and v.is_floating_point() else v for k, v in act.items()}
 
 
-def client_precision(cfg: Config, split: SplitModel, uploads_both: bool = False) -> ClientPrecision:
+def client_precision(
+    model: ModelConfig, zo: ZOConfig, split: SplitModel, uploads_both: bool = False
+) -> ClientPrecision:
     """``zo.compute_dtype`` for this run, after refusing a half-precision client below the μ floor (ConfigError).
 
     ``uploads_both``: the server takes the difference of two uploaded activations (ZO-SFL, MU-SplitFed), so the
     upload's rounding bounds the estimate whatever the client computes in.
     """
-    stored = cfg.model.dtype if cfg.model.name == "hf" else "float32"  # model.dtype applies to hf models only
-    problem = cfg.zo.precision_problem(stored, uploads_both)
+    stored = model.dtype if model.name == "hf" else "float32"  # model.dtype applies to hf models only
+    problem = zo.precision_problem(stored, uploads_both)
     if problem is not None:
         raise ConfigError(problem)
-    choice = cfg.zo.compute_dtype
+    choice = zo.compute_dtype
     compute = None if choice == "model" or (choice == "auto" and stored == "float32") else torch.float32
     if split.spec is not None:
         wire = {k: d for k, d in split.spec.dtypes.items() if d.is_floating_point}

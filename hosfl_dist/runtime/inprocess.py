@@ -23,6 +23,7 @@ from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
+from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.peers import LocalPeers
 from hosfl_dist.runtime.process.host import check_devices, set_threads
@@ -43,7 +44,7 @@ class InProcessRunner:
     """One process, one worker hosting every client; the server behind an endpoint like under torchrun."""
 
     def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+        self.cfg = check_config(cfg)
         self.spec = get_algorithm(cfg.algorithm.name)
         self.meter = CommMeter()
         self.stop = StopRequest()

@@ -37,6 +37,7 @@ from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
+from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
 from hosfl_dist.runtime.peers import GroupPeers
@@ -67,6 +68,7 @@ logger = logging.getLogger(__name__)
 def run_torchrun(cfg: Config, env: LaunchEnv) -> tuple[int, tuple[dict[str, Any], str] | None]:
     """Run this process's role until the job ends: (exit code, on rank 0 of a completed run its summary and
     folder)."""
+    check_config(cfg)
     roles = role_map(cfg, env.world_size)  # refused here, before any process group exists
     spec = get_algorithm(cfg.algorithm.name)
     check_devices(cfg)

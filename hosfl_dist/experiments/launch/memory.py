@@ -32,10 +32,11 @@ def optimizer_bytes(optim: OptimConfig) -> int:
 
 def part_sizes(cfg: Config) -> dict[str, dict[str, int]]:
     """Per part (client, server): parameter bytes in their dtypes and trainable parameters, from a meta build."""
+    from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
 
-    split = build_split_model(cfg, data_info(cfg), parts=())
+    split = build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
     out = {}
     for part, module in (("client", split.client), ("server", split.server)):
         params = list(module.parameters())
@@ -117,7 +118,7 @@ def sizes_or_none(cfg: Config) -> tuple[dict[str, dict[str, int]] | None, str | 
     if cfg.model.name == "hf":
         from hosfl_dist.models.lm import hub_requirements
 
-        hub = [need for need in hub_requirements(cfg) if need.startswith("model.source")]
+        hub = [need for need in hub_requirements(cfg.model, cfg.data) if need.startswith("model.source")]
         if hub:
             return None, hub[0]
     try:

@@ -177,9 +177,11 @@ def assign(
     config: str | None, variants: dict[str, list[str]], rules: Sequence[Rule], nproc: int | None
 ) -> dict[str, World]:
     """Each row's world: the first rule that matches it, else ``nproc`` processes, else ``server.ranks + 1``."""
+    from hosfl_dist.runtime.checks import load_run_config
+
     out = {}
     for name, overrides in variants.items():
-        cfg = load_config(config, overrides)
+        cfg = load_run_config(config, overrides)
         rule = None
         for r in rules:
             try:
@@ -190,7 +192,7 @@ def assign(
                 raise ConfigError(f"{r.source}: {exc}") from None
         extra = rule.overrides if rule is not None else ()
         try:
-            full = load_config(config, [*overrides, *extra]) if extra else cfg
+            full = load_run_config(config, [*overrides, *extra]) if extra else cfg
         except ConfigError as exc:
             raise ConfigError(f"{rule.source}: {exc}") from None
         n = (rule.nproc if rule is not None else None) or nproc or full.server.ranks + 1

@@ -77,7 +77,7 @@ def input_sources(cfg: Config) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     try:  # rank 0 of a multi-node job may not see the workers' data: say so rather than fail
-        out.update(data_sources(cfg))
+        out.update(data_sources(cfg.data))
     except HosflError as exc:
         out["data"] = {"unreadable": str(exc).splitlines()[0][:300]}
     if cfg.model.name == "hf":

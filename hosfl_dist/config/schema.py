@@ -1,28 +1,22 @@
-"""The typed configuration tree: defaults < YAML file < dotted command-line overrides.
+"""The schema of the typed configuration tree: one dataclass per section, each field with a one-line docstring.
 
-Every section is a dataclass whose fields carry a one-line docstring. Loading is strict: an unknown key, a value of
-the wrong type or an invalid combination raises :class:`ConfigError` with a message naming the key, the section and
-the value, so a typo never silently falls back to a default.
+A section's ``__post_init__`` checks what that section alone can tell (ranges, names, paths); what needs two
+sections or the algorithm registry is checked where a run's config is built (:mod:`hosfl_dist.runtime.checks`).
+A failed check raises :class:`FieldError`, a :class:`ConfigError` naming the key, the value and why; the loader
+(:mod:`hosfl_dist.config.load`) prefixes the section's path to the key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.safe_yaml import load_file, load_override
 
 # Names the rest of the package registers under; validated here so a typo fails before anything is built
-# (algorithm names come from the registry in hosfl_dist.algorithms).
+# (algorithm names come from the registry in hosfl_dist.algorithms: hosfl_dist.runtime.checks checks them).
 VISION_MODELS = ("small_cnn", "resnet18")
 MODELS = (*VISION_MODELS, "hf")
 VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
@@ -97,23 +91,23 @@ class JobConfig:
     when nothing is set); or a name, e.g. "ib0" or the interface of the Slurm head node's address."""
 
     def __post_init__(self) -> None:
-        _check(self.out_dir == "" or bool(self.out_dir.strip()), "out_dir", self.out_dir,
-               "must name a folder (or be empty: runs/<job.name>/<start time>)")  # fmt: skip
+        check(self.out_dir == "" or bool(self.out_dir.strip()), "out_dir", self.out_dir,
+              "must name a folder (or be empty: runs/<job.name>/<start time>)")  # fmt: skip
         _check_path("out_dir", self.out_dir)
-        _check(NAME.fullmatch(self.name) is not None, "name", self.name, "it names the folder runs/<job.name>/: use "
-               "up to 100 letters, digits and _ . + = @ -, not starting with a dot")  # fmt: skip
-        _check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0 = auto)")
-        _check(self.threads <= MAX_THREADS, "threads", self.threads,
-               f"must be at most {MAX_THREADS} (more threads than any node has cores fail to start)")  # fmt: skip
-        _check(self.seed >= 0, "seed", self.seed, "must be >= 0")
-        _check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
-        _check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
-               "use auto or an interface name such as lo, eth0, ib0")  # fmt: skip
-        _check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
-               "the folder's run; choose one of the two")  # fmt: skip
+        check(NAME.fullmatch(self.name) is not None, "name", self.name, "it names the folder runs/<job.name>/: use "
+              "up to 100 letters, digits and _ . + = @ -, not starting with a dot")  # fmt: skip
+        check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0 = auto)")
+        check(self.threads <= MAX_THREADS, "threads", self.threads,
+              f"must be at most {MAX_THREADS} (more threads than any node has cores fail to start)")  # fmt: skip
+        check(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
+        check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
+              "use auto or an interface name such as lo, eth0, ib0")  # fmt: skip
+        check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
+              "the folder's run; choose one of the two")  # fmt: skip
         unknown = [x for x in self.loggers if x not in LOGGERS]
-        _check(not unknown, "loggers", self.loggers, f"unknown logger {unknown[0] if unknown else ''!r}; choose from "
-               f"{list(LOGGERS)}")  # fmt: skip
+        check(not unknown, "loggers", self.loggers, f"unknown logger {unknown[0] if unknown else ''!r}; choose from "
+              f"{list(LOGGERS)}")  # fmt: skip
 
 
 @dataclass
@@ -134,8 +128,8 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         for key in ("local_epochs", "server_update_interval", "align_interval", "server_steps"):
-            _check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
-        _check(self.global_lr > 0, "global_lr", self.global_lr, "must be > 0")
+            check(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        check(self.global_lr > 0, "global_lr", self.global_lr, "must be > 0")
 
 
 @dataclass
@@ -167,15 +161,17 @@ class ModelConfig:
     """Channels of the first block of small_cnn (doubled per block)."""
 
     def __post_init__(self) -> None:
+        check(self.name in MODELS, "name", self.name, f"choose one of {list(MODELS)}")
+        check(self.name != "hf" or bool(self.source), "source", self.source, "model.name=hf needs a source")
         if isinstance(self.freeze_bn, bool):  # the boolean of older configs: frozen everywhere, or trainable
             self.freeze_bn = "all" if self.freeze_bn else "none"
-        _check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
-               "choose one of ['all', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
-        _check(1 <= self.width <= MAX_WIDTH, "width", self.width, f"must be in 1..{MAX_WIDTH} (channels)")
+        check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
+              "choose one of ['all', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
+        check(1 <= self.width <= MAX_WIDTH, "width", self.width, f"must be in 1..{MAX_WIDTH} (channels)")
         _check_path("source", self.source)
         _check_path("pretrained", self.pretrained)
-        _check(self.gguf_file == "" or _is_file_name(self.gguf_file), "gguf_file", self.gguf_file,
-               "a file name inside model.source, not a path")  # fmt: skip
+        check(self.gguf_file == "" or _is_file_name(self.gguf_file), "gguf_file", self.gguf_file,
+              "a file name inside model.source, not a path")  # fmt: skip
 
 
 @dataclass
@@ -198,9 +194,9 @@ class LoraConfig:
     """Modules of the server part that get LoRA adapters (empty: server part frozen except what is listed)."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.r <= MAX_LORA_RANK, "r", self.r, f"must be in 1..{MAX_LORA_RANK}")
-        _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
-        _check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        check(1 <= self.r <= MAX_LORA_RANK, "r", self.r, f"must be in 1..{MAX_LORA_RANK}")
+        check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
 
 
 @dataclass
@@ -245,19 +241,19 @@ class ZOConfig:
     float64 is of order 1 in bfloat16 and in float16 (measured in results/scale/zo_precision.md)."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.num_perturbations <= MAX_PERTURBATIONS, "num_perturbations", self.num_perturbations,
-               f"must be in 1..{MAX_PERTURBATIONS} (perturbed forwards per client per round)")  # fmt: skip
-        _check(math.isfinite(self.mu) and MIN_MU <= self.mu <= 1, "mu", self.mu,
-               f"must be a finite perturbation scale in [{MIN_MU:g}, 1]; below it θ + μu rounds to θ in float32 and "
-               "every scalar is 0")  # fmt: skip
-        _check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
-        _check(math.isfinite(self.overlap_memory_mb) and self.overlap_memory_mb >= 0, "overlap_memory_mb",
-               self.overlap_memory_mb, "must be a finite number of MiB >= 0")  # fmt: skip
-        _check(math.isfinite(self.noise_cache_mb) and self.noise_cache_mb >= 0, "noise_cache_mb",
-               self.noise_cache_mb, "must be a finite number of MiB >= 0")  # fmt: skip
-        _check(isinstance(self.perturb_batch, int) and not isinstance(self.perturb_batch, bool)
-               and self.perturb_batch >= 1, "perturb_batch", self.perturb_batch,
-               "must be an integer >= 1: the perturbed forwards batched together (1: one at a time)")  # fmt: skip
+        check(1 <= self.num_perturbations <= MAX_PERTURBATIONS, "num_perturbations", self.num_perturbations,
+              f"must be in 1..{MAX_PERTURBATIONS} (perturbed forwards per client per round)")  # fmt: skip
+        check(math.isfinite(self.mu) and MIN_MU <= self.mu <= 1, "mu", self.mu,
+              f"must be a finite perturbation scale in [{MIN_MU:g}, 1]; below it θ + μu rounds to θ in float32 and "
+              "every scalar is 0")  # fmt: skip
+        check(DEVICE.fullmatch(self.rng_device) is not None, "rng_device", self.rng_device, "use cpu or cuda")
+        check(math.isfinite(self.overlap_memory_mb) and self.overlap_memory_mb >= 0, "overlap_memory_mb",
+              self.overlap_memory_mb, "must be a finite number of MiB >= 0")  # fmt: skip
+        check(math.isfinite(self.noise_cache_mb) and self.noise_cache_mb >= 0, "noise_cache_mb",
+              self.noise_cache_mb, "must be a finite number of MiB >= 0")  # fmt: skip
+        check(isinstance(self.perturb_batch, int) and not isinstance(self.perturb_batch, bool)
+              and self.perturb_batch >= 1, "perturb_batch", self.perturb_batch,
+              "must be an integer >= 1: the perturbed forwards batched together (1: one at a time)")  # fmt: skip
 
     def overlap_on(self, held_bytes: float) -> bool:
         """Whether a round overlaps (:attr:`overlap`), where keeping its z̃ takes ``held_bytes`` (P·Σ|z_m|)."""
@@ -314,15 +310,13 @@ class OptimConfig:
     """The learning rate at the last round, as a fraction of lr (linear and cosine schedules)."""
 
     def __post_init__(self) -> None:
-        _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
-        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        _check(
-            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", (self.beta1, self.beta2), "must be in [0, 1)"
-        )
-        _check(self.eps > 0, "eps", self.eps, "must be > 0")
-        _check(0 <= self.momentum < 1, "momentum", self.momentum, "must be in [0, 1)")
-        _check(self.warmup_rounds >= 0, "warmup_rounds", self.warmup_rounds, "must be >= 0")
-        _check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", self.final_lr_ratio, "must be in [0, 1]")
+        check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be a finite number > 0")
+        check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2", (self.beta1, self.beta2), "must be in [0, 1)")
+        check(self.eps > 0, "eps", self.eps, "must be > 0")
+        check(0 <= self.momentum < 1, "momentum", self.momentum, "must be in [0, 1)")
+        check(self.warmup_rounds >= 0, "warmup_rounds", self.warmup_rounds, "must be >= 0")
+        check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", self.final_lr_ratio, "must be in [0, 1]")
 
     @property
     def scheduled(self) -> bool:
@@ -344,15 +338,15 @@ class ClientsConfig:
     """Client optimizer (applied to the reconstructed gradient ĝ_c)."""
 
     def __post_init__(self) -> None:
-        _check(self.total >= 1, "total", self.total, "must be >= 1")
-        _check(self.per_round >= 1, "per_round", self.per_round, "must be >= 1")
-        _check(
+        check(self.total >= 1, "total", self.total, "must be >= 1")
+        check(self.per_round >= 1, "per_round", self.per_round, "must be >= 1")
+        check(
             self.per_round <= self.total,
             "per_round",
             self.per_round,
             f"K must not exceed clients.total (M={self.total})",
         )
-        _check(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        check(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
 
 
 @dataclass
@@ -378,11 +372,11 @@ class ServerConfig:
     the pass. The same bits either way."""
 
     def __post_init__(self) -> None:
-        _check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")
+        check(self.ranks >= 1, "ranks", self.ranks, "must be >= 1")
         for key in ("rpc_timeout_s", "collective_timeout_s"):
-            _check(1 <= getattr(self, key) <= 7 * 86400, key, getattr(self, key),
-                   "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
-        _check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
+            check(1 <= getattr(self, key) <= 7 * 86400, key, getattr(self, key),
+                  "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
+        check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:
@@ -407,9 +401,9 @@ class LinkConfig:
     """Round-trip time in ms; each one-way message pays half of it (paper: 30 ms)."""
 
     def __post_init__(self) -> None:
-        _check(self.uplink_mbps > 0, "uplink_mbps", self.uplink_mbps, "must be > 0")
-        _check(self.downlink_mbps > 0, "downlink_mbps", self.downlink_mbps, "must be > 0")
-        _check(self.rtt_ms >= 0, "rtt_ms", self.rtt_ms, "must be >= 0")
+        check(self.uplink_mbps > 0, "uplink_mbps", self.uplink_mbps, "must be > 0")
+        check(self.downlink_mbps > 0, "downlink_mbps", self.downlink_mbps, "must be > 0")
+        check(self.rtt_ms >= 0, "rtt_ms", self.rtt_ms, "must be >= 0")
 
     def uplink_s(self, nbytes: int) -> float:
         """One-way delay of an idle uplink for a message of ``nbytes``."""
@@ -473,41 +467,42 @@ class DataConfig:
     """Classes of each vision data set (data.classes is checked against them before anything is loaded)."""
 
     def __post_init__(self) -> None:
-        _check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
-        _check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
-        _check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
+        check(self.name in DATASETS, "name", self.name, f"choose one of {list(DATASETS)}")
+        check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
+        check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
+        check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
         if self.classes:
             n = self.CLASSES.get(self.name)
-            _check(self.name not in TEXT_DATASETS, "classes", self.classes, f"applies to vision data sets, not "
-                   f"data.name={self.name} (its labels are the task's label words)")  # fmt: skip
+            check(self.name not in TEXT_DATASETS, "classes", self.classes, f"applies to vision data sets, not "
+                  f"data.name={self.name} (its labels are the task's label words)")  # fmt: skip
             dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
-            _check(not dup, "classes", self.classes, f"class {dup[0] if dup else ''} is listed twice")
+            check(not dup, "classes", self.classes, f"class {dup[0] if dup else ''} is listed twice")
             bad = [c for c in self.classes if c < 0 or (n is not None and c >= n)]
-            _check(not bad, "classes", self.classes, f"class {bad[0] if bad else ''} is outside 0..{(n or 1) - 1}: "
-                   f"data.name={self.name} has {n} classes")  # fmt: skip
-            _check(len(self.classes) >= 2, "classes", self.classes, "a classifier needs two or more classes")
-        _check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
+            check(not bad, "classes", self.classes, f"class {bad[0] if bad else ''} is outside 0..{(n or 1) - 1}: "
+                  f"data.name={self.name} has {n} classes")  # fmt: skip
+            check(len(self.classes) >= 2, "classes", self.classes, "a classifier needs two or more classes")
+        check(self.max_length >= 4, "max_length", self.max_length, "must be >= 4")
         for key in ("root", "train_path", "eval_path"):
             _check_path(key, getattr(self, key))
         generation = self.name == "squad" or (self.name == "custom" and self.task == "generation")
-        _check(self.partition == "iid" or not generation, "partition", self.partition,
-               f"needs class labels; data.name={self.name} is a generation task: use iid")  # fmt: skip
+        check(self.partition == "iid" or not generation, "partition", self.partition,
+              f"needs class labels; data.name={self.name} is a generation task: use iid")  # fmt: skip
         if self.name == "custom":
-            _check(bool(self.task), "task", self.task, "data.name=custom needs data.task: classification or generation")
-            _check(bool(self.template.strip()), "template", self.template,
-                   "data.name=custom needs a prompt naming the file's columns, e.g. \"{text} It was\"")  # fmt: skip
+            check(bool(self.task), "task", self.task, "data.name=custom needs data.task: classification or generation")
+            check(bool(self.template.strip()), "template", self.template,
+                  "data.name=custom needs a prompt naming the file's columns, e.g. \"{text} It was\"")  # fmt: skip
             _check_template(self.template)
-            _check(self.source == "local", "source", self.source, "a custom task reads local files")
+            check(self.source == "local", "source", self.source, "a custom task reads local files")
             if self.task == "classification":
-                _check(len(self.label_words) >= 2 and len(set(self.label_words)) == len(self.label_words),
-                       "label_words", self.label_words, "a classification task needs two or more distinct label "
-                       "words")  # fmt: skip
+                check(len(self.label_words) >= 2 and len(set(self.label_words)) == len(self.label_words),
+                      "label_words", self.label_words, "a classification task needs two or more distinct label "
+                      "words")  # fmt: skip
             else:
-                _check(not self.label_words, "label_words", self.label_words, "a generation task has no label words")
+                check(not self.label_words, "label_words", self.label_words, "a generation task has no label words")
         else:
             for key in ("task", "template", "label_words"):
-                _check(not getattr(self, key), key, getattr(self, key), "applies to data.name=custom only (the "
-                       f"{self.name} preset has its own)")  # fmt: skip
+                check(not getattr(self, key), key, getattr(self, key), "applies to data.name=custom only (the "
+                      f"{self.name} preset has its own)")  # fmt: skip
 
 
 @dataclass
@@ -525,15 +520,15 @@ class TrainConfig:
     or skip that client's contribution to the round (counted as nonfinite_skipped in the metrics rows)."""
 
     def __post_init__(self) -> None:
-        _check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
-        _check(self.eval_every_samples >= 1, "eval_every_samples", self.eval_every_samples, "must be >= 1")
-        _check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
-        _check(1 <= self.eval_timeout_s <= 7 * 86400, "eval_timeout_s", self.eval_timeout_s,
-               "must be between 1 s and a week")  # fmt: skip
+        check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
+        check(self.eval_every_samples >= 1, "eval_every_samples", self.eval_every_samples, "must be >= 1")
+        check(self.eval_batch_size >= 1, "eval_batch_size", self.eval_batch_size, "must be >= 1")
+        check(1 <= self.eval_timeout_s <= 7 * 86400, "eval_timeout_s", self.eval_timeout_s,
+              "must be between 1 s and a week")  # fmt: skip
         evaluations = self.budget_samples // self.eval_every_samples
-        _check(evaluations <= MAX_EVALUATIONS, "eval_every_samples", self.eval_every_samples,
-               f"gives {evaluations:,} evaluations over train.budget_samples={self.budget_samples}; at most "
-               f"{MAX_EVALUATIONS:,}")  # fmt: skip
+        check(evaluations <= MAX_EVALUATIONS, "eval_every_samples", self.eval_every_samples,
+              f"gives {evaluations:,} evaluations over train.budget_samples={self.budget_samples}; at most "
+              f"{MAX_EVALUATIONS:,}")  # fmt: skip
 
 
 @dataclass
@@ -548,12 +543,15 @@ class CheckpointConfig:
     false: only interval and stop checkpoints."""
 
     def __post_init__(self) -> None:
-        _check(self.interval_samples >= 0, "interval_samples", self.interval_samples, "must be >= 0 (0 = off)")
-        _check(self.keep >= 1, "keep", self.keep, "must be >= 1")
+        check(self.interval_samples >= 0, "interval_samples", self.interval_samples, "must be >= 0 (0 = off)")
+        check(self.keep >= 1, "keep", self.keep, "must be >= 1")
 
 
 @dataclass
 class Config:
+    """The whole tree. Each section checks itself; what needs two sections or the algorithm registry is checked by
+    :func:`hosfl_dist.runtime.checks.check_config` where a run's config is built."""
+
     job: JobConfig = field(default_factory=JobConfig)
     """Run-level settings."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -579,107 +577,25 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints for exact resume."""
 
-    def __post_init__(self) -> None:
-        _check(self.model.name in MODELS, "model.name", self.model.name, f"choose one of {list(MODELS)}")
-        _check(self.data.name in DATASETS, "data.name", self.data.name, f"choose one of {list(DATASETS)}")
-        is_text = self.data.name in TEXT_DATASETS
-        _check(
-            (self.model.name == "hf") == is_text,
-            "model.name",
-            self.model.name,
-            f"data.name={self.data.name} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
-        )
-        if self.model.name == "hf":
-            _check(bool(self.model.source), "model.source", self.model.source, "model.name=hf needs a source")
-            _check(self.split.cut >= 1, "split.cut", self.split.cut, "the client keeps at least one decoder block")
-        if self.model.name in VISION_CUT_RANGE:
-            lo, hi = VISION_CUT_RANGE[self.model.name]
-            _check(
-                lo <= self.split.cut <= hi,
-                "split.cut",
-                self.split.cut,
-                f"{self.model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part",
-            )
-        if self.model.name == "resnet18" and self.model.freeze_bn != "all":
-            self._check_batch_stats_server()
-        self._check_algorithm()
-        _check(
-            self.train.budget_samples >= self.clients.batch_size,
-            "train.budget_samples",
-            self.train.budget_samples,
-            f"is smaller than one client batch (clients.batch_size={self.clients.batch_size})",
-        )
 
-    def _check_batch_stats_server(self) -> None:
-        """A server normalising with batch statistics must see each client's batch whole and in one place."""
-        mode = f"model.freeze_bn={self.model.freeze_bn} (batch statistics on the server)"
-        _check(self.server.ranks == 1, "server.ranks", self.server.ranks, f"{mode} needs one server rank: each rank "
-               "would normalise and update its own statistics")  # fmt: skip
-        micro, batch = self.server.micro_batch_tokens, self.clients.batch_size
-        _check(not 0 < micro < batch, "server.micro_batch_tokens", micro, f"{mode} needs 0 or at least "
-               f"clients.batch_size={batch}: a client's batch must not be cut into pieces")  # fmt: skip
-
-    def _check_algorithm(self) -> None:
-        from hosfl_dist.algorithms import algorithm_names, get_algorithm  # the registry; imports the algorithm modules
-
-        spec = get_algorithm(self.algorithm.name)
-        family = "hf" if self.model.name == "hf" else "vision"
-        lora = self.lora
-        _check(
-            not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),
-            "algorithm.name",
-            spec.name,
-            "needs LoRA adapters on both sides (model.name=hf with lora.client_targets and lora.server_targets); "
-            "use algorithm.name=sfl otherwise",
-        )
-        _check(
-            family in spec.families,
-            "algorithm.name",
-            spec.name,
-            f"implemented for {'/'.join(spec.families)} models, not model.name={self.model.name}",
-        )
-        if family == "hf":  # half-precision rounding against μ (torch-free: refused before anything is built)
-            problem = self.zo.precision_problem(self.model.dtype, spec.uploads_perturbed_pair)
-            if problem is not None and spec.zeroth_order_client:
-                raise ConfigError(problem)
-        for side in ("clients", "server"):
-            scheduling = "/".join(n for n in algorithm_names() if get_algorithm(n).lr_schedules)
-            _check(not getattr(self, side).optim.scheduled or spec.lr_schedules, f"{side}.optim.schedule",
-                   getattr(self, side).optim.schedule, f"learning-rate schedules are implemented for {scheduling}, "
-                   f"not algorithm.name={spec.name}")  # fmt: skip
-        _check(self.zo.perturb_batch == 1 or spec.batches_perturbations, "zo.perturb_batch", self.zo.perturb_batch,
-               f"batched perturbed forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
-        _check(
-            self.train.on_nonfinite == "stop" or spec.skips_nonfinite,
-            "train.on_nonfinite",
-            self.train.on_nonfinite,
-            f"algorithm.name={spec.name} stops on a non-finite value; skip is implemented for hosfl",
-        )
-
-
-class _FieldError(ConfigError):
+class FieldError(ConfigError):
     """A failed check inside a section; the loader prefixes the section path to `key`."""
 
     def __init__(self, key: str, value: Any, why: str) -> None:
-        super().__init__(f"invalid value for {key}: {_shown(value)} ({why})")
+        super().__init__(f"invalid value for {key}: {shown(value)} ({why})")
         self.key, self.value, self.why = key, value, why
 
 
-def _check(ok: bool, key: str, value: Any, why: str) -> None:
+def check(ok: bool, key: str, value: Any, why: str) -> None:
+    """Refuse ``value`` of ``key`` (relative to its section, or dotted from the root) unless ``ok``."""
     if not ok:
-        raise _FieldError(key, value, why)
+        raise FieldError(key, value, why)
 
 
-def _shown(value: Any, limit: int = 120) -> str:
+def shown(value: Any, limit: int = 120) -> str:
     """``repr(value)``, cut to ``limit`` characters: a message names a value, it does not echo a file."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text):,} characters)"
-
-
-def _named(key: Any) -> str:
-    """A key as the user wrote it, or its repr cut short where it is long or holds what a line cannot show."""
-    text = str(key)
-    return text if text.isprintable() and len(text) <= 60 else _shown(key, 60)
 
 
 def _is_file_name(name: str) -> bool:
@@ -689,9 +605,9 @@ def _is_file_name(name: str) -> bool:
 
 def _check_path(key: str, path: str) -> None:
     """A path the system can take: at most PATH_MAX characters in components of at most NAME_MAX bytes."""
-    _check(len(path) <= PATH_MAX, key, path, f"a path of at most {PATH_MAX} characters")
+    check(len(path) <= PATH_MAX, key, path, f"a path of at most {PATH_MAX} characters")
     long = [p for p in path.split("/") if len(p.encode()) > NAME_MAX]
-    _check(not long, key, path, f"a path component is longer than {NAME_MAX} bytes")
+    check(not long, key, path, f"a path component is longer than {NAME_MAX} bytes")
 
 
 def _check_template(template: str) -> None:
@@ -701,172 +617,6 @@ def _check_template(template: str) -> None:
     try:
         names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise _FieldError("template", template, str(exc)) from None
-    _check(bool(names) and all(f.isidentifier() for f in names), "template", template, "name the file's columns as "
-           "{column} fields, e.g. \"{premise}\\nQuestion: {hypothesis}? Answer:\"")  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        loaded = load_file(path)  # bounded: size, alias expansion, nesting; unique keys (hosfl_dist.safe_yaml)
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded or {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {_shown(item)} is not of the form section.key=value")
-        key = key.strip()
-        _set_dotted(raw, key, load_override(text, f"override {_named(key)}"))
-    return build_config(raw)
-
-
-def build_config(raw: dict[str, Any]) -> Config:
-    """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors)."""
-    return _build(Config, raw, "")
-
-
-def build_section(cls: type, raw: Any, name: str) -> Any:
-    """Construct one dataclass section (of this tree, or another tool's YAML) with the same strict checks, its keys
-    named ``name.key`` in errors."""
-    return _build(cls, raw, f"{name}.")
-
-
-def config_to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = raw
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {_named(key)}: {_named(part)} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    section = prefix.rstrip(".") or "<root>"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"section {section} must be a mapping, got {_shown(raw)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted((k for k in raw if k not in names), key=str)
-    if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}{_named(unknown[0])} in section {section} (known keys: {', '.join(sorted(names))})"
-        )
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], f"{prefix}{f.name}")
-    try:
-        built = cls(**kwargs)
-    except _FieldError as exc:  # name the section of a nested check: "lr" -> "clients.optim.lr"
-        raise ConfigError(f"invalid value for {prefix}{exc.key}: {_shown(exc.value)} ({exc.why})") from None
-    for name in kwargs:  # what the section's own checks let through: sizes that overflow where they are used
-        _check_range(getattr(built, name), f"{prefix}{name}")
-    return built
-
-
-def _check_range(value: Any, key: str) -> None:
-    """Numbers the build can hold: integers of 64 bits, finite floats within float32's range (an lr of 1e300 is
-    an overflow in the first float32 step, a seed of 2^64 one in the generator)."""
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_range(v, f"{key}[{i}]")
-    elif isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
-        raise ConfigError(f"invalid value for {key}: {_shown(value)} (must fit in a signed 64-bit integer)")
-    elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-        raise ConfigError(f"invalid value for {key}: {_shown(value)} (must be a finite number within float32's "
-                          f"range, |x| <= {FLOAT32_MAX:.4g})")  # fmt: skip
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (choose one of {list(choices)})")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        head = f"invalid value for {key}: {_shown(value)} ("
-        if len(errors) > 1 and all(e.startswith(head) and e.endswith(")") for e in errors):  # every form accepted
-            raise ConfigError(head + "; or ".join(e[len(head) : -1] for e in errors) + ")")
-        raise ConfigError(errors[0] if errors else f"invalid value for {key}: {_shown(value)}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a list)")
-        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a mapping)")
-        k_tp, v_tp = typing.get_args(tp)
-        return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected true or false)")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected an integer)")
-        return value
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a number)")
-        if isinstance(value, (int, float)):
-            try:
-                return float(value)
-            except OverflowError:  # an integer beyond any float
-                raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a finite number)") from None
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-3" as a string
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a number)")
-    if tp is str:
-        if isinstance(value, (dict, list, bool)) or value is None:
-            hint = "; quote text that starts with { or [, e.g. key='\"{x} ...\"'" if value is not None else ""
-            if isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans: [yes, no] is not [" yes", " no"]
-                hint = "; YAML reads yes, no, on, off, true and false as booleans: quote the word"
-            raise ConfigError(f"invalid value for {key}: {_shown(value)} (expected a string{hint})")
-        text = value if isinstance(value, str) else str(value)
-        allowed = "\n\t\r" if key.split("[")[0] in TEXT_KEYS else ""
-        bad = next((c for c in text if (ord(c) < 32 or ord(c) == 127) and c not in allowed), None)
-        if bad is not None:
-            raise ConfigError(f"invalid value for {key}: {_shown(text)} (holds the control character {bad!r}; only "
-                              f"{' and '.join(TEXT_KEYS)} may hold line breaks)")  # fmt: skip
-        return text
-    raise ConfigError(f"cannot read {key}: unsupported field type {tp!r}")
+        raise FieldError("template", template, str(exc)) from None
+    check(bool(names) and all(f.isidentifier() for f in names), "template", template, "name the file's columns as "
+          "{column} fields, e.g. \"{premise}\\nQuestion: {hypothesis}? Answer:\"")  # fmt: skip

@@ -1,0 +1,176 @@
+"""Loading the config tree: defaults < YAML file < dotted command-line overrides, each value coerced to its field's
+type and checked against the range the build can hold; an unknown key or a wrongly typed value is a
+:class:`ConfigError` naming the key and its section."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from hosfl_dist.config.schema import FLOAT32_MAX, INT64, TEXT_KEYS, Config, FieldError, shown
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.safe_yaml import load_file, load_override
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = load_file(path)  # bounded: size, alias expansion, nesting; unique keys (hosfl_dist.safe_yaml)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {shown(item)} is not of the form section.key=value")
+        key = key.strip()
+        _set_dotted(raw, key, load_override(text, f"override {_named(key)}"))
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors)."""
+    return _build(Config, raw, "")
+
+
+def build_section(cls: type, raw: Any, name: str) -> Any:
+    """Construct one dataclass section (of this tree, or another tool's YAML) with the same strict checks, its keys
+    named ``name.key`` in errors."""
+    return _build(cls, raw, f"{name}.")
+
+
+def _named(key: Any) -> str:
+    """A key as the user wrote it, or its repr cut short where it is long or holds what a line cannot show."""
+    text = str(key)
+    return text if text.isprintable() and len(text) <= 60 else shown(key, 60)
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {_named(key)}: {_named(part)} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    section = prefix.rstrip(".") or "<root>"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section {section} must be a mapping, got {shown(raw)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted((k for k in raw if k not in names), key=str)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{_named(unknown[0])} in section {section} (known keys: {', '.join(sorted(names))})"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], f"{prefix}{f.name}")
+    try:
+        built = cls(**kwargs)
+    except FieldError as exc:  # name the section of a nested check: "lr" -> "clients.optim.lr"
+        raise ConfigError(f"invalid value for {prefix}{exc.key}: {shown(exc.value)} ({exc.why})") from None
+    for name in kwargs:  # what the section's own checks let through: sizes that overflow where they are used
+        _check_range(getattr(built, name), f"{prefix}{name}")
+    return built
+
+
+def _check_range(value: Any, key: str) -> None:
+    """Numbers the build can hold: integers of 64 bits, finite floats within float32's range (an lr of 1e300 is
+    an overflow in the first float32 step, a seed of 2^64 one in the generator)."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_range(v, f"{key}[{i}]")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+        raise ConfigError(f"invalid value for {key}: {shown(value)} (must fit in a signed 64-bit integer)")
+    elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise ConfigError(f"invalid value for {key}: {shown(value)} (must be a finite number within float32's "
+                          f"range, |x| <= {FLOAT32_MAX:.4g})")  # fmt: skip
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (choose one of {list(choices)})")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        head = f"invalid value for {key}: {shown(value)} ("
+        if len(errors) > 1 and all(e.startswith(head) and e.endswith(")") for e in errors):  # every form accepted
+            raise ConfigError(head + "; or ".join(e[len(head) : -1] for e in errors) + ")")
+        raise ConfigError(errors[0] if errors else f"invalid value for {key}: {shown(value)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a list)")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a mapping)")
+        k_tp, v_tp = typing.get_args(tp)
+        return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected true or false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected an integer)")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a number)")
+        if isinstance(value, (int, float)):
+            try:
+                return float(value)
+            except OverflowError:  # an integer beyond any float
+                raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a finite number)") from None
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "1e-3" as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a number)")
+    if tp is str:
+        if isinstance(value, (dict, list, bool)) or value is None:
+            hint = "; quote text that starts with { or [, e.g. key='\"{x} ...\"'" if value is not None else ""
+            if isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans: [yes, no] is not [" yes", " no"]
+                hint = "; YAML reads yes, no, on, off, true and false as booleans: quote the word"
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a string{hint})")
+        text = value if isinstance(value, str) else str(value)
+        allowed = "\n\t\r" if key.split("[")[0] in TEXT_KEYS else ""
+        bad = next((c for c in text if (ord(c) < 32 or ord(c) == 127) and c not in allowed), None)
+        if bad is not None:
+            raise ConfigError(f"invalid value for {key}: {shown(text)} (holds the control character {bad!r}; only "
+                              f"{' and '.join(TEXT_KEYS)} may hold line breaks)")  # fmt: skip
+        return text
+    raise ConfigError(f"cannot read {key}: unsupported field type {tp!r}")

@@ -1,0 +1,106 @@
+"""What a run's config must satisfy beyond what each section checks of itself: how the sections fit together, and
+what the chosen method implements (the capabilities its registry entry declares).
+
+The config tree (:mod:`hosfl_dist.config`) refuses what one section tells alone and imports nothing above it; this
+module is the one place for the checks that need two sections or the algorithm registry. They run where a run's
+config is built: :func:`load_run_config` (``python -m hosfl_dist.run`` with ``--check`` and ``--dry-run``, the
+experiment commands, export), and each runtime checks the config it is given
+(:class:`~hosfl_dist.runtime.inprocess.InProcessRunner`, :func:`~hosfl_dist.runtime.torchrun.run_torchrun`). What
+needs the model's architecture or the task's files is :mod:`hosfl_dist.precheck`'s. Every refusal is one
+:class:`~hosfl_dist.errors.ConfigError` line naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm
+from hosfl_dist.config import TEXT_DATASETS, VISION_CUT_RANGE, VISION_MODELS, Config, check, load_config
+from hosfl_dist.errors import ConfigError
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of a run: the tree from defaults, an optional YAML file and ``key.sub=value`` overrides
+    (:func:`~hosfl_dist.config.load_config`), then :func:`check_config`."""
+    return check_config(load_config(path, overrides))
+
+
+def check_config(cfg: Config) -> Config:
+    """Refuse a config whose sections do not fit together or that asks its method for what it does not implement
+    (ConfigError naming the key); returns ``cfg``."""
+    _check_model_and_data(cfg)
+    if cfg.model.name == "resnet18" and cfg.model.freeze_bn != "all":
+        _check_batch_stats_server(cfg)
+    _check_algorithm(cfg, get_algorithm(cfg.algorithm.name))
+    check(
+        cfg.train.budget_samples >= cfg.clients.batch_size,
+        "train.budget_samples",
+        cfg.train.budget_samples,
+        f"is smaller than one client batch (clients.batch_size={cfg.clients.batch_size})",
+    )
+    return cfg
+
+
+def _check_model_and_data(cfg: Config) -> None:
+    """A text task needs the decoder LM and an image data set a vision model; the cut leaves each side a part."""
+    model, data, cut = cfg.model.name, cfg.data.name, cfg.split.cut
+    is_text = data in TEXT_DATASETS
+    check(
+        (model == "hf") == is_text,
+        "model.name",
+        model,
+        f"data.name={data} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
+    )
+    if model == "hf":  # its depth is the model's: checked where it is built (hosfl_dist.precheck, models.lm)
+        check(cut >= 1, "split.cut", cut, "the client keeps at least one decoder block")
+    if model in VISION_CUT_RANGE:
+        lo, hi = VISION_CUT_RANGE[model]
+        check(lo <= cut <= hi, "split.cut", cut,
+              f"{model} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part")  # fmt: skip
+
+
+def _check_batch_stats_server(cfg: Config) -> None:
+    """A server normalising with batch statistics (``model.freeze_bn=client|none``) must see each client's batch
+    whole and in one place: its outputs, λ and running statistics depend on which rows share a pass."""
+    mode = f"model.freeze_bn={cfg.model.freeze_bn} (batch statistics on the server)"
+    check(cfg.server.ranks == 1, "server.ranks", cfg.server.ranks, f"{mode} needs one server rank: each rank "
+          "would normalise and update its own statistics")  # fmt: skip
+    micro, batch = cfg.server.micro_batch_tokens, cfg.clients.batch_size
+    check(not 0 < micro < batch, "server.micro_batch_tokens", micro, f"{mode} needs 0 or at least "
+          f"clients.batch_size={batch}: a client's batch must not be cut into pieces")  # fmt: skip
+
+
+def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
+    """What the method implements: its model families, LoRA, schedules, batched perturbations, skipping."""
+    family = "hf" if cfg.model.name == "hf" else "vision"
+    lora = cfg.lora
+    check(
+        not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),
+        "algorithm.name",
+        spec.name,
+        "needs LoRA adapters on both sides (model.name=hf with lora.client_targets and lora.server_targets); "
+        "use algorithm.name=sfl otherwise",
+    )
+    check(
+        family in spec.families,
+        "algorithm.name",
+        spec.name,
+        f"implemented for {'/'.join(spec.families)} models, not model.name={cfg.model.name}",
+    )
+    if family == "hf":  # half-precision rounding against μ (refused before anything is built)
+        problem = cfg.zo.precision_problem(cfg.model.dtype, spec.uploads_perturbed_pair)
+        if problem is not None and spec.zeroth_order_client:
+            raise ConfigError(problem)
+    for side in ("clients", "server"):
+        scheduling = "/".join(n for n in algorithm_names() if get_algorithm(n).lr_schedules)
+        check(not getattr(cfg, side).optim.scheduled or spec.lr_schedules, f"{side}.optim.schedule",
+              getattr(cfg, side).optim.schedule, f"learning-rate schedules are implemented for {scheduling}, "
+              f"not algorithm.name={spec.name}")  # fmt: skip
+    check(cfg.zo.perturb_batch == 1 or spec.batches_perturbations, "zo.perturb_batch", cfg.zo.perturb_batch,
+          f"batched perturbed forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
+    check(
+        cfg.train.on_nonfinite == "stop" or spec.skips_nonfinite,
+        "train.on_nonfinite",
+        cfg.train.on_nonfinite,
+        f"algorithm.name={spec.name} stops on a non-finite value; skip is implemented for hosfl",
+    )
