@@ -18,6 +18,7 @@ from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.compute import Upload
 from hosfl_dist.config import load_config
 from hosfl_dist.data import data_info
+from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
@@ -133,7 +134,13 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         server, evaluator = server_side(cfg, get_algorithm("hosfl"), split, group)
         step = ServerGroup(server, evaluator, group=group)
         _, batch = _server_and_batch(tmp_path, [])
+        refused = []
         if rank == 0:  # rank 0 announces the call with its rows; each rank runs its share of them
+            for call in ({"t": 1, "batch": batch}, {"t": 0, "batch": batch, "nope": 1}):  # a round from the future:
+                try:  # refused on both ranks, which stay in step; arguments that do not fit: refused before the
+                    step.execute("submit", call)  # announcement
+                except (ProtocolError, TypeError) as exc:
+                    refused.append(type(exc).__name__)
             lams = step.execute("submit", {"t": 0, "batch": batch})
             m = next(iter(batch))  # an evaluation: a forward with no backward, after which f_s must be sharded again
             step.execute("eval_batch", {"act": batch[m]["act"], "labels": batch[m]["labels"]})
@@ -148,7 +155,7 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         full = [p.full_tensor() for p in server.model.parameters()]
         mine = param_bytes(server.model)
         if rank == 0:
-            torch.save({"lams": lams, "params": full, "param_bytes": mine, "sharded": sharded}, out)
+            torch.save({"lams": lams, "params": full, "param_bytes": mine, "sharded": sharded, "refused": refused}, out)
         else:
             torch.save({"sharded": sharded}, f"{out}.rank1")
     finally:
@@ -162,7 +169,8 @@ def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     one-rank server's bit for bit (whole clients per rank, each client's rows in one pass; FSDP averages the two
     shares exactly and the server doubles the average), whether each block's gathered weights are freed after its
     forward or kept for its backward (server.reshard_after_forward). After an evaluation (a forward with no
-    backward) every rank holds its shard only, whichever the setting."""
+    backward) every rank holds its shard only, whichever the setting. A call refused on rank 0 (a round from the
+    future; arguments that do not fit the method) leaves the group in step."""
     out = tmp_path / "dp.pt"
     mp.spawn(_dp_rank, args=(str(tmp_path / "store"), str(tmp_path), str(out), reshard), nprocs=2, join=True)
     got = torch.load(out)
@@ -178,6 +186,7 @@ def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     full = sum(p.numel() * p.element_size() for p in params)
     assert abs(got["param_bytes"] - full / 2) < 0.02 * full  # rank 0 holds about half of f_s
     assert got["sharded"] and torch.load(f"{out}.rank1")["sharded"]
+    assert got["refused"] == ["ProtocolError", "TypeError"]
 
 
 # -- construction ----------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ verification or load, the end (:class:`Digest`, :class:`Memory`, :class:`Save`, 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from hosfl_dist.errors import HosflError
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.runtime.control import Handler, handles
@@ -110,7 +112,8 @@ class ServerGroup(Handler):
     def execute(self, method: str, kwargs: dict[str, Any]) -> Any:
         """Run one call (rank 0, the endpoint's executor), announced to the other ranks first."""
         if self.group is not None:
-            self._announce(Execute(method, kwargs))
+            inspect.signature(declared_call(self.targets, method)).bind(**kwargs)  # a call that cannot run is
+            self._announce(Execute(method, kwargs))  # refused here, before the other ranks are asked to run it
         return self._run(method, kwargs)
 
     def digest(self) -> str:
@@ -169,8 +172,9 @@ class ServerGroup(Handler):
     def _on_execute(self, msg: Execute) -> None:
         try:
             self._run(msg.method, msg.kwargs)  # rank 0 answers
-        except Exception as exc:  # noqa: BLE001 - rank 0 ran the same call, failed alike and reports it
-            logger.debug("server rank %d: %s failed as on rank 0: %s", self.rank, msg.method, exc)
+        except HosflError as exc:  # the same checks of the same input failed on rank 0 alike, which reports it;
+            # anything else is this rank's own failure and ends it (and with it the job)
+            logger.debug("server rank %d: %s refused as on rank 0: %s", self.rank, msg.method, exc)
 
     @handles(Digest)
     def _on_digest(self, msg: Digest) -> None:
