@@ -97,6 +97,8 @@ def test_a_stop_signal_in_the_last_round_lets_the_run_complete(tmp_path, monkeyp
         *[pytest.param("hosfl", ["model.name=resnet18", f"model.freeze_bn={bn}", "train.budget_samples=120",
                                  "train.eval_every_samples=48"], marks=pytest.mark.slow)  # ~30 s each
           for bn in ("all", "client")],  # fmt: skip
+        # a first-order client's running statistics, which travel and are averaged with θc (freeze_bn=code)
+        pytest.param("sfl", ["model.name=resnet18", "model.freeze_bn=code"], marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, alg, extra):

@@ -194,8 +194,9 @@ def test_freeze_bn_takes_a_mode_or_the_old_booleans(value, mode):
     from hosfl_dist.config import load_config
 
     assert load_config(None, [f"model.freeze_bn={value}"]).model.freeze_bn == mode
-    assert load_config(None, []).model.freeze_bn == "all"
-    with pytest.raises(ConfigError, match=r"model.freeze_bn: 'some' \(choose one of \['all', 'client', 'none'\]"):
+    assert load_config(None, []).model.freeze_bn == "code"  # the authors' code, per method
+    choices = r"\['all', 'code', 'client', 'none'\]"
+    with pytest.raises(ConfigError, match=r"model.freeze_bn: 'some' \(choose one of " + choices):
         load_config(None, ["model.freeze_bn=some"])
 
 
@@ -227,6 +228,45 @@ def test_freeze_bn_client_trains_server_statistics_one_client_at_a_time(tmp_path
     assert any(k.endswith("running_mean") for k in changed) and any(k.endswith("running_var") for k in changed)
     assert not any(k.endswith(("weight", "bias")) for k in changed)  # affine parameters frozen
     # evaluation (2 batches of 8) in eval mode, then the round's K=2 clients in train mode one pass each, then eval
+    assert modes == [False, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("alg", ["sfl", "fsl_sage"])
+def test_freeze_bn_code_trains_a_first_order_clients_statistics_and_averages_them_with_its_model(tmp_path, alg):
+    """The authors' code runs a first-order client's BatchNorm in train mode: its running statistics move with its
+    batches, travel with θc (downloaded beside it, uploaded beside θc_m) and are averaged with the model's weights;
+    evaluation normalises with the averaged ones, and the end-of-run audit covers them."""
+    from hosfl_dist.algorithms.exchange import aggregate
+    from hosfl_dist.models.vision import BatchStatsNorm, running_stat_slots
+    from tiny import runner
+
+    r = runner([*RESNET_TINY, f"algorithm.name={alg}", "model.freeze_bn=code", f"job.out_dir={tmp_path / alg}"])
+    server, worker = r.server, r.worker
+    assert all(type(m) is BatchStatsNorm for m in r.split.client.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    before = [s.clone() for s in server.client_stats]
+    uploads = []
+    upload = server.upload
+
+    def recorded(t, batch):
+        uploads.append({m: ([s.clone() for s in b["stats"]], float(b["weight"])) for m, b in batch.items()})
+        return upload(t=t, batch=batch)
+
+    server.upload = recorded
+    summary = r.run()
+    assert summary["status"] == "completed" and len(uploads) == 1 and len(before) == 2 * 10  # mean and var, 10 layers
+    ups = [uploads[0][m] for m in sorted(uploads[0])]
+    assert all(any(not torch.equal(a, b) for a, b in zip(stats, before)) for stats, _ in ups)  # each client's moved
+    want = aggregate(before, [stats for stats, _ in ups], [w for _, w in ups])
+    assert all(torch.equal(a, b) for a, b in zip(server.client_stats, want))  # averaged with the model's weights
+    held = [mod._buffers[name] for mod, name in running_stat_slots(worker.module)]
+    assert all(torch.equal(a, b) for a, b in zip(held, want))  # the last evaluation normalised with them
+
+
+def test_freeze_bn_code_keeps_a_zeroth_order_clients_statistics_and_trains_the_servers(tmp_path):
+
+    c0, c1, s0, s1, modes = _one_round(tmp_path, "code")  # HO-SFL: as model.freeze_bn=client
+    assert not _changed(c0, c1)
+    assert any(k.endswith("running_mean") for k in _changed(s0, s1))
     assert modes == [False, False, True, True, False, False]
 
 
@@ -305,7 +345,7 @@ def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
         server = server_of(cfg, split, SFLServer)
         for m in order:
             server.submit(0, m, {"z": z[m]}, y[m])
-        server.upload(0, {m: {"params": server.client_model_copy(), "weight": 4} for m in sampled})
+        server.upload(0, {m: {"params": server.client_model_copy(), "stats": [], "weight": 4} for m in sampled})
         stats.append([s.clone() for s in server.server_stats])
     assert stats[0] and all(torch.equal(a, b) for a, b in zip(*stats))
 

@@ -148,6 +148,11 @@ class ServerBase:
         the client module's trainable-slot order; None where the server cannot tell."""
         return None
 
+    def client_stats_at(self, t: int) -> list[Tensor]:
+        """θc's BatchNorm running statistics at the end of round t, where the client trains them (a first-order client
+        under ``model.freeze_bn=code``); empty otherwise: the client part's own, fixed ones hold."""
+        return []
+
     def audit(self, rounds: int, client_digests: dict[str, str]) -> str | None:
         """What is wrong with an end-of-run report (None: it matches the server's own state)."""
         if rounds != self.rounds_done:

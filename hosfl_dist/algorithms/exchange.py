@@ -15,9 +15,11 @@ Unlike HO-SFL, these methods aggregate θc by shipping it. A round t of any of t
              round t
 
 Only trainable tensors (``requires_grad``) travel: all of θc for vision models, the LoRA adapters for SplitLoRA.
-A server part that normalises with batch statistics (``model.freeze_bn=client|none``) gives each copy θs_m its own
-running statistics too, averaged with the same weights at the round's end, so they do not depend on the order in
-which the clients' requests arrive.
+A server part that normalises with batch statistics (``model.freeze_bn=code|client|none``) gives each copy θs_m its
+own running statistics too, averaged with the same weights at the round's end, so they do not depend on the order in
+which the clients' requests arrive. A first-order client that trains with batch statistics (``model.freeze_bn=code``,
+as the authors' code runs SFL) carries its running statistics with θc: downloaded beside it, uploaded beside θc_m
+and averaged with the same weights (``stats``; empty for every other client).
 
 Zeroth-order helpers for ZO-SFL and MU-SplitFed (two-point SPSA with seeded perturbations) live here too.
 """
@@ -130,6 +132,8 @@ class ExchangeServer(ServerBase):
         self.server_stats = [mod._buffers[name] for mod, name in self.stat_slots]
         self.global_lr = 1.0
         self.client_model = clone_params(slot_tensors(trainable_slots(split.client)), False, self.device)  # θc^t
+        # θc^t's BatchNorm running statistics (a first-order client under model.freeze_bn=code; empty otherwise)
+        self.client_stats = [mod._buffers[name].detach().clone() for mod, name in running_stat_slots(split.client)]
         self.copies: dict[int, ServerCopy] = {}
         self.rounds_done = 0
 
@@ -158,22 +162,26 @@ class ExchangeServer(ServerBase):
         raise NotImplementedError
 
     # -- model exchange ----------------------------------------------------------------------------------------
-    @wire(result={"params": DOWNLINK_MODEL, "aux": DOWNLINK_MODEL}, after_previous_round=True)
+    @wire(result={"params": DOWNLINK_MODEL, "stats": DOWNLINK_MODEL, "aux": DOWNLINK_MODEL}, after_previous_round=True)
     def download(self, t: int, client: int) -> dict[str, Any]:
-        """θc^t for a client of round t."""
+        """θc^t (and its running statistics) for a client of round t."""
         self.check_round(t)
         self.check_sampled(t, client, "download")
         return self.download_payload(t, client)
 
     def download_payload(self, t: int, client: int) -> dict[str, Any]:
-        return {"params": self.client_model_copy()}
+        return {"params": self.client_model_copy(), "stats": self.client_stats_copy()}
 
     def client_model_copy(self) -> list[Tensor]:
         return [p.detach().clone() for p in self.client_model]
 
-    @wire(args={"params": UPLINK_MODEL}, gather=True, closes_round=True)
+    def client_stats_copy(self) -> list[Tensor]:
+        return [s.detach().clone() for s in self.client_stats]
+
+    @wire(args={"params": UPLINK_MODEL, "stats": UPLINK_MODEL}, gather=True, closes_round=True)
     def upload(self, t: int, batch: dict[int, dict[str, Any]]) -> None:
-        """θc_m of the round's K clients after their local training, each with its aggregation weight n_m."""
+        """θc_m of the round's K clients after their local training (and its running statistics), each with its
+        aggregation weight n_m."""
         self.check_round(t)
         clients = sorted(batch)
         if clients != self.round_plan.sampled(t):
@@ -181,11 +189,23 @@ class ExchangeServer(ServerBase):
         for m in clients:
             if not all(bool(torch.isfinite(p).all()) for p in batch[m]["params"]):
                 self.nonfinite(t, m, "client model")
+            stats = batch[m]["stats"]
+            if len(stats) != len(self.client_stats) or any(
+                not isinstance(s, Tensor) or s.shape != r.shape for s, r in zip(stats, self.client_stats)
+            ):
+                raise ProtocolError(f"round {t}: client {m} sent {len(stats)} running statistics, expected "
+                                    f"{len(self.client_stats)} of θc's shapes")  # fmt: skip
+            if not all(bool(torch.isfinite(s).all()) for s in stats):
+                self.nonfinite(t, m, "client running statistics")
         weights = [float(batch[m]["weight"]) for m in clients]
         new_c = aggregate(self.client_model, [batch[m]["params"] for m in clients], weights, self.global_lr)
         with torch.no_grad():
             for p, v in zip(self.client_model, new_c):
                 p.copy_(v)
+            if self.client_stats:  # the running statistics θc_m's batches gave, averaged with the same weights
+                new_stats = aggregate(self.client_stats, [batch[m]["stats"] for m in clients], weights, self.global_lr)
+                for s, v in zip(self.client_stats, new_stats):
+                    s.copy_(v.to(s.device, s.dtype))
             if self.copies:
                 if set(self.copies) != set(clients):
                     raise RuntimeError(f"round {t}: server copies {sorted(self.copies)} != uploads {clients}")
@@ -204,16 +224,22 @@ class ExchangeServer(ServerBase):
         """Hook run after a round's aggregation, before the next round may start."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "client_model": [p.detach().clone() for p in self.client_model]}
+        return {
+            **super().state_dict(),
+            "client_model": [p.detach().clone() for p in self.client_model],
+            "client_stats": self.client_stats_copy(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         with torch.no_grad():
             for p, v in zip(self.client_model, state["client_model"], strict=True):
                 p.copy_(v)
+            for s, v in zip(self.client_stats, state.get("client_stats", []), strict=True):
+                s.copy_(v)
 
     def expected_client_digest(self, t: int) -> str:
-        return tensors_digest(self.client_model)  # what every worker fetched at the end
+        return tensors_digest([*self.client_model, *self.client_stats])  # what every worker fetched at the end
 
     def client_params_at(self, t: int) -> list[Tensor]:
         """θc^t, which the server keeps (it aggregates the uploads into it); only the current round's."""
@@ -221,11 +247,17 @@ class ExchangeServer(ServerBase):
             raise ValueError(f"the server holds θc of round {self.rounds_done}, not of round {t}")
         return [p.detach() for p in self.client_model]
 
+    def client_stats_at(self, t: int) -> list[Tensor]:
+        """θc^t's running statistics (empty unless a first-order client trains them), as :meth:`client_params_at`."""
+        self.client_params_at(t)
+        return [s.detach() for s in self.client_stats]
+
     # -- evaluation ---------------------------------------------------------------------------------------------
-    @wire(result={"params": EVAL}, after_previous_round=True)
+    @wire(result={"params": EVAL, "stats": EVAL}, after_previous_round=True)
     def eval_model(self, t: int) -> dict[str, Any]:
-        """θc^t for the evaluation replica or the end-of-run check (monitoring, not training traffic)."""
-        return {"params": self.client_model_copy()}
+        """θc^t (and its running statistics) for the evaluation replica or the end-of-run check (monitoring, not
+        training traffic)."""
+        return {"params": self.client_model_copy(), "stats": self.client_stats_copy()}
 
 
 # -- worker --------------------------------------------------------------------------------------------------------
@@ -241,6 +273,8 @@ class ExchangeWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self.B = self.cfg.clients.batch_size
         self.final_params: list[Tensor] | None = None
+        self.stat_buffers = [mod._buffers[name] for mod, name in running_stat_slots(self.module)]
+        """The client module's BatchNorm running statistics (a first-order client under model.freeze_bn=code)."""
 
     def local_steps(self, client: int) -> int:
         """Client steps in one round: E local epochs over the client's shard (paper: E = 1)."""
@@ -270,10 +304,12 @@ class ExchangeWorker(WorkerBase):
             got = self.server.download(t=t, client=m)
             params = clone_params(got["params"], self.first_order, self.device)
             self.bind(params)
+            self.load_stats(got["stats"])  # θc^t's running statistics: this client's batches update them
             self.train_client(t, m, params, steps[m], got)
             weight = steps[m] * self.B
+            stats = [s.detach().clone() for s in self.stat_buffers]
             uploads.append(
-                self.server.upload.send(t=t, client=m, params=[p.detach() for p in params], weight=weight)
+                self.server.upload.send(t=t, client=m, params=[p.detach() for p in params], stats=stats, weight=weight)
             )
         for fut in uploads:  # answered once the round's K uploads are aggregated (errors surface here)
             fut.wait()
@@ -285,12 +321,23 @@ class ExchangeWorker(WorkerBase):
         raise NotImplementedError
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
+    def load_stats(self, stats: Sequence[Tensor]) -> None:
+        """Copy running statistics into the client module's BatchNorm layers (none: nothing to do)."""
+        if len(stats) != len(self.stat_buffers):
+            raise ProtocolError(f"the server sent {len(stats)} running statistics, the client part has "
+                                f"{len(self.stat_buffers)}")  # fmt: skip
+        with torch.no_grad():
+            for buf, s in zip(self.stat_buffers, stats):
+                buf.copy_(s)
+
     def eval_params(self, t: int) -> Sequence[nn.Parameter]:
-        return clone_params(self.server.eval_model(t=t)["params"], False, self.device)
+        got = self.server.eval_model(t=t)
+        self.load_stats(got["stats"])  # evaluation normalises with θc^t's running statistics
+        return clone_params(got["params"], False, self.device)
 
     def sync_all(self, t: int) -> None:
         """Fetch θc^t at the end of the run: every worker digests the same global client model."""
-        self.final_params = list(self.eval_params(t))
+        self.final_params = [*self.eval_params(t), *(s.detach().clone() for s in self.stat_buffers)]
 
     def sync_all_words(self, t: int) -> str:
         return f"fetching the global client model θc of round {t} (no replicas to bring up to date)"

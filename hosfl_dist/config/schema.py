@@ -149,14 +149,15 @@ class ModelConfig:
     reset_head: bool = False
     """With model.pretrained: initialise a new classifier head even when the file's has as many classes (fine-tuning
     on other classes than the pretraining's, e.g. data.classes 5-9 after 0-4)."""
-    freeze_bn: Literal["all", "client", "none"] | bool = "all"
+    freeze_bn: Literal["all", "code", "client", "none"] | bool = "code"
     """BatchNorm of resnet18 (small_cnn has none: ignored). all: statistics and affine parameters frozen on both sides,
-    running statistics everywhere (the paper's text, App. B.2). client: the authors' published code: affine parameters
-    frozen on both sides, the client part always on running statistics, the server part in train mode in training
-    rounds (batch statistics, running statistics updated: the K clients pass one by one, each its own batch) and in
-    eval mode in evaluation. none: as client, with the affine parameters trainable on both sides; client BN still
-    runs on running statistics (they are data-dependent state outside θc, which HO-SFL's seed replay and the model
-    exchange of the baselines do not carry). true = all, false = none (older configs)."""
+    running statistics everywhere (the paper's text, App. B.2). code: the authors' published code, per method: affine
+    parameters frozen on both sides; the server part in train mode in training rounds (batch statistics, running
+    statistics updated: the K clients pass one by one, each its own batch) and in eval mode in evaluation; a
+    first-order client (sfl, fsl_sage) likewise, its running statistics downloaded, uploaded and averaged with θc; a
+    zeroth-order client (hosfl, zo_sfl, mu_splitfed, frozen_client) on fixed running statistics. client: as code with
+    every client on fixed running statistics. none: as client, with the affine parameters trainable on both sides.
+    true = all, false = none (older configs)."""
     width: int = 16
     """Channels of the first block of small_cnn (doubled per block)."""
 
@@ -165,8 +166,8 @@ class ModelConfig:
         check(self.name != "hf" or bool(self.source), "source", self.source, "model.name=hf needs a source")
         if isinstance(self.freeze_bn, bool):  # the boolean of older configs: frozen everywhere, or trainable
             self.freeze_bn = "all" if self.freeze_bn else "none"
-        check(self.freeze_bn in ("all", "client", "none"), "freeze_bn", self.freeze_bn,
-              "choose one of ['all', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
+        check(self.freeze_bn in ("all", "code", "client", "none"), "freeze_bn", self.freeze_bn,
+              "choose one of ['all', 'code', 'client', 'none'] (or true = all, false = none)")  # fmt: skip
         check(1 <= self.width <= MAX_WIDTH, "width", self.width, f"must be in 1..{MAX_WIDTH} (channels)")
         _check_path("source", self.source)
         _check_path("pretrained", self.pretrained)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from hosfl_dist.config import Config
@@ -152,6 +153,12 @@ def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restor
     if theta_c is None:
         raise ExportError(f"the {cfg.algorithm.name} server cannot tell θc at round {meta['round']}")
     bind_slots(trainable_slots(split.client), [nn.Parameter(p.detach().clone(), requires_grad=False) for p in theta_c])
+    from hosfl_dist.models.vision import running_stat_slots
+
+    stats = server.client_stats_at(meta["round"])  # where the client trained them (first-order, model.freeze_bn=code)
+    with torch.no_grad():
+        for (mod, name), s in zip(running_stat_slots(split.client) if stats else [], stats, strict=True):
+            mod._buffers[name].copy_(s)
     split.client.eval()
     split.server.eval()
     from hosfl_dist.runtime.record.folder import recorded_summary

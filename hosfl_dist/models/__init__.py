@@ -132,6 +132,7 @@ def build_split_model(
                 cfg.model.freeze_bn,
                 cfg.model.pretrained,
                 cfg.model.reset_head,
+                first_order_client=not zeroth_order_client,
             )
         elif cfg.model.name == "small_cnn":  # no BatchNorm: model.freeze_bn does not apply
             shape, width = data_info["input_shape"], cfg.model.width

@@ -7,12 +7,17 @@ from a local file (``model.pretrained``); the cut falls after residual stage ``s
 - ``all`` (the paper's text, App. B.2): :class:`FrozenBatchNorm` everywhere, statistics and affine parameters never
   change, which also makes batching the K clients' activations on the server exactly equal to processing them one
   by one;
-- ``client`` (the authors' published code): the client part keeps :class:`FrozenBatchNorm`; the server part gets
-  :class:`BatchStatsNorm` with frozen affine parameters: batch statistics in train mode (running statistics
-  updated), running statistics in eval mode. The servers then run each client's batch in its own pass;
+- ``code`` (the authors' published code, per method): the server part gets :class:`BatchStatsNorm` with frozen
+  affine parameters: batch statistics in train mode (running statistics updated), running statistics in eval mode;
+  the servers then run each client's batch in its own pass. A first-order client (SFL, FSL-SAGE) trains with
+  :class:`BatchStatsNorm` too, its running statistics travelling and averaged with θc (the baselines' model
+  exchange carries them); a zeroth-order client (HO-SFL, ZO-SFL, MU-SplitFed, frozen_client) keeps
+  :class:`FrozenBatchNorm`: its perturbed forwards must differ by the perturbation alone, and HO-SFL's seed replay
+  carries no data-dependent state;
+- ``client``: as ``code`` with every client part on :class:`FrozenBatchNorm` (what ``code`` was before first-order
+  clients trained their statistics);
 - ``none``: as ``client`` with the affine parameters trainable on both sides. The client part still normalises with
-  its running statistics: they are data-dependent state outside θc, which neither HO-SFL's seed replay nor the
-  baselines' model exchange carries, so batch statistics on the client would leave replicas disagreeing.
+  its running statistics.
 
 Both models also exist whole (:class:`ResNet18`, :class:`SmallCNN`): ``python -m hosfl_dist.experiments.pretrain``
 trains them centrally and saves the state dict ``model.pretrained`` loads.
@@ -34,7 +39,7 @@ from hosfl_dist.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BN_MODES = ("all", "client", "none")
+BN_MODES = ("all", "code", "client", "none")
 """``model.freeze_bn`` values (see the module docstring)."""
 
 
@@ -56,8 +61,9 @@ class FrozenBatchNorm(nn.BatchNorm2d):
 
 
 class BatchStatsNorm(nn.BatchNorm2d):
-    """BatchNorm of a server part under ``model.freeze_bn=client|none``: batch statistics in train mode (running
-    statistics updated), running statistics in eval mode; affine parameters trainable or frozen.
+    """BatchNorm of a server part under ``model.freeze_bn=code|client|none`` (and of a first-order client part under
+    ``code``): batch statistics in train mode (running statistics updated), running statistics in eval mode; affine
+    parameters trainable or frozen.
 
     ``updates_left`` (set by :func:`running_stat_updates`): how many more train-mode forwards may update the running
     statistics; the rest normalise with their batch statistics and leave them as they are. None: every forward.
@@ -100,11 +106,14 @@ def _replace_bn(module: nn.Module, make: type[nn.Module], trainable_affine: bool
             _replace_bn(child, make, trainable_affine)
 
 
-def apply_bn_mode(client: nn.Module, server: nn.Module, mode: str) -> None:
-    """Set the BatchNorm layers of a frozen-BN split to ``model.freeze_bn=mode`` (``all``: nothing to do)."""
+def apply_bn_mode(client: nn.Module, server: nn.Module, mode: str, first_order_client: bool = False) -> None:
+    """Set the BatchNorm layers of a frozen-BN split to ``model.freeze_bn=mode`` (``all``: nothing to do);
+    ``first_order_client``: the method's client back-propagates (under ``code`` it trains its statistics)."""
     if mode == "all":
         return
     _replace_bn(server, BatchStatsNorm, trainable_affine=mode == "none")
+    if mode == "code" and first_order_client:
+        _replace_bn(client, BatchStatsNorm, trainable_affine=False)
     if mode == "none":  # the client's γ, β join θc; its statistics stay frozen (FrozenBatchNorm's eval mode)
         for m in client.modules():
             if isinstance(m, FrozenBatchNorm):
@@ -295,14 +304,16 @@ def resnet18_split(
     frozen_bn: bool | str = True,
     pretrained: str = "",
     reset_head: bool = False,
+    first_order_client: bool = False,
 ) -> tuple:
-    """(f_c, f_s) of ResNet-18 cut after stage ``cut``; ``frozen_bn``: ``model.freeze_bn`` (or a boolean)."""
+    """(f_c, f_s) of ResNet-18 cut after stage ``cut``; ``frozen_bn``: ``model.freeze_bn`` (or a boolean);
+    ``first_order_client``: the method's client back-propagates (see :func:`apply_bn_mode`)."""
     mode = bn_mode(frozen_bn)
     net = ResNet18(num_classes, in_channels, frozen_bn=True)  # other modes are derived from the frozen split
     if pretrained:
         load_pretrained(net, pretrained, num_classes, reset_head=reset_head)
     client, server = ResNetClient(net, cut), ResNetServer(net, cut)
-    apply_bn_mode(client, server, mode)
+    apply_bn_mode(client, server, mode, first_order_client)
     return client, server
 
 
