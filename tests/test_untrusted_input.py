@@ -559,6 +559,9 @@ def test_check_refuses_a_custom_task_whose_template_or_labels_do_not_fit(lm_file
         [*argv, 'data.template="{p} is"'], capsys, "nli.jsonl: example 3 has label {}; custom labels are 0..2"
     )
     assert_refused([*argv, 'data.template="{0} is"'], capsys, "invalid value for data.template: '{0} is' (name the")
+    (lm_files / "bool.jsonl").write_text(json.dumps({"p": "A.", "gold": True}) + "\n")  # not label 1
+    assert_refused([*argv, 'data.template="{p} is"', f"data.train_path={lm_files / 'bool.jsonl'}"], capsys,
+                   "bool.jsonl: example 0 has label true; custom labels are 0..2")  # fmt: skip
     words = lm_check(lm_files, *custom, 'data.template="{p} is"', "data.label_words=[true, false, maybe]")
     assert_refused(words, capsys, "invalid value for data.label_words[0]: True (expected a string; YAML reads true")
 
