@@ -13,12 +13,21 @@ make the loader do:
 - a value the constructor cannot build (a date that does not exist, an integer of 10,000 digits) is refused at its
   line.
 
+Plain scalars are read by YAML 1.2's core schema (:data:`CORE_SCHEMA`), not PyYAML's YAML 1.1: integers are decimal
+(``02000`` is 2000) unless written ``0o17`` or ``0x1F``; there is no base 60 (``1:30`` is text); floats are
+``[-+]?(.D+|D+(.D*)?)([eE][-+]?D+)?`` and ``.inf``/``.nan``; booleans are true/false alone (``yes``, ``no``, ``on``,
+``off`` are text); ``null``, ``~`` and the empty value are null; dates are text. ``<<`` merge keys are kept. A number
+remembers the scalar it was read from (:class:`WrittenInt`, :class:`WrittenFloat`), so a key that takes text can take
+it as written (``0x10``, ``007``, ``1e3``). :class:`SafeDumper` quotes every string that YAML 1.2 or 1.1 would read as
+something else, so what it writes reads back the same under either.
+
 Every refusal is a :class:`~hosfl_dist.errors.ConfigError` of one line naming where, never the offending text beyond
 a short excerpt. Torch-free.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +46,51 @@ EXCERPT = 80
 """Characters of the input a message may quote."""
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+NULL_TAG, BOOL_TAG, INT_TAG, FLOAT_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float"))
+
+_FLOAT = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+CORE_SCHEMA: list[tuple[str, re.Pattern[str], str]] = [
+    (NULL_TAG, re.compile(r"(?:null|Null|NULL|~|)\Z"), "~nN"),
+    (BOOL_TAG, re.compile(r"(?:true|True|TRUE|false|False|FALSE)\Z"), "tTfF"),
+    (INT_TAG, re.compile(r"(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z"), "-+0123456789"),
+    (FLOAT_TAG, re.compile(f"(?:{_FLOAT})\\Z"), "-+.0123456789"),
+]
+"""YAML 1.2's core schema (spec 10.3.2) as (tag, regexp, first characters): how a plain scalar is resolved, the first
+match in this order winning (an integer before the float that would also match)."""
+_CORE = {tag: regexp for tag, regexp, _ in CORE_SCHEMA}
+
+
+def _add_core_schema(cls: type[yaml.SafeLoader] | type[yaml.SafeDumper]) -> None:
+    for tag, regexp, first in CORE_SCHEMA:
+        cls.add_implicit_resolver(tag, regexp, [*first, ""] if tag == NULL_TAG else list(first))  # "": empty value
+
+
+class WrittenInt(int):
+    """An integer read from YAML, with ``text``, the scalar as written (``02000``, ``0x10``): a str key takes it."""
+
+    text: str
+
+    def __new__(cls, value: int, text: str) -> WrittenInt:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+    def __getnewargs__(self) -> tuple[int, str]:
+        return int(self), self.text
+
+
+class WrittenFloat(float):
+    """A float read from YAML, with ``text``, the scalar as written (``1e3``, ``.5``): a str key takes it."""
+
+    text: str
+
+    def __new__(cls, value: float, text: str) -> WrittenFloat:
+        self = super().__new__(cls, value)
+        self.text = text
+        return self
+
+    def __getnewargs__(self) -> tuple[float, str]:
+        return float(self), self.text
 
 
 class UntrustedYAMLError(yaml.YAMLError):
@@ -48,7 +102,10 @@ class UntrustedYAMLError(yaml.YAMLError):
 
 
 class SafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader with bounded alias expansion and nesting, unique keys and one-line construction errors."""
+    """yaml.SafeLoader with YAML 1.2's core schema, bounded alias expansion and nesting, unique keys and one-line
+    construction errors."""
+
+    yaml_implicit_resolvers: dict[str, list] = {}  # YAML 1.1's left behind: filled from CORE_SCHEMA below
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
@@ -101,6 +158,50 @@ class SafeLoader(yaml.SafeLoader):
                                              key_node.start_mark)  # fmt: skip
                 seen[key] = key_node
         return super().construct_mapping(node, deep)
+
+    def construct_core_int(self, node: ScalarNode) -> WrittenInt:
+        text = self.construct_scalar(node)
+        if not _CORE[INT_TAG].match(text):
+            raise ValueError(f"{text!r} is not an integer of YAML 1.2 (digits, 0o octal or 0x hex)")
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        return WrittenInt(int(text if base == 10 else text[2:], base), text)
+
+    def construct_core_float(self, node: ScalarNode) -> WrittenFloat:
+        text = self.construct_scalar(node)
+        if not _CORE[FLOAT_TAG].match(text):
+            raise ValueError(f"{text!r} is not a float of YAML 1.2")
+        return WrittenFloat(float(text.lower().replace(".inf", "inf").replace(".nan", "nan")), text)
+
+    def construct_core_bool(self, node: ScalarNode) -> bool:
+        text = self.construct_scalar(node)
+        if not _CORE[BOOL_TAG].match(text):
+            raise ValueError(f"{text!r} is not a boolean of YAML 1.2 (true or false)")
+        return text.lower() == "true"
+
+
+SafeLoader.add_implicit_resolver(MERGE_TAG, re.compile(r"<<\Z"), ["<"])  # not YAML 1.2, but configs may use it
+_add_core_schema(SafeLoader)
+SafeLoader.add_constructor(INT_TAG, SafeLoader.construct_core_int)
+SafeLoader.add_constructor(FLOAT_TAG, SafeLoader.construct_core_float)
+SafeLoader.add_constructor(BOOL_TAG, SafeLoader.construct_core_bool)
+
+
+class SafeDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that quotes a string YAML 1.2 would read as a number, a boolean or null (``1e3``, ``0o17``), as
+    it quotes those of YAML 1.1 (``yes``, ``1:30``): its output reads back the same with either loader."""
+
+    def represent_written(self, data: WrittenInt | WrittenFloat) -> Node:
+        return self.represent_int(data) if isinstance(data, int) else self.represent_float(data)
+
+
+_add_core_schema(SafeDumper)  # on top of YAML 1.1's
+SafeDumper.add_representer(WrittenInt, SafeDumper.represent_written)
+SafeDumper.add_representer(WrittenFloat, SafeDumper.represent_written)
+
+
+def dump(data: Any) -> str:
+    """``data`` as YAML that :func:`load_text` reads back as ``data`` (block style, keys in their order)."""
+    return yaml.dump(data, Dumper=SafeDumper, sort_keys=False)
 
 
 def load_text(text: str | bytes, where: str) -> Any:

@@ -99,6 +99,91 @@ def test_dump_round_trips():
     assert again == cfg
 
 
+# -- numbers read as written: YAML 1.2's core schema ----------------------------------------------------------------
+def test_scalars_are_read_by_yaml_1_2_core_schema():
+    from hosfl_dist.safe_yaml import load_text
+
+    got = load_text("[02000, 0o17, 0x1F, -0, +12, 1:30, 1_000, 0b11, 1e3, .5, 1., 1.0e+300, -.inf, .NaN, true, True, "
+                    "FALSE, yes, no, on, off, y, ~, null, NULL, 2001-02-30, '=']", "test")  # fmt: skip
+    ints, text, floats, flags, nulls, date = got[:5], got[5:8], got[8:14], got[14:21], got[22:25], got[25]
+    assert ints == [2000, 15, 31, 0, 12] and all(type(v) is not bool and isinstance(v, int) for v in ints)
+    assert text == ["1:30", "1_000", "0b11"]  # no base 60, no underscores, no 0b in YAML 1.2
+    assert floats[:5] == [1000.0, 0.5, 1.0, 1e300, float("-inf")] and floats[5] != floats[5]  # nan
+    assert flags == [True, True, False, "yes", "no", "on", "off"] and got[21] == "y"
+    assert nulls == [None, None, None] and date == "2001-02-30" and got[26] == "="
+    assert [v.text for v in (*ints, *floats)] == ["02000", "0o17", "0x1F", "-0", "+12", "1e3", ".5", "1.", "1.0e+300",
+                                                  "-.inf", ".NaN"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("train.budget_samples=02000", 2000),  # decimal, not YAML 1.1's octal 1024
+        ("train.budget_samples=+2000", 2000),
+        ("train.budget_samples=0x7D0", 2000),  # hex and octal with their prefixes (YAML 1.2 core ints)
+        ("train.budget_samples=0o3720", 2000),
+        ("job.name=0x10", "0x10"),  # a str key takes the text as written, not "16"
+        ("job.name=007", "007"),
+        ("job.out_dir=1:30", "1:30"),  # not 90 (YAML 1.1's base 60)
+        ("job.name=1e3", "1e3"),
+        ("job.name=yes", "yes"),
+        ("job.name=off", "off"),
+        ("job.name=2001-02-03", "2001-02-03"),
+        ("zo.mu=1", 1.0),  # a float key takes an integer
+        ("job.overwrite=True", True),
+        ("job.overwrite=FALSE", False),
+    ],
+)
+def test_numbers_are_read_as_written(override, expected):
+    key, _, _ = override.partition("=")
+    section, name = key.split(".")
+    value = getattr(getattr(load_config(None, [override]), section), name)
+    assert value == expected and type(value) is type(expected)  # plain int/float/str, not the loader's subclasses
+
+
+def test_numbers_are_read_as_written_in_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("job: {name: 0x10, seed: 02000}\ntrain: {budget_samples: 0x7D0}\nzo: {mu: 1}\n")
+    cfg = load_config(path)
+    assert (cfg.job.name, cfg.job.seed, cfg.train.budget_samples, cfg.zo.mu) == ("0x10", 2000, 2000, 1.0)
+    path.write_text("job:\n  name: 007\n  seed: 1:30\n")
+    with pytest.raises(ConfigError, match=r"^invalid value for job.seed: '1:30' \(expected an integer\)$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("job.seed=1:30", "job.seed: '1:30' (expected an integer)"),  # not 90 (base 60)
+        ("train.budget_samples=1.0e+300", "train.budget_samples: 1.0e+300 (expected an integer)"),
+        ("train.budget_samples=1e300", "train.budget_samples: 1e300 (expected an integer)"),
+        ("train.budget_samples=2000.0", "train.budget_samples: 2000.0 (expected an integer)"),
+        ("train.budget_samples=1e3", "train.budget_samples: 1e3 (expected an integer)"),
+        ("job.seed=true", "job.seed: True (expected an integer)"),  # True is not 1
+        ("zo.mu=true", "zo.mu: True (expected a number)"),
+        ("job.overwrite=yes", "job.overwrite: 'yes' (expected true or false; yes, no, on and off are text in YAML 1"),
+        ("job.overwrite=on", "job.overwrite: 'on' (expected true or false; yes, no, on and off are text in YAML 1"),
+        ("job.overwrite=1", "job.overwrite: 1 (expected true or false)"),
+        ("job.name=true", "job.name: True (expected a string; YAML reads true and false as booleans: quote the word)"),
+    ],
+)
+def test_numbers_of_the_wrong_kind_are_refused_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert str(exc.value).startswith(f"invalid value for {needle}") and "\n" not in str(exc.value)
+
+
+def test_a_dumped_config_quotes_text_that_yaml_1_2_reads_as_a_number(tmp_path):
+    from hosfl_dist.safe_yaml import load_text
+
+    for name in ("1e3", "0o17", "0x10", "007", "yes", "1:30", ".5", "1_000"):
+        cfg = load_config(None, [f"job.out_dir='{name}'"])
+        text = dump_config(cfg)
+        assert load_text(text, "dump")["job"]["out_dir"] == name and yaml.safe_load(text)["job"]["out_dir"] == name
+        (tmp_path / "c.yaml").write_text(text)
+        assert load_config(tmp_path / "c.yaml") == cfg
+
+
 def shipped_configs() -> list[Path]:
     return sorted(p for p in (ROOT / "configs").rglob("*.yaml"))
 

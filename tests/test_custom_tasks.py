@@ -12,7 +12,7 @@ from tiny import lm_overrides, run_in_process
 
 from hosfl_dist.config import load_config
 from hosfl_dist.data import build_data
-from hosfl_dist.data.text import custom_task, format_example, get_task
+from hosfl_dist.data.text import custom_task, format_example, get_task, load_text_split
 from hosfl_dist.errors import ConfigError, DataError
 
 NLI = [
@@ -101,3 +101,39 @@ def test_bad_custom_tasks_fail_with_one_line_naming_what_is_wrong(tmp_path):
         empty = tmp_path / "empty.jsonl"
         empty.write_text("")
         build_data(load_config(None, [*custom(tmp_path, path), f"data.train_path={empty}"]))
+
+
+def test_a_label_is_an_integer_or_a_label_word_never_a_boolean(tmp_path):
+    """JSON true is not label 1 (here " Neither"); a float column's 1.0 is label 1 (parquet, pandas), 1.5 is none."""
+    spec = custom_task("classification", TEMPLATE, [" True", " Neither", " False"])
+    path = tmp_path / "gold.jsonl"
+
+    def labels(*values: object) -> list[int]:
+        path.write_text("".join(json.dumps({"premise": "P.", "hypothesis": "H.", "label": v}) + "\n" for v in values))
+        return [ex["label"] for ex in load_text_split(spec, "train", "local", str(path), None)]
+
+    assert labels(0, 2, "1", " 2 ", "False", "Neither", 1.0) == [0, 2, 1, 2, 2, 1, 1]
+    bad_labels = [(True, "true"), (False, "false"), (1.5, "1.5"), ("1_0", "'1_0'"), ("1.0", "'1.0'"), (None, "None")]
+    for bad, shown in bad_labels:
+        with pytest.raises(DataError) as exc:
+            labels(0, bad)
+        assert str(exc.value) == (f"{path}: example 1 has label {shown}; custom labels are 0..2 or one of the label "
+                                  "words ['True', 'Neither', 'False']")  # fmt: skip
+    sst2 = tmp_path / "sst2.jsonl"  # a preset too; only WSC's files write booleans (true = 1, "Yes")
+    sst2.write_text(json.dumps({"sentence": "A film.", "label": True}) + "\n")
+    with pytest.raises(DataError, match=r"example 0 has label true; sst2 labels are 0\.\.1$"):
+        load_text_split("sst2", "train", "local", str(sst2), None)
+
+
+def test_predict_refuses_a_boolean_gold_label_in_one_line(tmp_path, capsys):
+    from hosfl_dist.predict import main as predict_main
+
+    data = tmp_path / "gold.jsonl"
+    data.write_text(json.dumps({"text": "A film.", "label": 1}) + "\n" + json.dumps({"text": "Dull.", "label": True}))
+    argv = ["--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "p.jsonl"),
+            "--kind", "classification", "--template", "{text} It was", "--label-words", "bad,good"]  # fmt: skip
+    assert predict_main(argv) == 2  # refused while reading the examples, before any model is looked for
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {data}: example 1 has label true; custom labels are 0..1 or one of the label words "
+                   "['bad', 'good']"]  # fmt: skip
+    assert not (tmp_path / "p.jsonl").exists()

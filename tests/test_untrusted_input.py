@@ -420,14 +420,14 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_both_lines(tmp_path, ca
     ("text", "needle"),
     [
         ("job: " + "[" * 500 + "]" * 500, "nested deeper than 64 levels"),
-        ("job:\n  name: 2001-02-30\n", "line 2, column 9: cannot read the value (day is out of range for month)"),
+        ("job:\n  name: !!timestamp 2001-02-30\n", "line 2, column 9: cannot read the value (day is out of range"),
         ("job:\n  seed: !!python/object/apply:os.system [echo]\n", "could not determine a constructor"),
         ('job:\n  name: "a\\0b"\n', "holds the control character '\\x00'"),
-        ("data:\n  label_words: [yes, no]\n", "YAML reads yes, no, on, off, true and false as booleans"),
+        ("data:\n  label_words: [true, false]\n", "YAML reads true and false as booleans: quote the word"),
         ("job:\n  1: a\n  b: c\n", "unknown key job.1 in section job"),
         (b"\xff\xfe\x00garbage", "must hold a mapping of sections"),
     ],
-    ids=["deep", "no-such-date", "python-tag", "nul", "yes-no", "mixed-keys", "bytes"],
+    ids=["deep", "no-such-date", "python-tag", "nul", "true-false", "mixed-keys", "bytes"],
 )
 def test_hostile_yaml_is_one_line(tmp_path, capsys, text, needle):
     path = tmp_path / "c.yaml"
@@ -559,8 +559,11 @@ def test_check_refuses_a_custom_task_whose_template_or_labels_do_not_fit(lm_file
         [*argv, 'data.template="{p} is"'], capsys, "nli.jsonl: example 3 has label {}; custom labels are 0..2"
     )
     assert_refused([*argv, 'data.template="{0} is"'], capsys, "invalid value for data.template: '{0} is' (name the")
-    words = lm_check(lm_files, *custom, 'data.template="{p} is"', "data.label_words=[yes, no, maybe]")
-    assert_refused(words, capsys, "invalid value for data.label_words[0]: True (expected a string; YAML reads yes")
+    (lm_files / "bool.jsonl").write_text(json.dumps({"p": "A.", "gold": True}) + "\n")  # not label 1
+    assert_refused([*argv, 'data.template="{p} is"', f"data.train_path={lm_files / 'bool.jsonl'}"], capsys,
+                   "bool.jsonl: example 0 has label true; custom labels are 0..2")  # fmt: skip
+    words = lm_check(lm_files, *custom, 'data.template="{p} is"', "data.label_words=[true, false, maybe]")
+    assert_refused(words, capsys, "invalid value for data.label_words[0]: True (expected a string; YAML reads true")
 
 
 def test_latency_configs_go_through_the_same_loader(tmp_path):

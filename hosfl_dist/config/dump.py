@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import yaml
-
 from hosfl_dist.config.schema import Config
+from hosfl_dist.safe_yaml import dump
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -15,4 +14,4 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    return dump(config_to_dict(cfg))  # quotes a name such as 1e3 or 0o17, which YAML 1.2 reads as a number

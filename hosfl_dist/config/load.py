@@ -1,6 +1,11 @@
 """Loading the config tree: defaults < YAML file < dotted command-line overrides, each value coerced to its field's
 type and checked against the range the build can hold; an unknown key or a wrongly typed value is a
-:class:`ConfigError` naming the key and its section."""
+:class:`ConfigError` naming the key and its section.
+
+Values are read by YAML 1.2's core schema (:mod:`hosfl_dist.safe_yaml`) and taken as written: a str key takes a
+number's text (``job.name=0x10`` is ``"0x10"``, ``007`` is ``"007"``); an int key takes integers alone (``02000`` is
+2000, ``0x10`` 16; ``2000.0``, ``1e3`` and ``true`` are refused); a float key takes integers and floats (and text
+Python reads as one, such as ``inf``), not booleans."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Any, Literal
 
 from hosfl_dist.config.schema import FLOAT32_MAX, INT64, TEXT_KEYS, Config, FieldError, shown
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.safe_yaml import load_file, load_override
+from hosfl_dist.safe_yaml import WrittenFloat, WrittenInt, load_file, load_override
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -101,6 +106,11 @@ def _check_range(value: Any, key: str) -> None:
                           f"range, |x| <= {FLOAT32_MAX:.4g})")  # fmt: skip
 
 
+def _as_written(value: Any) -> str:
+    """A value in a message: a number as the file or the override wrote it (``1.0e+300``, not ``1e+300``)."""
+    return value.text if isinstance(value, (WrittenInt, WrittenFloat)) and len(value.text) <= 60 else shown(value)
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -138,35 +148,35 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected true or false)")
+            words = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off")
+            hint = "; yes, no, on and off are text in YAML 1.2" if words else ""
+            raise ConfigError(f"invalid value for {key}: {_as_written(value)} (expected true or false{hint})")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected an integer)")
-        return value
+            raise ConfigError(f"invalid value for {key}: {_as_written(value)} (expected an integer)")  # 2000.0, 1e3
+        return int(value)  # a WrittenInt as a plain int
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a number)")
+            raise ConfigError(f"invalid value for {key}: {_as_written(value)} (expected a number)")
         if isinstance(value, (int, float)):
             try:
                 return float(value)
             except OverflowError:  # an integer beyond any float
-                raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a finite number)") from None
+                raise ConfigError(f"invalid value for {key}: {_as_written(value)} (expected a finite number)") from None
         if isinstance(value, str):
-            try:  # YAML 1.1 reads "1e-3" as a string
+            try:  # text Python reads as a float: inf, nan (YAML writes .inf, .nan), a quoted "1e-3"
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a number)")
+        raise ConfigError(f"invalid value for {key}: {_as_written(value)} (expected a number)")
     if tp is str:
         if isinstance(value, (dict, list, bool)) or value is None:
             hint = "; quote text that starts with { or [, e.g. key='\"{x} ...\"'" if value is not None else ""
-            if isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans: [yes, no] is not [" yes", " no"]
-                hint = "; YAML reads yes, no, on, off, true and false as booleans: quote the word"
+            if isinstance(value, bool):
+                hint = "; YAML reads true and false as booleans: quote the word"
             raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a string{hint})")
-        text = value if isinstance(value, str) else str(value)
+        text = value.text if isinstance(value, (WrittenInt, WrittenFloat)) else str(value)  # as written: 0x10, 007
         allowed = "\n\t\r" if key.split("[")[0] in TEXT_KEYS else ""
         bad = next((c for c in text if (ord(c) < 32 or ord(c) == 127) and c not in allowed), None)
         if bad is not None:

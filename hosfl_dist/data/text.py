@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ _SPECS: dict[str, TextTaskSpec] = {
     ),
 }
 _OPTIONAL_FIELDS = frozenset({"title"})
+_BOOLEAN_LABELS = frozenset({"wsc"})
+"""Tasks whose files may write the label as a boolean: SuperGLUE's WSC JSONL has ``"label": true`` (label 1, "Yes")."""
 
 # A neutral example per task, to see how the label words are tokenised after the end of a prompt.
 _REFERENCE_EXAMPLES: dict[str, dict[str, Any]] = {
@@ -298,21 +301,26 @@ def _canonical(spec: TextTaskSpec, row: dict, mapping: dict[str, str], where: st
 
 
 def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
+    """The index a row's label names: an integer (``1``; ``"1"`` in a CSV; ``1.0`` in a parquet file's float column)
+    or one of the label words; a boolean only for :data:`_BOOLEAN_LABELS` (JSON ``true`` is not label 1 of a custom
+    task's label words)."""
     words = [w.strip() for w in spec.label_words or ()]
     if isinstance(value, str) and value.strip() in words and not value.strip().lstrip("-").isdigit():
         return words.index(value.strip())  # a label given as its label word
-    try:
-        label = int(value.strip()) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: a label of inf
-        label = None
+    label, boolean = None, isinstance(value, bool) and spec.name not in _BOOLEAN_LABELS
+    if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9]+", value.strip()):  # ASCII digits: not "1_0" nor "1.0"
+        label = int(value.strip())
+    elif isinstance(value, float) and value.is_integer() or isinstance(value, int) and not boolean:
+        label = int(value)
     n = len(spec.label_words or ())
     if label == -1:
         raise DataError(
             f"{where}: example {i} is unlabelled (label -1; GLUE/SuperGLUE hide test labels, use the validation split)"
         )
-    if label is None or not 0 <= label < n or (isinstance(value, float) and value != label):
+    if label is None or not 0 <= label < n:
         named = f" or one of the label words {_short(words, 300)}" if spec.template else ""
-        raise DataError(f"{where}: example {i} has label {_short(value)}; {spec.name} labels are 0..{n - 1}{named}")
+        written = json.dumps(value) if isinstance(value, bool) else _short(value)  # true, as the JSON file has it
+        raise DataError(f"{where}: example {i} has label {written}; {spec.name} labels are 0..{n - 1}{named}")
     return label
 
 
