@@ -70,6 +70,11 @@ def test_rows_get_the_first_matching_world_else_nproc_else_their_server_group_an
     assert assign(None, {"a": TINY}, [], 5)["a"].nproc == 5
     # a CUDA run asks Slurm for a GPU per process of a node
     assert assign(None, {"a": [*TINY, "job.device=cuda"]}, [parse_world("*:4,nodes=2")], None)["a"].gpus == 2
+    # a number in a rule is matched as written: job.name 0x10 is the text "0x10", not 16
+    (tmp_path / "named.yaml").write_text("- when: {job.name: 0x10}\n  nproc: 3\n")
+    named = assign(None, {"hex": [*TINY, "job.name=0x10"], "16": [*TINY, "job.name=16"]},
+                   read_worlds(str(tmp_path / "named.yaml")), 2)  # fmt: skip
+    assert named["hex"].nproc == 3 and named["16"].nproc == 2
     (tmp_path / "bad.yaml").write_text("- {when: {zo.mu: 1}, procs: 2}\n")
     with pytest.raises(ConfigError, match=r"world 1: unknown key\(s\) procs"):
         read_worlds(str(tmp_path / "bad.yaml"))

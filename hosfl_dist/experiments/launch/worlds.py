@@ -163,7 +163,7 @@ def _yaml_value(value: Any) -> str:
         import json
 
         return json.dumps(value)
-    return str(value)
+    return str(getattr(value, "text", value))  # a number as written (0x10, 02000): how the override is read back
 
 
 def matches(config: str | None, overrides: Sequence[str], cfg: Config, when: Sequence[str]) -> bool:
