@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             print(help_config(args.help_config), end="")
             return 0
         if args.status is not None:
-            from hosfl_dist.runtime.record.folder import describe_status, record_death
+            from hosfl_dist.runfolder.folder import describe_status, record_death
 
             if args.record_death:
                 record_death(Path(args.status))
             print(describe_status(Path(args.status)))
             return 0
         from hosfl_dist.runtime.process.launch import launch_env, role_map  # torch-free: a bad config fails at once
-        from hosfl_dist.runtime.record.folder import deterministic_out_dir, with_out_dir
+        from hosfl_dist.runfolder.folder import deterministic_out_dir, with_out_dir
 
         launch = launch_env()  # None without torchrun
         cfg = load_config(args.config, args.overrides)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_config(cfg)  # the sections against each other and what the method implements
         if args.record_death:  # the run this config writes (a new folder's: runs/<job.name>/latest)
-            from hosfl_dist.runtime.record.folder import describe_status, record_death
+            from hosfl_dist.runfolder.folder import describe_status, record_death
 
             folder = deterministic_out_dir(cfg, restarted=True)
             if folder is not None:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         world = launch.world_size if launch is not None else args.nproc
         if args.check:
             from hosfl_dist.runtime.process.host import check_devices, check_interface
-            from hosfl_dist.runtime.record.folder import check_out_dir
+            from hosfl_dist.runfolder.folder import check_out_dir
 
             if world > 1:
                 role_map(cfg, world)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                     roles = role_map(cfg, world).describe().splitlines()
                     print("# roles:\n" + "\n".join("#  " + line for line in roles))
             return 0
-        from hosfl_dist.runtime.record.folder import completed_already
+        from hosfl_dist.runfolder.folder import completed_already
 
         folder = deterministic_out_dir(cfg)
         if folder is not None and completed_already(with_out_dir(cfg, folder)):  # a Slurm job again, a sweep re-run

@@ -28,7 +28,7 @@ from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.peers import LocalPeers
 from hosfl_dist.runtime.process.host import check_devices, set_threads
 from hosfl_dist.runtime.process.signals import StopRequest
-from hosfl_dist.runtime.record.folder import chosen, resolve_out_dir
+from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
 from hosfl_dist.runtime.record.progress import Progress
 from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer
