@@ -229,9 +229,11 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+ABOVE_RUNTIME = ("hosfl_dist.measure", "hosfl_dist.centralized", "hosfl_dist.experiments", "hosfl_dist.export",
+                 "hosfl_dist.run", "hosfl_dist.precheck", "hosfl_dist.predict", "hosfl_dist.config_help")  # fmt: skip
+"""The commands above the runtime: measurements, centralised training, studies, the export, the run's command line."""
 ABOVE_RUNFOLDER = ("hosfl_dist.transport", "hosfl_dist.algorithms", "hosfl_dist.evaluation", "hosfl_dist.runtime",
-                   "hosfl_dist.measure", "hosfl_dist.experiments", "hosfl_dist.export", "hosfl_dist.run",
-                   "hosfl_dist.precheck", "hosfl_dist.predict", "hosfl_dist.config_help")  # fmt: skip
+                   *ABOVE_RUNTIME)  # fmt: skip
 """What lies above runfolder/, the run folder's format that the runtime, the export and the studies read alike."""
 ABOVE_MODELS = ("hosfl_dist.runfolder", *ABOVE_RUNFOLDER)
 """What lies above models/, data/ and tasks/ (docs/architecture.md, "Layers")."""
@@ -264,6 +266,7 @@ def test_the_bottom_layer_imports_only_itself(folder, allowed):
         ("transport", ("hosfl_dist.algorithms", "hosfl_dist.models", "hosfl_dist.data", "hosfl_dist.runtime")),
         ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.evaluation")),
         ("evaluation", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.data")),
+        ("runtime", ABOVE_RUNTIME),
     ],
 )
 def test_imports_follow_the_layers(folder, forbidden):

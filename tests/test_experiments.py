@@ -237,7 +237,7 @@ def test_a_mistyped_key_is_one_line_before_torch_is_imported(tmp_path, command):
 
 def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp_path):
     from hosfl_dist.core.digest import file_sha256
-    from hosfl_dist.experiments import pretrain
+    from hosfl_dist.centralized import pretrain
     from hosfl_dist.experiments.runs import command, is_finished
 
     cfg = tmp_path / "tiny.yaml"

@@ -33,13 +33,13 @@ from hosfl_dist.config import Config
 from hosfl_dist.data import build_data, data_info
 from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
-from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
+from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.peers import GroupPeers
 from hosfl_dist.runtime.process.groups import Distributed, init_distributed
 from hosfl_dist.runtime.process.host import check_devices, set_threads
