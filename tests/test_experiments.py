@@ -261,7 +261,7 @@ def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp
 def test_a_point_its_model_cannot_build_stops_the_grid_before_any_run(tmp_path, capsys, monkeypatch):
     """split.cut=5 fits a 28-block model and not a 4-block one: that point is named with its cause, nothing runs; the
     build is checked once per model, not once per value of P."""
-    import hosfl_dist.precheck as precheck
+    import hosfl_dist.cli.precheck as precheck
     from hosfl_dist.experiments import scaling
     from tiny import lm_overrides, write_text_files
 
