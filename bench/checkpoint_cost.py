@@ -29,7 +29,7 @@ from bench.common import ROOT, Recorder, options
 from bench.suite import BENCHMARKS
 from hosfl_dist.config import load_config
 from hosfl_dist.runtime import checkpoint as ckpt_mod
-from hosfl_dist.runtime.checkpoint import latest_checkpoint
+from hosfl_dist.runfolder.checkpoints import latest_checkpoint
 from hosfl_dist.runtime.inprocess import InProcessRunner
 
 CONFIGS = ["configs/quickstart.yaml", "configs/smollm2_sentiment.yaml"]

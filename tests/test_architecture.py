@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
@@ -229,9 +230,13 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-ABOVE_MODELS = ("hosfl_dist.transport", "hosfl_dist.algorithms", "hosfl_dist.evaluation", "hosfl_dist.runtime",
-                "hosfl_dist.measure", "hosfl_dist.experiments", "hosfl_dist.export", "hosfl_dist.run",
-                "hosfl_dist.precheck", "hosfl_dist.predict", "hosfl_dist.config_help")  # fmt: skip
+ABOVE_RUNTIME = ("hosfl_dist.cli", "hosfl_dist.measure", "hosfl_dist.centralized", "hosfl_dist.experiments",
+                 "hosfl_dist.export", "hosfl_dist.run", "hosfl_dist.predict", "hosfl_dist.config_help")  # fmt: skip
+"""The commands above the runtime: a run's command lines, measurements, centralised training, studies, the export."""
+ABOVE_RUNFOLDER = ("hosfl_dist.transport", "hosfl_dist.algorithms", "hosfl_dist.evaluation", "hosfl_dist.runtime",
+                   *ABOVE_RUNTIME)  # fmt: skip
+"""What lies above runfolder/, the run folder's format that the runtime, the export and the studies read alike."""
+ABOVE_MODELS = ("hosfl_dist.runfolder", *ABOVE_RUNFOLDER)
 """What lies above models/, data/ and tasks/ (docs/architecture.md, "Layers")."""
 
 
@@ -258,9 +263,11 @@ def test_the_bottom_layer_imports_only_itself(folder, allowed):
         ("tasks", ("hosfl_dist.data", "hosfl_dist.models", *ABOVE_MODELS)),
         ("models", ("hosfl_dist.data", *ABOVE_MODELS)),
         ("data", ("hosfl_dist.models.lm", "hosfl_dist.models.hf_split", *ABOVE_MODELS)),
+        ("runfolder", ABOVE_RUNFOLDER),
         ("transport", ("hosfl_dist.algorithms", "hosfl_dist.models", "hosfl_dist.data", "hosfl_dist.runtime")),
         ("algorithms", ("hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.evaluation")),
         ("evaluation", ("hosfl_dist.algorithms", "hosfl_dist.runtime", "hosfl_dist.measure", "hosfl_dist.data")),
+        ("runtime", ABOVE_RUNTIME),
     ],
 )
 def test_imports_follow_the_layers(folder, forbidden):
@@ -268,6 +275,26 @@ def test_imports_follow_the_layers(folder, forbidden):
     that looked at module level only)."""
     bad = {f: sorted(n for n in names if _under(n, forbidden)) for f, names in _imports(folder).items()}
     assert not {f: n for f, n in bad.items() if n}
+
+
+KEPT_COMMANDS = {
+    "hosfl_dist.run": "hosfl_dist.cli.run",
+    "hosfl_dist.predict": "hosfl_dist.cli.predict",
+    "hosfl_dist.config_help": "hosfl_dist.cli.config_help",
+    "hosfl_dist.experiments.pretrain": "hosfl_dist.centralized.pretrain",
+    "hosfl_dist.experiments.centralized_lora": "hosfl_dist.centralized.lora",
+    "hosfl_dist.experiments.zo_dimension": "hosfl_dist.measure.zo_dimension",
+    "hosfl_dist.experiments.zo_precision": "hosfl_dist.measure.zo_precision",
+}
+"""Command lines users type whose code moved: the old module stays, a thin one that runs the new one's ``main``."""
+
+
+@pytest.mark.parametrize(("kept", "moved"), sorted(KEPT_COMMANDS.items()))
+def test_a_moved_command_keeps_its_command_line_in_a_thin_module(kept, moved):
+    module = importlib.import_module(kept)
+    assert module.main is importlib.import_module(moved).main
+    assert len(Path(module.__file__).read_text().splitlines()) <= 10, kept
+    assert _imported(Path(module.__file__)) == {moved}
 
 
 def test_the_wire_starts_no_process_group_or_rpc_agent():

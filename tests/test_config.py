@@ -202,7 +202,7 @@ def test_every_shipped_config_loads(path):
 
 
 def test_help_config_lists_every_key_with_type_default_and_meaning(capsys):
-    from hosfl_dist.config_help import _entries, help_config
+    from hosfl_dist.cli.config_help import _entries, help_config
     from hosfl_dist.run import main
 
     undocumented = [key for key, _, _, doc, _ in _entries(Config(), "") if not doc]

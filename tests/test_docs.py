@@ -245,7 +245,7 @@ def _resolve(config: str | None, overrides: list[str]) -> str | None:
 
 def _check_run(args: list[str], placeholder: bool) -> list[str]:
     """A hosfl_dist.run command line: its parser, then its config."""
-    from hosfl_dist.run import parse_args
+    from hosfl_dist.cli.run import parse_args
 
     if placeholder:  # the words cannot be parsed as given: check the flags against the parser's options
         return [f"hosfl_dist.run has no option {f}" for f in flags(args) if not _in_help(f, _run_help())]
@@ -256,7 +256,7 @@ def _check_run(args: list[str], placeholder: bool) -> list[str]:
     except SystemExit:
         return [f"hosfl_dist.run's parser refuses it: {err.getvalue().strip().splitlines()[-1]}"]
     if parsed.help_config is not None:
-        from hosfl_dist.config_help import help_config
+        from hosfl_dist.cli.config_help import help_config
         from hosfl_dist.errors import ConfigError
 
         try:
@@ -272,7 +272,7 @@ def _check_run(args: list[str], placeholder: bool) -> list[str]:
 
 @cache
 def _run_help() -> str:
-    from hosfl_dist.run import parse_args
+    from hosfl_dist.cli.run import parse_args
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -485,7 +485,7 @@ def test_every_docs_page_says_what_it_covers():
 
 
 def test_configuration_page_is_generated_from_the_config_tree():
-    from hosfl_dist.config_help import MARKDOWN_COMMAND, markdown_config
+    from hosfl_dist.cli.config_help import MARKDOWN_COMMAND, markdown_config
 
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text() == markdown_config(), f"docs/configuration.md is out of date: run `{MARKDOWN_COMMAND}`"

@@ -237,7 +237,7 @@ def test_a_mistyped_key_is_one_line_before_torch_is_imported(tmp_path, command):
 
 def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp_path):
     from hosfl_dist.core.digest import file_sha256
-    from hosfl_dist.experiments import pretrain
+    from hosfl_dist.centralized import pretrain
     from hosfl_dist.experiments.runs import command, is_finished
 
     cfg = tmp_path / "tiny.yaml"
@@ -261,7 +261,7 @@ def test_a_finished_run_is_reused_only_while_its_pretrained_file_is_the_same(tmp
 def test_a_point_its_model_cannot_build_stops_the_grid_before_any_run(tmp_path, capsys, monkeypatch):
     """split.cut=5 fits a 28-block model and not a 4-block one: that point is named with its cause, nothing runs; the
     build is checked once per model, not once per value of P."""
-    import hosfl_dist.precheck as precheck
+    import hosfl_dist.cli.precheck as precheck
     from hosfl_dist.experiments import scaling
     from tiny import lm_overrides, write_text_files
 

@@ -1,5 +1,5 @@
 """Export and predict: a run's model out of the run, loaded by plain transformers / peft, predicting what the run
-evaluated (hosfl_dist/export/, hosfl_dist/predict.py)."""
+evaluated (hosfl_dist/export/, hosfl_dist/cli/predict.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tiny import ROOT, TINY_OVERRIDES, lm_overrides, read_run, run_in_process, t
 
 from hosfl_dist.export import ExportError, load_vision, restore
 from hosfl_dist.export.cli import main as export_main
-from hosfl_dist.predict import main as predict_main
+from hosfl_dist.cli.predict import main as predict_main
 
 EVAL = 12  # evaluation examples of the tiny LM runs: three batches of 4
 SHARED = ROOT.parent / "shared"

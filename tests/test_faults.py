@@ -17,7 +17,7 @@ from hosfl_dist.errors import ConfigError, DataError, Interrupted, NonFiniteErro
 from hosfl_dist.models import build_split_model
 from hosfl_dist.run import main
 from hosfl_dist.runtime import checkpoint as ckpt_mod
-from hosfl_dist.runtime.checkpoint import latest_checkpoint
+from hosfl_dist.runfolder.checkpoints import latest_checkpoint
 from hosfl_dist.runtime.record.writer import finite_json, strict_dumps
 from hosfl_dist.runtime.server_group import local_endpoint
 from tiny import TINY_OVERRIDES, rows_of, run_in_process, server_of, stop_at

@@ -275,8 +275,8 @@ def test_latency_hiding_keeps_the_z_tilde_of_clients_whose_lambda_is_away_and_ch
 
 def test_a_run_continues_with_latency_hiding_changed(tiny_overrides, tmp_path):
     """zo.overlap changes when the client's forwards run, never a bit: a run and its continuation may differ in it."""
-    from hosfl_dist.runtime.record.folder import config_differences
-    from hosfl_dist.runtime.record.identity import identity_differences
+    from hosfl_dist.runfolder.folder import config_differences
+    from hosfl_dist.runfolder.identity import identity_differences
 
     out = tmp_path / "run"
     run_in_process([*tiny_overrides, "zo.overlap=false", f"job.out_dir={out}"])

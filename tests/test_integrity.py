@@ -16,10 +16,12 @@ import pytest
 
 from hosfl_dist.errors import ConfigError, Interrupted
 from hosfl_dist.run import main
-from hosfl_dist.runtime.checkpoint import verify_checkpoint
-from hosfl_dist.runtime.record import folder as folder_mod
-from hosfl_dist.runtime.record import identity as identity_mod
-from hosfl_dist.runtime.record.folder import checkpoint_folders, lock_holder, run_status
+from hosfl_dist.runfolder import folder as folder_mod
+from hosfl_dist.runfolder import identity as identity_mod
+from hosfl_dist.runfolder import lock as lock_mod
+from hosfl_dist.runfolder.checkpoints import checkpoint_folders, verify_checkpoint
+from hosfl_dist.runfolder.folder import run_status
+from hosfl_dist.runfolder.lock import lock_holder
 from hosfl_dist.runtime.record.writer import RunRecord
 from tiny import ROOT, TINY_OVERRIDES, lm_overrides, rows_of, run_in_process, stop_at, write_text_files
 
@@ -181,7 +183,7 @@ def test_resume_refuses_changed_input_files_and_other_code(tmp_path, monkeypatch
 
 
 # -- a live run owns its folder ---------------------------------------------------------------------------------------
-HOLD = "import sys, time; from pathlib import Path; from hosfl_dist.runtime.record.folder import RunLock; " \
+HOLD = "import sys, time; from pathlib import Path; from hosfl_dist.runfolder.lock import RunLock; " \
        "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)"  # fmt: skip
 
 
@@ -252,7 +254,7 @@ def test_a_requeued_slurm_job_waits_for_its_earlier_start_to_let_go_and_nothing_
     try:
         assert "Slurm job 77 start 1" in lock_holder(out)
         with monkeypatch.context() as m:
-            m.setattr(folder_mod, "time", LetGoOnceWaitedFor())
+            m.setattr(lock_mod, "time", LetGoOnceWaitedFor())
             assert main(["--check", *run]) == 0
         assert holder.wait(60) == 0 and lock_holder(out) is None  # it waited for the holder to end
         assert f"still held by start 1 of this Slurm job (pid {holder.pid} on " in capsys.readouterr().err

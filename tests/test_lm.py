@@ -309,7 +309,7 @@ def test_offline_lm_config_builds(config, package, client_lora, capsys):
 def test_centralized_lora_reference_trains_the_same_split(tmp_path, text_files, capsys):
     """hosfl_dist.experiments.centralized_lora: first-order LoRA on the same model/data; its metrics rows follow the
     run's."""
-    from hosfl_dist.experiments import centralized_lora
+    from hosfl_dist.centralized import lora as centralized_lora
 
     overrides = [o for o in lm_overrides(tmp_path, text_files) if not o.startswith("model.name")]
     config = str(ROOT / "configs" / "smollm2_sentiment.yaml")

@@ -13,7 +13,7 @@ import torch
 from hosfl_dist.config import load_config
 from hosfl_dist.data import data_info
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.experiments.pretrain import main
+from hosfl_dist.centralized.pretrain import main
 from hosfl_dist.models import build_split_model
 
 TINY = ["data.name=synthetic", "data.train_max_samples=64", "data.eval_max_samples=32", "clients.total=4",

@@ -14,7 +14,7 @@ import torch
 from hosfl_dist.config import load_config
 from hosfl_dist.runtime.process.host import SMALL_MODEL_PARAMS, free_cores, set_threads
 from hosfl_dist.runtime.record.progress import show_eval
-from hosfl_dist.runtime.record.folder import deterministic_out_dir, resolve_out_dir
+from hosfl_dist.runfolder.folder import deterministic_out_dir, resolve_out_dir
 from hosfl_dist.transport.link import describe_link, describe_traffic
 from tiny import TINY_OVERRIDES, run_in_process
 

@@ -500,7 +500,8 @@ def test_a_bad_environment_variable_is_one_line_naming_it(capsys, monkeypatch, v
 def test_the_launcher_environment_must_fit_together_and_a_huge_world_is_refused_at_once(capsys, monkeypatch):
     from hosfl_dist.config import load_config
     from hosfl_dist.errors import ConfigError
-    from hosfl_dist.runtime.process.launch import launch_env, role_map, slurm_job_id
+    from hosfl_dist.config.environment import slurm_job_id
+    from hosfl_dist.runtime.process.launch import launch_env, role_map
 
     base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     with pytest.raises(ConfigError, match="LOCAL_RANK=3 and LOCAL_WORLD_SIZE=2 do not fit WORLD_SIZE=2"):
@@ -588,7 +589,7 @@ def test_every_reader_of_the_environment_is_checked():
     launchers extend for the processes they start and never interpret)."""
     import re
 
-    from hosfl_dist.runtime.process.launch import ENVIRONMENT
+    from hosfl_dist.config.environment import ENVIRONMENT
 
     package = Path(__file__).resolve().parents[1] / "hosfl_dist"
     read = set()

@@ -5,7 +5,8 @@
 - :mod:`.load`: strict loading: an unknown key, a value of the wrong type or out of range raises
   :class:`~hosfl_dist.errors.ConfigError` naming the key, the section and the value, so a typo never silently
   falls back to a default;
-- :mod:`.dump`: a tree as plain data and as YAML.
+- :mod:`.dump`: a tree as plain data and as YAML;
+- :mod:`.environment`: the environment variables the package reads, each with what its value must be.
 
 What needs two sections or the algorithm registry is checked above the registry, where a run's config is built
 (:mod:`hosfl_dist.runtime.checks`). This package imports nothing of hosfl_dist but its errors and YAML reader.

@@ -46,7 +46,7 @@ class Stream(IntEnum):
     ALIGNMENT = 0xA119
     """FSL-SAGE's alignment batches (per round and client)."""
     CENTRALIZED_ORDER = 0xCE17
-    """The sample order of the centralised first-order reference (hosfl_dist/experiments/centralized_lora.py)."""
+    """The sample order of the centralised first-order reference (hosfl_dist/centralized/lora.py)."""
 
 
 def _splitmix64(x: int) -> int:

@@ -194,7 +194,7 @@ def data_info(cfg: Config) -> dict[str, Any]:
 def input_sources(data: DataConfig) -> dict[str, Any]:
     """What the configured data is read from, by role: a local file's path (``data.train`` / ``data.eval`` for text,
     ``data.files[i]`` for images), or for the hub the data set's name and splits (``data.hub``). Generated data reads
-    nothing. A run's identity hashes these files (:mod:`hosfl_dist.runtime.record.identity`)."""
+    nothing. A run's identity hashes these files (:mod:`hosfl_dist.runfolder.identity`)."""
     if data.name in TEXT_DATASETS:
         from hosfl_dist.data.text_fed import hub_splits, text_files
 

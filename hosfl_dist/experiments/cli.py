@@ -193,14 +193,14 @@ def check_builds(
     """Check every row's config as its run would start, before any run starts; one line per row that fails, naming
     the row and the cause:
 
-    - its build (:func:`hosfl_dist.precheck.check_build`: an LM's split on the meta device, a text task's files), once
-      per distinct build;
+    - its build (:func:`hosfl_dist.cli.precheck.check_build`: an LM's split on the meta device, a text task's files),
+      once per distinct build;
     - under torchrun or Slurm its world against its roles (the server group and at least one client worker; no more
       workers than clients.total), nodes and GPUs (:func:`hosfl_dist.experiments.launch.worlds.misfit`);
     - on this machine, its devices (a CUDA run needs one);
     - with ``--node-memory`` / ``--gpu-memory`` (or Slurm's ``--mem``), the floor of its memory per node or rank
       (:mod:`hosfl_dist.experiments.launch.memory`)."""
-    from hosfl_dist.precheck import build_key, check_build
+    from hosfl_dist.cli.precheck import build_key, check_build
     from hosfl_dist.runtime.checks import load_run_config
 
     launch = launch or Launch()

@@ -25,7 +25,7 @@ from typing import Any
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.experiments.launch.worlds import World
-from hosfl_dist.runtime.record.folder import config_differences, input_differences, recorded_summary, run_status
+from hosfl_dist.runfolder.folder import config_differences, input_differences, recorded_summary, run_status
 
 
 @dataclass

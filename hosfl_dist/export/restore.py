@@ -55,8 +55,7 @@ class Restored:
 def find_checkpoint(run_dir: Path, which: str = "latest") -> Path:
     """The checkpoint folder ``which`` (``latest``, ``round-N`` or ``N``) of a run, verified; ExportError naming what is
     wrong (no run, no checkpoint, none of that round, one that fails verification: with the rounds that verify)."""
-    from hosfl_dist.runtime.checkpoint import verify_checkpoint
-    from hosfl_dist.runtime.record.folder import checkpoint_folders
+    from hosfl_dist.runfolder.checkpoints import checkpoint_folders, verify_checkpoint
 
     if not (run_dir / CONFIG).is_file():
         raise ExportError(f"{run_dir} is not a run folder (no {CONFIG})")
@@ -88,8 +87,8 @@ def _round_of(path: Path) -> int:
 
 def check_same_run(cfg: Config, checkpoint: Path) -> None:
     """The checkpoint was written by the run config.yaml describes, from the base model that is there now."""
-    from hosfl_dist.runtime.record.folder import read_manifest
-    from hosfl_dist.runtime.record.identity import comparable_config, config_key_differences, file_sha256_cached
+    from hosfl_dist.runfolder.checkpoints import read_manifest
+    from hosfl_dist.runfolder.identity import comparable_config, config_key_differences, file_sha256_cached
 
     identity = (read_manifest(checkpoint) or {}).get("identity")
     if not isinstance(identity, dict):  # a checkpoint of before identities: nothing to compare with
@@ -161,7 +160,7 @@ def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restor
             mod._buffers[name].copy_(s)
     split.client.eval()
     split.server.eval()
-    from hosfl_dist.runtime.record.folder import recorded_summary
+    from hosfl_dist.runfolder.folder import recorded_summary
 
     summary = recorded_summary(run_dir) or {}
     return Restored(run_dir, cfg, split, checkpoint, int(meta["round"]), int(loop.processed), summary)

@@ -2,7 +2,7 @@
 
 A ZO client's signal is a difference of two forwards, z̃_p − z ≈ μ·J u_p, of relative size ~μ. bfloat16 keeps 8
 significant bits (relative rounding 2^-9), so a bf16 forward rounds z and z̃ by more than they differ at any
-usable μ and the scalars v_p = λᵀ(z̃_p − z) are rounding noise (hosfl_dist/experiments/zo_precision.py,
+usable μ and the scalars v_p = λᵀ(z̃_p − z) are rounding noise (hosfl_dist/measure/zo_precision.py,
 results/scale/zo_precision.md: a relative error of order 1 at μ = 1e-3, where float32 forwards are accurate).
 :func:`computing_in` runs the forwards in float32 while the weights stay stored as they are: each module's frozen
 half-precision tensors are upcast just for its own forward, so the client holds its half-precision weights plus one

@@ -6,7 +6,7 @@ module is the one place for the checks that need two sections or the algorithm r
 config is built: :func:`load_run_config` (``python -m hosfl_dist.run`` with ``--check`` and ``--dry-run``, the
 experiment commands, export), and each runtime checks the config it is given
 (:class:`~hosfl_dist.runtime.inprocess.InProcessRunner`, :func:`~hosfl_dist.runtime.torchrun.run_torchrun`). What
-needs the model's architecture or the task's files is :mod:`hosfl_dist.precheck`'s. Every refusal is one
+needs the model's architecture or the task's files is :mod:`hosfl_dist.cli.precheck`'s. Every refusal is one
 :class:`~hosfl_dist.errors.ConfigError` line naming the key.
 """
 
@@ -51,7 +51,7 @@ def _check_model_and_data(cfg: Config) -> None:
         model,
         f"data.name={data} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
     )
-    if model == "hf":  # its depth is the model's: checked where it is built (hosfl_dist.precheck, models.lm)
+    if model == "hf":  # its depth is the model's: checked where it is built (hosfl_dist.cli.precheck, models.lm)
         check(cut >= 1, "split.cut", cut, "the client keeps at least one decoder block")
     if model in VISION_CUT_RANGE:
         lo, hi = VISION_CUT_RANGE[model]

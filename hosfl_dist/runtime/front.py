@@ -28,7 +28,10 @@ from typing import Any
 
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
-from hosfl_dist.measure.tracker import process_memory
+from hosfl_dist.runfolder.checkpoints import read_manifest
+from hosfl_dist.runfolder.folder import prepare_out_dir
+from hosfl_dist.runfolder.identity import identity_differences, run_identity
+from hosfl_dist.runfolder.lock import RunLock
 from hosfl_dist.runtime.checkpoint import CheckpointStore, LoopState
 from hosfl_dist.runtime.control import (
     CheckpointPart,
@@ -41,8 +44,7 @@ from hosfl_dist.runtime.control import (
     Stopped,
     handles,
 )
-from hosfl_dist.runtime.record.folder import RunLock, prepare_out_dir, read_manifest
-from hosfl_dist.runtime.record.identity import identity_differences, run_identity
+from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.record.progress import EVAL_SHOWN
 from hosfl_dist.runtime.record.writer import RunRecord, metrics_row
 from hosfl_dist.runtime.server_group import ServerGroup

@@ -19,16 +19,16 @@ from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.config import Config
 from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.evaluation.client import Evaluator
-from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import LocalControl, RunFront
+from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.peers import LocalPeers
 from hosfl_dist.runtime.process.host import check_devices, set_threads
 from hosfl_dist.runtime.process.signals import StopRequest
-from hosfl_dist.runtime.record.folder import chosen, resolve_out_dir
+from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
 from hosfl_dist.runtime.record.progress import Progress
 from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer

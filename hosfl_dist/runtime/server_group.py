@@ -28,9 +28,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from hosfl_dist.errors import HosflError
 from hosfl_dist.evaluation.server import EvalServer
-from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.runtime.control import Handler, handles
 from hosfl_dist.runtime.fsdp import full_digest
+from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.wire import declared_call
 

@@ -33,19 +33,19 @@ from hosfl_dist.config import Config
 from hosfl_dist.data import build_data, data_info
 from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
-from hosfl_dist.measure.tracker import process_memory
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
+from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.peers import GroupPeers
 from hosfl_dist.runtime.process.groups import Distributed, init_distributed
 from hosfl_dist.runtime.process.host import check_devices, set_threads
 from hosfl_dist.runtime.process.launch import LaunchEnv, role_map
 from hosfl_dist.runtime.process.signals import StopRequest
-from hosfl_dist.runtime.record.folder import chosen, resolve_out_dir, with_out_dir
+from hosfl_dist.runfolder.folder import chosen, resolve_out_dir, with_out_dir
 from hosfl_dist.runtime.record.progress import Progress
 from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.runtime.trainer import Trainer
@@ -190,7 +190,7 @@ class TorchrunJob:
 
     def _agree_out_dir(self) -> Config:
         """Every rank's ``job.out_dir``: the user's, or the folder rank 0 makes for this run (runs/<job.name>/<start
-        time>, see :mod:`hosfl_dist.runtime.record.folder`), handed to the others through the store."""
+        time>, see :mod:`hosfl_dist.runfolder.folder`), handed to the others through the store."""
         cfg, d = self.cfg, self.d
         if chosen(cfg):
             return cfg

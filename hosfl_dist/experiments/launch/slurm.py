@@ -284,7 +284,7 @@ def launch(
 
 
 def _wall(spec: RunSpec) -> float | None:
-    from hosfl_dist.runtime.record.folder import recorded_summary
+    from hosfl_dist.runfolder.folder import recorded_summary
 
     return (recorded_summary(spec.out_dir) or {}).get("wall_time_s")
 

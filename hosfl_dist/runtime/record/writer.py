@@ -1,6 +1,6 @@
 """The run's record, written by one process only (the in-process runtime, or rank 0 under torchrun).
 
-In ``job.out_dir`` (see :mod:`hosfl_dist.runtime.record.folder`):
+In ``job.out_dir`` (see :mod:`hosfl_dist.runfolder.folder`):
 - ``config.yaml``: the resolved config;
 - ``metrics.jsonl``: one object per evaluation, flushed as it is written (an interrupted run keeps every line);
 - ``summary.json``: written when the run starts (``status: running``) and rewritten by every ending: ``completed``
@@ -22,7 +22,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, dump_config
 from hosfl_dist.errors import NonFiniteError
-from hosfl_dist.runtime.record.identity import fingerprint
+from hosfl_dist.runfolder.identity import fingerprint
 from hosfl_dist.runtime.record.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 

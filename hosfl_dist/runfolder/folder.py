@@ -20,29 +20,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hosfl_dist.config import Config
+from hosfl_dist.config.environment import slurm_job_id
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, read_manifest
+from hosfl_dist.runfolder.lock import RunLock, lock_holder, wait_for_earlier_start
 from hosfl_dist.safe_yaml import load_file
-from hosfl_dist.runtime.process.launch import slurm_job_id, slurm_start
 
 RUNS = Path("runs")
 LATEST = "latest"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
-CHECKPOINTS = "checkpoints"
-"""The folder of a run's checkpoints (see :mod:`hosfl_dist.runtime.checkpoint`)."""
-PARTIAL = ".partial"
-"""The suffix of a checkpoint folder being written (renamed away once it is complete)."""
-MANIFEST = "manifest.json"
-"""A checkpoint's list of files with their sizes and hashes and the run's identity, written last."""
-LOCK = ".lock"
-"""The file a live run holds an exclusive lock on (:class:`RunLock`)."""
 
 
 def chosen(cfg: Config) -> bool:
@@ -108,7 +100,7 @@ def resolve_out_dir(cfg: Config, restarted: bool = False) -> Config:
 def recorded_config(folder: Path) -> dict[str, Any] | None:
     """The config of the run ``folder`` holds, as identity (:func:`~.identity.comparable`): from its newest checkpoint
     whose manifest reads (what a resume continues), else from its config.yaml; None when it holds neither."""
-    from hosfl_dist.runtime.record.identity import comparable
+    from hosfl_dist.runfolder.identity import comparable
 
     for ckpt in checkpoint_folders(folder):
         manifest = read_manifest(ckpt)
@@ -128,7 +120,7 @@ def recorded_config(folder: Path) -> dict[str, Any] | None:
 def config_differences(folder: Path, cfg: Config) -> list[str] | None:
     """The config keys in which the run that ``folder`` holds differs from ``cfg`` (None: it holds no config), apart
     from how a run is started (:data:`~.identity.RUNTIME_ONLY`)."""
-    from hosfl_dist.runtime.record.identity import comparable_config, config_key_differences
+    from hosfl_dist.runfolder.identity import comparable_config, config_key_differences
 
     theirs = recorded_config(folder)
     return None if theirs is None else config_key_differences(theirs, comparable_config(cfg))
@@ -137,7 +129,7 @@ def config_differences(folder: Path, cfg: Config) -> list[str] | None:
 def input_differences(folder: Path, cfg: Config) -> list[str]:
     """The inputs the run in ``folder`` recorded with another content than they have now, or that one of the two
     runs reads and the other does not (a summary written before every input was recorded: the inputs it names)."""
-    from hosfl_dist.runtime.record.identity import identity_differences, input_files
+    from hosfl_dist.runfolder.identity import identity_differences, input_files
 
     summary = recorded_summary(folder) or {}
     recorded = summary.get("inputs") or {}
@@ -224,6 +216,10 @@ def holds_run(d: Path) -> bool:
     return any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
 
 
+EARLIER_START_GRACE_S = 60.0
+"""How much longer than ``server.rpc_timeout_s`` a restarted Slurm job waits for its earlier start to let go."""
+
+
 def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) -> Path:
     """Refuse an unusable job.out_dir, one a live run holds, or one that holds a run this one may not continue or
     replace, without changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job).
@@ -293,119 +289,6 @@ def prepare_out_dir(cfg: Config, restarted: bool = False) -> tuple[list[Path], R
     if not found:  # nothing to continue from: the partial run is replaced
         clear_run(d)
     return found, lock
-
-
-def checkpoint_folders(out_dir: str | Path) -> list[Path]:
-    """The checkpoint folders of a run, newest round first (folders still being written left out); whether each is
-    intact is :func:`hosfl_dist.runtime.checkpoint.verify_checkpoint`'s to say."""
-    folder = Path(out_dir) / CHECKPOINTS
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.glob("round-*") if p.is_dir() and not p.name.endswith(PARTIAL)]
-    return sorted(found, key=lambda p: p.name, reverse=True)
-
-
-def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
-    """A checkpoint's manifest as written (None: missing or unreadable), not verified."""
-    try:
-        data = json.loads((checkpoint / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-class RunLock:
-    """An exclusive lock on a run's folder (``flock`` on ``<folder>/.lock``), held by the process that writes the run
-    from its start to its end: another run, a resume or an overwrite into the folder is refused while it lives, and
-    the kernel releases it when the process dies however it dies, so a reader can tell a live run from a dead one
-    (:func:`lock_holder`). Local file systems; NFS honours flock only where its mount does."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        import fcntl
-        import socket
-
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = lock_holder(self.folder) or "a process that holds its lock"
-            raise ConfigError(f"job.out_dir {self.folder} is in use by a live run ({holder}); wait for it to end or "
-                              "choose another folder") from None  # fmt: skip
-        except OSError as exc:
-            os.close(fd)
-            raise ConfigError(f"job.out_dir {self.folder}: cannot lock it ({exc.strerror or exc})") from None
-        os.ftruncate(fd, 0)
-        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        job = slurm_start()
-        of_job = f", Slurm job {job[0]} start {job[1]}" if job else ""
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}{of_job}\n".encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the lock
-            self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-
-def lock_holder(folder: Path) -> str | None:
-    """Who holds ``folder``'s run lock (``pid … on host, since …``), or None when no live process does."""
-    import fcntl
-
-    try:
-        fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return os.read(fd, 512).decode(errors="replace").strip() or "a live process"
-        except OSError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-EARLIER_START_GRACE_S = 60.0
-"""How much longer than ``server.rpc_timeout_s`` a restarted Slurm job waits for its earlier start to let go."""
-_SLURM_START = re.compile(r", Slurm job ([0-9]+) start ([0-9]+)$")
-
-
-def wait_for_earlier_start(folder: Path, limit_s: float) -> str | None:
-    """Who holds ``folder``'s run lock (:func:`lock_holder`), after waiting for it to let go where the holder is an
-    earlier start of this process's own Slurm job, at most ``limit_s``.
-
-    A job requeued because a node died can start again while its first start's processes on the nodes that lived
-    are still stopping (their server waits ``server.rpc_timeout_s`` for the dead workers after Slurm's SIGTERM, and
-    with proctrack/linuxproc a rank whose torchrun was killed first is no longer Slurm's to kill). The new start
-    waits for them instead of failing on a folder that is about to be free; any other holder is answered at once."""
-    holder = lock_holder(folder)
-    job = slurm_start()
-    if holder is None or job is None:
-        return holder
-    found = _SLURM_START.search(holder)
-    if found is None or found.group(1) != job[0] or int(found.group(2)) >= job[1]:
-        return holder
-    print(f"job.out_dir {folder} is still held by start {found.group(2)} of this Slurm job ({holder}); waiting up to "
-          f"{limit_s:g} s for it to stop", file=sys.stderr, flush=True)  # fmt: skip
-    deadline = time.monotonic() + limit_s
-    while holder is not None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        holder = lock_holder(folder)
-    if holder is not None:
-        return f"{holder}; start {found.group(2)} of this job did not stop within {limit_s:g} s: end that process"
-    return None
 
 
 def clear_run(d: Path) -> None:

@@ -13,7 +13,7 @@
 - **code**: the package's version, the git commit of its checkout where there is one, and a SHA-256 over its source
   files (a change not committed yet counts).
 
-A checkpoint stores the identity of the run that wrote it (in its manifest, :mod:`hosfl_dist.runtime.checkpoint`)
+A checkpoint stores the identity of the run that wrote it (in its manifest, :mod:`hosfl_dist.runfolder.checkpoints`)
 and summary.json its fingerprint, inputs and code; resume and reuse compare with those, never with config.yaml, and
 :func:`identity_differences` names what differs. Resuming continues a run bit for bit, so the code must be the same
 too (``job.allow_code_change=true`` resumes anyway and summary.json says so); reusing a finished run (compare,

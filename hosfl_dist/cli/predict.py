@@ -1,0 +1,296 @@
+"""``python -m hosfl_dist.predict --model DIR --data FILE.jsonl --out preds.jsonl``: an exported LM on a file.
+
+The model is loaded with plain ``transformers`` (``AutoModelForCausalLM.from_pretrained(DIR)``; a ``peft`` export:
+its base, then ``PeftModel.from_pretrained(base, DIR)``), the tokenizer from DIR. The task — prompt template, label
+words, columns, tokenisation, batch size — comes from the export's ``hosfl_export.json`` (what the run used), each
+overridable by a flag, or from the flags alone for a model exported elsewhere.
+
+The examples are prompted and tokenised as a run's evaluation does them (:func:`~hosfl_dist.data.text.
+tokenize_split`) and batched the same way (consecutive rows, ``--batch-size``, each batch trimmed to its longest
+row), so on the run's evaluation file and with the run's batch size the prediction is the run's own:
+
+- classification: the label words' logits at each row's last real token; the prediction is the highest;
+- generation: greedy decoding (``generate``, left-padded prompts, at most ``--max-new-tokens``), the answer cut at
+  the first stop string as the run's SQuAD scoring does.
+
+Each row of ``--out`` holds the example's index, the prediction, and where the file has the gold column, the gold
+and its score; the last line on stdout is a JSON object of the metrics (accuracy, or F1 and exact match).
+Bad input (no model in DIR, a data file without the template's columns, a label word that is not one token) is one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.errors import ConfigError, DataError, HosflError
+
+RECORD = "hosfl_export.json"
+"""What an export says about its task (hosfl_dist/export/card.py)."""
+DEFAULT_BATCH = 8
+GOLD = {"classification": "label", "generation": "answers"}
+
+
+class PredictError(HosflError):
+    """Bad input to predict: one line, exit code 2."""
+
+
+def _record(model_dir: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((model_dir / RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise PredictError(f"{model_dir / RECORD} is not readable JSON ({exc})") from None
+    return record if isinstance(record, dict) else {}
+
+
+def _label_words(text: str | None) -> list[str] | None:
+    """``--label-words``: a JSON list (``'[" terrible", " great"]'``: leading spaces kept) or comma-separated words."""
+    if text is None:
+        return None
+    if text.lstrip().startswith("["):
+        try:
+            words = json.loads(text)
+        except ValueError as exc:
+            raise PredictError(f"--label-words {text!r} is not a JSON list ({exc})") from None
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise PredictError(f"--label-words {text!r}: expected a JSON list of strings")
+        return words
+    return [w for w in text.split(",")]
+
+
+def _columns(text: str | None) -> dict[str, str] | None:
+    """``--columns field=column,…``."""
+    if text is None:
+        return None
+    out = {}
+    for pair in text.split(","):
+        field, sep, column = pair.partition("=")
+        if not sep or not field.strip() or not column.strip():
+            raise PredictError(f"--columns {text!r}: expected field=column pairs separated by commas")
+        out[field.strip()] = column.strip()
+    return out
+
+
+def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+    """The task spec and column map: the export's, with the flags over it."""
+    from hosfl_dist.data.text import TASKS, custom_task, get_task
+
+    task = dict(record.get("task") or {})
+    kind = args.kind or task.get("kind")
+    template = args.template if args.template is not None else task.get("template") or ""
+    words = _label_words(args.label_words)
+    words = words if words is not None else task.get("label_words")
+    name = task.get("name")
+    if kind is None:
+        raise PredictError("the task is unknown: the model folder has no hosfl_export.json; give --kind "
+                           "classification|generation, --template (and --label-words to classify)")  # fmt: skip
+    if name in TASKS and not args.template and args.kind in (None, task.get("kind")):
+        spec = get_task(name)
+        if words is not None and words != spec.label_words:
+            spec = dataclasses.replace(spec, label_words=list(words))
+    else:
+        if not template:
+            raise PredictError("--template is needed (e.g. \"{sentence} It was\"): name the file's columns as {column}")
+        spec = custom_task(kind, template, words)
+    if spec.kind == "classification" and not spec.label_words:
+        raise PredictError("a classification task needs --label-words (a JSON list, e.g. '[\" bad\", \" good\"]')")
+    columns = _columns(args.columns)
+    if columns is None:  # the run's, for the fields this task still has (a --template names its own)
+        columns = {k: v for k, v in (task.get("columns") or {}).items() if k in spec.fields}
+    return spec, columns
+
+
+def load_examples(spec: Any, path: Path, columns: dict[str, str], limit: int) -> tuple[list[dict], bool]:
+    """The file's examples with the task's fields, and whether it has the gold column (a placeholder gold when not)."""
+    from hosfl_dist.data.text import load_text_split, read_local_rows
+
+    rows = read_local_rows(str(path))
+    if not rows:
+        raise DataError(f"{path} has no examples")
+    gold = GOLD[spec.kind]
+    has_gold = columns.get(gold, gold) in rows[0]
+    use = spec if has_gold else dataclasses.replace(spec, fields=tuple(f for f in spec.fields if f != gold))
+    if not has_gold:
+        columns = {k: v for k, v in columns.items() if k != gold}
+    examples = load_text_split(use, "predict", "local", str(path), columns, max_examples=limit or None)
+    if not has_gold:
+        for ex in examples:
+            ex[gold] = 0 if gold == "label" else [""]
+    return examples, has_gold
+
+
+def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) with plain transformers / peft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hosfl_dist.models.hf_load import transformers_bars
+
+    adapter = model_dir / "adapter_config.json"
+    try:
+        with transformers_bars(False):
+            if adapter.is_file():
+                from peft import PeftModel
+
+                base_name = json.loads(adapter.read_text()).get("base_model_name_or_path")
+                if not base_name:
+                    raise PredictError(f"{adapter} names no base model (base_model_name_or_path)")
+                base = AutoModelForCausalLM.from_pretrained(base_name, dtype="auto")
+                with warnings.catch_warnings():  # peft asks transformers a question transformers 5 deprecates
+                    warnings.simplefilter("ignore", FutureWarning)
+                    model = PeftModel.from_pretrained(base, str(model_dir))
+            elif (model_dir / "config.json").is_file():
+                model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+            else:
+                raise PredictError(f"{model_dir} holds no Hugging Face model (config.json) or PEFT adapter "
+                                   "(adapter_config.json); vision exports load with hosfl_dist.export.load_vision")
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise PredictError(f"cannot load the model in {model_dir}: {str(exc).splitlines()[0]}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def predict(
+    model: Any, tokenizer: Any, spec: Any, examples: list[dict], has_gold: bool, batch_size: int, max_length: int,
+    padding_side: str, max_new_tokens: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """(a row per example, the metrics) — see the module docstring."""
+    import torch
+
+    from hosfl_dist.data.text import label_word_ids, tokenize_split
+    from hosfl_dist.tasks.classification import classification_logits
+
+    data = tokenize_split(spec, examples, tokenizer, max_length, padding_side, train=False)
+    device = next(model.parameters()).device
+    out: list[dict[str, Any]] = []
+    if spec.kind == "classification":
+        ids = label_word_ids(spec, tokenizer)
+    with torch.no_grad():
+        for start in range(0, len(data), batch_size):
+            idx = list(range(start, min(len(data), start + batch_size)))
+            b = data.select(idx, trim=True)
+            ids_, mask = b.input_ids.to(device), b.attention_mask.to(device)
+            if spec.kind == "classification":
+                logits = model(input_ids=ids_, attention_mask=mask).logits
+                scores = classification_logits(logits, mask, ids).float().cpu()
+                for i, row in zip(idx, scores):
+                    k = int(row.argmax())
+                    item = {"index": i, "prediction": spec.label_words[k], "label": k, "scores": row.tolist()}
+                    if has_gold:
+                        gold = int(examples[i]["label"])
+                        item.update(gold=gold, correct=k == gold)
+                    out.append(item)
+            else:
+                out += _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens)
+    n = len(out)
+    metrics: dict[str, Any] = {"examples": n}
+    if has_gold and spec.kind == "classification":
+        metrics["accuracy"] = sum(r["correct"] for r in out) / max(n, 1)
+    elif has_gold:
+        metrics["f1"] = sum(r["f1"] for r in out) / max(n, 1)
+        metrics["exact_match"] = sum(r["exact_match"] for r in out) / max(n, 1)
+    return out, metrics
+
+
+def _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens):  # noqa: ANN001, ANN202
+    """Greedy continuations of one batch, prompts left-padded (every row's newest token in the last column)."""
+    from hosfl_dist.tasks.generation import pad_sequences
+    from hosfl_dist.tasks.squad_metric import extract_answer, squad_exact_match, squad_f1
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = [r[m.bool()].tolist() for r, m in zip(b.input_ids, b.attention_mask)]
+    batch = pad_sequences(rows, int(pad if pad is not None else 0), "left")
+    ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
+    device = next(model.parameters()).device
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    new = max_new_tokens if limit is None else max(0, min(max_new_tokens, limit - width))
+    generated = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, do_sample=False,
+        pad_token_id=pad, eos_token_id=tokenizer.eos_token_id,
+    )[:, width:].cpu()  # fmt: skip
+    out = []
+    for i, tokens in zip(idx, generated):
+        text = tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+        item: dict[str, Any] = {"index": i, "prediction": extract_answer(text), "generated": text}
+        if has_gold:
+            gold = list(examples[i]["answers"])
+            pred = item["prediction"]
+            item.update(gold=gold, f1=squad_f1(pred, gold), exact_match=squad_exact_match(pred, gold))
+        out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hosfl_dist.predict",
+        description="Predict with an exported language model (python -m hosfl_dist.export) on a JSONL, JSON, CSV, "
+        "TSV or parquet file: label-word classification or greedy generation, with plain transformers.",
+    )
+    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="an export folder (merged or peft)")
+    p.add_argument("--data", type=Path, required=True, metavar="FILE", help="the examples (.jsonl, .json, .csv, ...)")
+    p.add_argument("--out", type=Path, required=True, metavar="PREDS.jsonl", help="where the predictions go")
+    p.add_argument("--kind", choices=("classification", "generation"), help="default: the export's task")
+    p.add_argument("--template", help="the prompt, with {column} fields (default: the export's task's)")
+    p.add_argument("--label-words", help="classification: a JSON list or comma-separated words (default: the "
+                   "export's); label i is the i-th word")  # fmt: skip
+    p.add_argument("--columns", help="field=column,... where the file's column names differ from the task's fields")
+    p.add_argument("--batch-size", type=int, help="default: the run's train.eval_batch_size, else 8")
+    p.add_argument("--max-length", type=int, help="prompt tokens kept, from the right (default: the run's)")
+    p.add_argument("--padding-side", choices=("left", "right"), help="default: the run's data.padding_side")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="generation: at most this many tokens (32)")
+    p.add_argument("--max-examples", type=int, default=0, help="the first N examples only (0: all)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        for flag in ("batch_size", "max_length", "max_new_tokens", "max_examples"):
+            value = getattr(args, flag)
+            if value is not None and (value < 0 or (value == 0 and flag in ("batch_size", "max_length"))):
+                raise PredictError(f"--{flag.replace('_', '-')} {value}: expected a positive number")
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise PredictError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise PredictError(f"--device {args.device}: this machine has no CUDA device")
+        if args.out.resolve() == args.data.resolve():
+            raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
+        record = _record(args.model)
+        task = record.get("task") or {}
+        spec, columns = task_of(record, args)
+        examples, has_gold = load_examples(spec, args.data, columns, args.max_examples)
+        model, tokenizer = load_model(args.model, args.device)
+        rows, metrics = predict(
+            model, tokenizer, spec, examples, has_gold,
+            batch_size=args.batch_size or task.get("batch_size") or DEFAULT_BATCH,
+            max_length=args.max_length or task.get("max_length") or 512,
+            padding_side=args.padding_side or task.get("padding_side") or "right",
+            max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_name(f".{args.out.name}.partial")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(args.out)
+    except (HosflError, ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}", file=sys.stderr)
+        return 2
+    metrics.update(out=str(args.out), seconds=round(time.perf_counter() - start, 2))
+    print(json.dumps(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,250 @@
+"""Entry point: ``python -m hosfl_dist.run --config configs/X.yaml [section.key=value ...] [--dry-run | --check]``.
+
+Started by ``torchrun --nproc_per_node=N -m hosfl_dist.run ...`` (N > 1) it runs the torchrun runtime (rank 0
+server, the others client workers, see hosfl_dist/runtime/torchrun.py); started alone it runs the in-process runtime.
+Parses, builds, runs and cleans up; errors in the user's input are reported in one line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hosfl_dist.config import Config, dump_config, load_config
+from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.logs import init_logging
+
+if TYPE_CHECKING:
+    from hosfl_dist.runtime.process.launch import LaunchEnv
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hosfl_dist.run", description=__doc__)
+    p.add_argument("--config", help="YAML config file (sections of hosfl_dist.config.Config)")
+    p.add_argument("--dry-run", action="store_true", help="build the config (and data/model) and print it; no training")
+    p.add_argument(
+        "--help-config",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="print every config key (or those of SECTION, e.g. zo or clients.optim) with its type, default and "
+        "meaning, and exit",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the input that can fail fast (config, devices, job.out_dir, the role map of --nproc) and "
+        "exit: 0 if it is usable, 2 with one line if not; changes nothing (the launch scripts run it before torchrun)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="with --dry-run or --check: the role map of a torchrun world of NPROC processes",
+    )
+    p.add_argument(
+        "--status",
+        metavar="DIR",
+        help="say in one line how the run in DIR stands (running and by which process, completed, failed, interrupted, "
+        "or died: its processes ended without recording how) and exit; changes nothing",
+    )
+    p.add_argument(
+        "--record-death",
+        action="store_true",
+        help="if the run died (its summary says running, no process holds it), write that into its summary.json and "
+        "say how it stands: the run in --status DIR, or the one this config and overrides write (the launch scripts "
+        "do this when torchrun has ended with an error)",
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    launch = None
+    try:
+        if args.help_config is not None:
+            return _help_config(args.help_config)
+        if args.status is not None:
+            return _status(Path(args.status), args.record_death)
+        from hosfl_dist.runtime.process.launch import launch_env  # torch-free: a bad config fails at once
+
+        launch = launch_env()  # None without torchrun
+        cfg = _config(args)
+        world = launch.world_size if launch is not None else args.nproc
+        if args.record_death:
+            return _record_death(cfg)
+        if args.check:
+            return _check(cfg, world)
+        if args.dry_run:
+            return _dry_run(cfg, launch, world)
+        if _completed_already(cfg, launch):
+            return 0
+        if world > 1 and launch is not None:
+            return _train_torchrun(cfg, launch, world)
+        return _train_in_process(cfg)
+    except HosflError as exc:  # bad input (exit 2), or a run that diverged or was stopped (exit 1)
+        if launch is None or launch.rank == 0:  # the same error on every rank: say it once
+            print(f"error: {exc}", file=sys.stderr)
+        else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
+            time.sleep(3)
+        return exc.exit_code
+    except (OSError, MemoryError) as exc:  # the machine, not the code: a full disk, no memory (summary.json says so)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+# -- the modes, in the order main tries them -----------------------------------------------------------------------
+def _help_config(section: str) -> int:
+    """``--help-config [SECTION]``: every config key (of SECTION) with its type, default and meaning."""
+    from hosfl_dist.cli.config_help import help_config
+
+    print(help_config(section), end="")
+    return 0
+
+
+def _status(folder: Path, record: bool) -> int:
+    """``--status DIR [--record-death]``: how the run in DIR stands, after writing ``died`` into its summary if it
+    died and ``record`` asks for it."""
+    from hosfl_dist.runfolder.folder import describe_status, record_death
+
+    if record:
+        record_death(folder)
+    print(describe_status(folder))
+    return 0
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The run's config, checked before torch is imported where it can be (the loggers), then against the algorithm
+    registry."""
+    cfg = load_config(args.config, args.overrides)
+    from hosfl_dist.runtime.record.tracking import check_loggers
+
+    check_loggers(cfg)  # a logger without its package: one line, before torch
+    from hosfl_dist.runtime.checks import check_config  # the algorithm registry (imports torch)
+
+    check_config(cfg)  # the sections against each other and what the method implements
+    return cfg
+
+
+def _record_death(cfg: Config) -> int:
+    """``--record-death`` without ``--status``: the run this config writes (a new folder's: runs/<job.name>/latest)."""
+    from hosfl_dist.runfolder.folder import deterministic_out_dir
+
+    folder = deterministic_out_dir(cfg, restarted=True)
+    if folder is not None:
+        _status(folder, record=True)
+    return 0
+
+
+def _check(cfg: Config, world: int) -> int:
+    """``--check``: the input that can fail fast (role map, devices, interface, job.out_dir, what the build refuses),
+    without changing anything."""
+    from hosfl_dist.cli.precheck import check_build
+    from hosfl_dist.runfolder.folder import check_out_dir, deterministic_out_dir, with_out_dir
+    from hosfl_dist.runtime.process.host import check_devices, check_interface
+    from hosfl_dist.runtime.process.launch import role_map
+
+    if world > 1:
+        role_map(cfg, world)
+    check_devices(cfg)
+    check_interface(cfg.job.interface)
+    folder = deterministic_out_dir(cfg)
+    if folder is not None:  # otherwise a new folder is made at start
+        check_out_dir(with_out_dir(cfg, folder))
+    check_build(cfg, world)  # what the build refuses: an LM's cut and LoRA targets, a text task's files
+    return 0
+
+
+def _dry_run(cfg: Config, launch: LaunchEnv | None, world: int) -> int:
+    """``--dry-run``: the resolved config, what it builds and (in a world of several processes) the role map, printed
+    by one process."""
+    from hosfl_dist.runtime.process.launch import role_map
+
+    if launch is None or launch.rank == 0:
+        print(dump_config(cfg), end="")
+        print("# built:", json.dumps(dry_run(cfg)))
+        if world > 1:
+            roles = role_map(cfg, world).describe().splitlines()
+            print("# roles:\n" + "\n".join("#  " + line for line in roles))
+    return 0
+
+
+def dry_run(cfg: Config) -> dict:
+    """Validate what can be validated without training: config, data files, model construction and split."""
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.data import build_data
+    from hosfl_dist.models import build_split_model
+
+    if cfg.model.name == "hf":  # hub models/data cannot be built offline: validate what can be, say what was not
+        from hosfl_dist.models.lm import check_without_hub, hub_requirements
+
+        needs = hub_requirements(cfg.model, cfg.data)
+        if needs:
+            return {"built": False, "not_built_because": needs, "checked": check_without_hub(cfg.model, cfg.split)}
+    import torch
+
+    if cfg.job.device.startswith("cuda") and not torch.cuda.is_available():  # a GPU job checked on a CPU node
+        cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device="cpu"))
+    data = build_data(cfg)
+    zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
+    split = build_split_model(cfg, data.info, zeroth_order, parts=())  # LMs stay on the meta device: 8B costs nothing
+
+    def count(m, trainable: bool) -> int:
+        return sum(p.numel() for p in m.parameters() if p.requires_grad or not trainable)
+
+    return {
+        "data": data.info,
+        "client_params": count(split.client, False),
+        "client_trainable_params": count(split.client, True),
+        "server_params": count(split.server, False),
+        "server_trainable_params": count(split.server, True),
+    }
+
+
+def _completed_already(cfg: Config, launch: LaunchEnv | None) -> bool:
+    """Whether the folder this run writes holds it, completed (a Slurm job again, a sweep re-run): then nothing is
+    left to do, and rank 0 says so."""
+    from hosfl_dist.runfolder.folder import completed_already, deterministic_out_dir, with_out_dir
+
+    folder = deterministic_out_dir(cfg)
+    if folder is None or not completed_already(with_out_dir(cfg, folder)):
+        return False
+    if launch is None or launch.rank == 0:
+        print(f"done: {folder} holds this run, completed; nothing to do (job.resume=auto)")
+    return True
+
+
+def _train_torchrun(cfg: Config, launch: LaunchEnv, world: int) -> int:
+    """This process's part of a torchrun job: rank 0 serves (and prints the run's last line), the others work."""
+    from hosfl_dist.runtime.process.launch import role_map
+
+    roles = role_map(cfg, world)
+    init_logging(roles.label(launch.rank), verbose=launch.rank in (0, roles.leader))
+    from hosfl_dist.runtime.torchrun import run_torchrun
+
+    code, done = run_torchrun(cfg, launch)
+    if done is not None:  # rank 0 of a completed run
+        from hosfl_dist.runtime.record.writer import done_line
+
+        print(done_line(*done), flush=True)
+    return code
+
+
+def _train_in_process(cfg: Config) -> int:
+    """The whole run in this one process."""
+    if cfg.server.ranks > 1:
+        raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
+    init_logging()
+    from hosfl_dist.runtime.inprocess import InProcessRunner
+    from hosfl_dist.runtime.record.writer import done_line
+
+    runner = InProcessRunner(cfg).setup()
+    summary = runner.run()
+    print(done_line(summary, runner.cfg.job.out_dir), flush=True)
+    return 0
