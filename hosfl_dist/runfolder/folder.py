@@ -1,4 +1,4 @@
-"""The run's folder: which one a run writes into, and whether it may.
+"""The run's folder: which one a run writes into, whether it may, and how the run in it stands.
 
 When the user named no folder (``job.out_dir`` empty) every run gets its own::
 
@@ -11,8 +11,10 @@ its contract: exactly that folder holds config.yaml, metrics.jsonl and summary.j
 
 A folder that holds another run is refused unless ``job.resume=auto`` (continue it, when its config is this run's) or
 ``job.overwrite=true`` (replace it): :func:`check_out_dir` checks without changing anything (``hosfl_dist.run
---check``), :func:`prepare_out_dir` makes the folder ready. Torch-free: ``hosfl_dist.run`` resolves and checks the
-folder before anything heavy is imported.
+--check``), :func:`prepare_out_dir` makes the folder ready. How the run stands (:func:`run_status`,
+:func:`describe_status`: ``hosfl_dist.run --status``) is its summary.json read beside its lock (:mod:`.lock`): a run
+recorded as running that no live process holds died. Torch-free: ``hosfl_dist.run`` resolves and checks the folder
+before anything heavy is imported.
 """
 
 from __future__ import annotations
