@@ -93,6 +93,12 @@ class WrittenFloat(float):
         return float(self), self.text
 
 
+# A message that names a value's type names what YAML read (an int, a float), wherever it comes from: the loaded data
+# reach every reader of a config or setup file, and type(value).__name__ is how they say what they got.
+WrittenInt.__name__ = "int"
+WrittenFloat.__name__ = "float"
+
+
 class UntrustedYAMLError(yaml.YAMLError):
     """A bound of :class:`SafeLoader` was exceeded; ``problem`` and ``problem_mark`` as PyYAML's errors have them."""
 

@@ -113,6 +113,7 @@ def test_scalars_are_read_by_yaml_1_2_core_schema():
     assert nulls == [None, None, None] and date == "2001-02-30" and got[26] == "="
     assert [v.text for v in (*ints, *floats)] == ["02000", "0o17", "0x1F", "-0", "+12", "1e3", ".5", "1.", "1.0e+300",
                                                   "-.inf", ".NaN"]  # fmt: skip
+    assert {type(v).__name__ for v in ints} == {"int"} and {type(v).__name__ for v in floats} == {"float"}  # messages
 
 
 @pytest.mark.parametrize(
