@@ -127,7 +127,7 @@ class ExchangeServer(ServerBase):
         self.slots = trainable_slots(self.model)
         # θs^t: the module's own tensors (the slots hold a client's copy while one of its requests runs).
         self.server_model = slot_tensors(self.slots)
-        # θs^t's running statistics (model.freeze_bn=client|none): each copy updates its own, averaged like θs_m
+        # θs^t's running statistics (model.freeze_bn=code|client|none): each copy updates its own, averaged like θs_m
         self.stat_slots = running_stat_slots(self.model)
         self.server_stats = [mod._buffers[name] for mod, name in self.stat_slots]
         self.global_lr = 1.0

@@ -149,7 +149,7 @@ class FSLSageServer(ExchangeServer):
     def true_gradients(self, z: Tensor, y: Tensor) -> Tensor:
         """λ_i = ∂ℓ_i/∂z_i for every stored sample under the current θs (each row its own sample's loss).
 
-        With batch-statistics BatchNorm (``model.freeze_bn=client|none``) a chunk of ALIGN_BATCH rows is the batch,
+        With batch-statistics BatchNorm (``model.freeze_bn=code|client|none``) a chunk of ALIGN_BATCH rows is the batch,
         and these forwards leave the running statistics to the training steps."""
         out = []
         with running_stat_updates(self.model, 0):

@@ -8,7 +8,7 @@ Round t, as the code below runs it (a worker runs the client side for the sample
              it is not a round trip on the critical path
   client     z_m = f_c(x_m; θc^t) goes up with y_m                                              (Eq. 1)
   server     the K activations are gathered into one forward/backward with θs^t (one pass per client when the
-             server normalises with batch statistics, model.freeze_bn=client|none); θs steps once with the mean
+             server normalises with batch statistics, model.freeze_bn=code|client|none); θs steps once with the mean
              gradient and each client gets λ_m = ∂ℓ_m/∂z_m back (``submit``, gathered; the runtime's compute
              runs the passes on one rank or over the server ranks)                               (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding (zo.overlap) the

@@ -60,7 +60,7 @@ def _check_model_and_data(cfg: Config) -> None:
 
 
 def _check_batch_stats_server(cfg: Config) -> None:
-    """A server normalising with batch statistics (``model.freeze_bn=client|none``) must see each client's batch
+    """A server normalising with batch statistics (``model.freeze_bn=code|client|none``) must see each client's batch
     whole and in one place: its outputs, λ and running statistics depend on which rows share a pass."""
     mode = f"model.freeze_bn={cfg.model.freeze_bn} (batch statistics on the server)"
     check(cfg.server.ranks == 1, "server.ranks", cfg.server.ranks, f"{mode} needs one server rank: each rank "

@@ -24,7 +24,7 @@ into pieces gives the same objective:
 Every rank runs the same number of passes (FSDP2's all-gathers and reduce-scatters must line up): a rank with fewer
 pieces runs padding passes of one row with weight 0, which add exact zeros. Rows of clients with differently shaped
 uploads (text batches trimmed to their own length) are never merged into one pass, nor are the rows of different
-clients when the server normalises with batch statistics (``model.freeze_bn=client|none``: each client's batch is
+clients when the server normalises with batch statistics (``model.freeze_bn=code|client|none``: each client's batch is
 its own pass, as in the authors' loop over the sampled clients). Otherwise, without micro-batches and with one server
 rank, the pass is the round's single merged forward/backward.
 
@@ -214,7 +214,7 @@ class GroupCompute:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self.device = next(model.parameters()).device
-        # Batch-statistics BatchNorm (model.freeze_bn=client|none): client m's λ_m must come from its own batch's
+        # Batch-statistics BatchNorm (model.freeze_bn=code|client|none): client m's λ_m must come from its own batch's
         # statistics, so each client gets its own pass (running statistics updated K times, in client-id order).
         self.per_client = uses_batch_stats(model)
         self._pending = False
