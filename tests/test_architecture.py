@@ -89,6 +89,12 @@ def test_a_spec_whose_worker_calls_another_server_is_refused():
     with pytest.raises(ValueError, match=r"HOSFLWorker calls HOSFLServer, not the registered server SFLServer"):
         AlgorithmSpec("crossed", SFLServer, HOSFLWorker, True, frozenset(PAPER_CATEGORIES))
 
+    class Unnamed(HOSFLWorker):
+        server_class = ServerBase  # what WorkerBase says: no declared call to make a stub of
+
+    with pytest.raises(ValueError, match=r"Unnamed calls ServerBase, not the registered server HOSFLServer"):
+        AlgorithmSpec("unnamed", HOSFLServer, Unnamed, True, frozenset(PAPER_CATEGORIES))
+
 
 def test_a_worker_calls_its_server_through_a_stub_of_the_declared_methods():
     """``self.server.submit`` is the declared method, resolved once: its docstring and signature travel with it, its

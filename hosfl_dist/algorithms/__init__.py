@@ -62,8 +62,10 @@ class AlgorithmSpec:
                 raise ValueError(
                     f"{self.name}: {self.server.__name__}.{method} sends {sorted(stray)} outside its traffic"
                 )
-        called = getattr(self.worker, "server_class", None)
-        if not (isinstance(called, type) and issubclass(self.server, called)):
+        from hosfl_dist.algorithms.base import ServerBase
+
+        called = getattr(self.worker, "server_class", None)  # ServerBase: WorkerBase's, which declares no call
+        if not (isinstance(called, type) and called is not ServerBase and issubclass(self.server, called)):
             raise ValueError(f"{self.name}: {self.worker.__name__} calls {getattr(called, '__name__', called)}, not "
                              f"the registered server {self.server.__name__} (set {self.worker.__name__}.server_class)")
         for part in (*self.worker_parts, *self.server_parts):
