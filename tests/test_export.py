@@ -238,7 +238,21 @@ def test_export_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run):
 
     assert "holds the run" in refused(str(run_dir), "--out", str(run_dir.parent), "--force")
     assert "holds the run" in refused(str(run_dir), "--out", str(run_dir), "--force")
-    assert (run_dir / "config.yaml").is_file()
+    # an export never replaces a run's files, with or without --force: the run's own checkpoints (or a round's
+    # folder, or a link to them), a folder inside another run, a folder that holds runs below it
+    newest_round = sorted((run_dir / "checkpoints").glob("round-*"))[-1]
+    for inside in (run_dir / "checkpoints", newest_round):
+        assert "is inside the run" in refused(str(run_dir), "--out", str(inside), "--force")
+    link = tmp_path / "to-checkpoints"
+    link.symlink_to(run_dir / "checkpoints")
+    assert "is inside the run" in refused(str(run_dir), "--out", str(link), "--force")
+    assert "is inside the run folder" in refused(str(run_dir), "--out", str(other / "checkpoints"), "--force")
+    holder = tmp_path / "holder"
+    (holder / "deep").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(other), str(holder / "deep" / "run")], check=True)
+    assert "holds the run folder" in refused(str(run_dir), "--out", str(holder), "--force")
+    assert (holder / "deep" / "run" / "config.yaml").is_file()
+    assert (run_dir / "config.yaml").is_file() and newest_round.is_dir()
 
     # a folder an export killed with SIGKILL left behind is removed by the next export to that place
     stale = tmp_path / ".again.partial-999999999-1"
@@ -277,6 +291,9 @@ def test_predict_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run, text_fi
     assert "no column" in refused("--model", str(out), "--data", data, "--out", preds, "--template", "{missing}")
     assert "expected cpu, cuda" in refused("--model", str(out), "--data", data, "--out", preds, "--device", "gpu0")
     assert "would replace the examples" in refused("--model", str(out), "--data", data, "--out", data)
+    metrics = str(run_dir / "metrics.jsonl")  # a run's record replaced by predictions
+    assert "inside the run folder" in refused("--model", str(out), "--data", data, "--out", metrics)
+    assert "expected cpu, cuda" in refused("--model", str(out), "--data", data, "--out", preds, "--device", "meta")
     assert "--batch-size 0" in refused("--model", str(out), "--data", data, "--out", preds, "--batch-size", "0")
     assert not Path(preds).exists()
 

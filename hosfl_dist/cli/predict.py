@@ -261,10 +261,17 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device(args.device)
         except RuntimeError:
             raise PredictError(f"--device {args.device!r}: expected cpu, cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):
+            raise PredictError(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PredictError(f"--device {args.device}: this machine has no CUDA device")
         if args.out.resolve() == args.data.resolve():
             raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
+        from hosfl_dist.runfolder.folder import run_in_the_way
+
+        run = run_in_the_way(args.out)
+        if run is not None:  # a run's metrics.jsonl or checkpoint replaced by predictions
+            raise PredictError(f"--out {args.out} is inside the run folder {run}: write the predictions elsewhere")
         record = _record(args.model)
         task = record.get("task") or {}
         spec, columns = task_of(record, args)

@@ -53,6 +53,12 @@ def export(
     run, target = run_dir.resolve(), out.resolve()
     if target == run or run.is_relative_to(target):
         raise ExportError(f"--out {out} holds the run {run_dir}: export to a folder of its own")
+    from hosfl_dist.runfolder.folder import run_in_the_way
+
+    other = run_in_the_way(out)  # with or without --force: an export never replaces a run's files
+    if other is not None:
+        where = "holds" if other.is_relative_to(target) else "is inside"
+        raise ExportError(f"--out {out} {where} the run folder {other}: export to a folder of its own")
     _check_out(out, force)
     tmp = _scratch(out)
     try:

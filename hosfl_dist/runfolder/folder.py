@@ -218,6 +218,31 @@ def holds_run(d: Path) -> bool:
     return any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
 
 
+def run_in_the_way(dest: Path, most: int = 100_000) -> Path | None:
+    """A run folder that writing ``dest`` (a file or a folder a command would replace) could destroy: one that holds
+    ``dest`` (``dest`` resolved through its symlinks, then each folder above it), or one below a ``dest`` folder (its
+    first ``most`` folders looked at). None when there is none."""
+    target = dest.resolve()
+    for folder in (target, *target.parents):
+        if _is_run(folder):
+            return folder
+    if target.is_dir():
+        for i, (folder, _, _) in enumerate(os.walk(target, followlinks=False)):
+            if i >= most:
+                break
+            if _is_run(Path(folder)):
+                return Path(folder)
+    return None
+
+
+def _is_run(d: Path) -> bool:
+    """A run's folder: its config.yaml beside its summary, metrics or checkpoints (a config.yaml alone is not one)."""
+    try:
+        return (d / "config.yaml").is_file() and any((d / f).exists() for f in (*RUN_FILES[1:], CHECKPOINTS))
+    except OSError:  # a folder that cannot be read is not known to be a run
+        return False
+
+
 EARLIER_START_GRACE_S = 60.0
 """How much longer than ``server.rpc_timeout_s`` a restarted Slurm job waits for its earlier start to let go."""
 
