@@ -51,6 +51,28 @@ def test_a_world_rule_names_its_rows_processes_nodes_gpus_and_overrides():
             parse_world(bad)
 
 
+def test_a_point_given_twice_is_refused_and_ctrl_c_ends_a_study_in_one_line(tmp_path, monkeypatch, capsys):
+    """--seeds 0,0 (or a grid value twice) would run one point twice and count it as two; Ctrl-C anywhere in a study
+    is one line naming where its finished runs are, exit 130."""
+    import argparse
+
+    from hosfl_dist.experiments import cli
+
+    with pytest.raises(ConfigError, match=r"--seeds: '0,0' gives 0 more than once"):
+        cli.parse_list("0,0", "--seeds", int)
+    with pytest.raises(ConfigError, match=r"--grid P: '1,2,01' gives 1 more than once"):
+        cli.parse_list("1,2,01", "--grid P", int)
+    assert cli.parse_list("1,2", "--grid P", int) == [1, 2]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_rows", interrupted)
+    assert cli.run_experiment("compare", argparse.Namespace(out=str(tmp_path / "study")), [], None) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("interrupted: compare stopped by Ctrl-C") and "study" in err[0]
+
+
 def test_rows_get_the_first_matching_world_else_nproc_else_their_server_group_and_one_worker(tmp_path):
     (tmp_path / "worlds.yaml").write_text(
         "- when: {zo.num_perturbations: 3}\n  nproc: 4\n  set: {server.ranks: 2}\n- when: '*'\n  nproc: 2\n"

@@ -111,9 +111,13 @@ def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[A
     if not text.strip() or any(not s for s in items):
         raise ConfigError(f"{what}: {text!r} is not a comma-separated list")
     try:
-        return [cast(s) for s in items]
+        values = [cast(s) for s in items]
     except ValueError:
         raise ConfigError(f"{what}: {text!r} has an item that is not {cast.__name__}") from None
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:  # one point run twice would count as two seeds or two grid values
+        raise ConfigError(f"{what}: {text!r} gives {', '.join(twice)} more than once (each point runs once)")
+    return values
 
 
 def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
@@ -279,6 +283,10 @@ def run_experiment(
     except HosflError as exc:
         print_error(exc)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the study was
+        print(f"interrupted: {prog} stopped by Ctrl-C after {time.perf_counter() - start:.0f} s; the runs it finished "
+              f"are kept under {args.out} and reused when the same command runs again", file=sys.stderr)  # fmt: skip
+        return 130
     return 0
 
 
