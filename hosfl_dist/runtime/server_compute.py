@@ -265,9 +265,8 @@ class GroupCompute:
         self._pending = False
         if not kept:
             return
-        grads = _local_grads(self.model)
         if self.size > 1:  # FSDP averaged the ranks' shares: their sum (exact for S a power of two)
-            for g in grads:
+            for g in _local_grads(self.model):
                 g.mul_(self.size)
         for p in self.model.parameters():  # the mean over the clients kept
             if p.grad is not None:

@@ -96,17 +96,12 @@ class ServerGroup(Handler):
         self.server = server
         self.evaluator = evaluator
         self.targets = tuple(t for t in (server, evaluator) if t is not None)
-        self.served = tuple(type(t) for t in self.targets)
         self.group = group
         self.store = store
         self.rank = dist.get_rank(group) if group is not None else 0
         self.size = dist.get_world_size(group) if group is not None else 1
         self._sharded = [m for m in server.model.modules() if isinstance(m, FSDPModule)] if group is not None else []
         """The group's FSDP modules, resharded after every call (see :meth:`_run`)."""
-
-    @property
-    def leads(self) -> bool:
-        return self.rank == 0
 
     # -- rank 0 ------------------------------------------------------------------------------------------------------
     def execute(self, method: str, kwargs: dict[str, Any]) -> Any:
