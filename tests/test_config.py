@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from hosfl_dist.config import Config, build_config, dump_config, load_config
+from hosfl_dist.config.preset import preset_names, read_preset
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runtime.checks import load_run_config
 
@@ -233,3 +234,74 @@ def test_help_config_answers_without_importing_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "False", "True"]
+
+
+# -- named presets ---------------------------------------------------------------------------------------------------
+REPRO_CONFIGS = sorted(
+    [*(ROOT / "configs/repro").glob("*.yaml"), *(ROOT / "configs/finetune").glob("hosfl_*.yaml"),
+     *(ROOT / "configs/paper/table3").glob("*.yaml")]  # fmt: skip
+)
+
+
+def _leaves(values, prefix=""):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+@pytest.mark.parametrize("preset", preset_names())
+@pytest.mark.parametrize("path", REPRO_CONFIGS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_preset_applies_to_every_repro_config(path, preset):
+    cfg = load_config(path, [f"preset={preset}"])
+    for key, value in _leaves(read_preset(preset)["set"]):
+        assert _get(cfg, key) == value, key
+
+
+@pytest.mark.parametrize("part", ["cifar10_iid", "cifar10_dirichlet", "cifar100_iid", "cifar100_dirichlet"])
+def test_table3_configs_are_the_text_and_the_code_presets(part):
+    """The paper's Table 3 configs: the text's file is its own paper_text preset; the code's file is the text's
+    with paper_code (the job's name aside)."""
+    text = ROOT / f"configs/paper/table3/{part}.yaml"
+    name = ["job.name=x"]
+    assert load_config(text, name) == load_config(text, ["preset=paper_text", *name])
+    assert load_config(ROOT / f"configs/paper/table3/{part}_code.yaml", name) == load_config(text, ["preset=paper_code", *name])
+
+
+def test_a_preset_sits_over_the_file_and_under_every_override(tmp_path):
+    base = ROOT / "configs/repro/cifar10_iid.yaml"
+    for order in (["train.budget_samples=64", "preset=paper_code"], ["preset=paper_code", "train.budget_samples=64"]):
+        cfg = load_config(base, order)
+        assert (cfg.train.budget_samples, cfg.clients.optim.lr, cfg.model.freeze_bn) == (64, 1e-3, "code")
+    two = load_config(base, ["preset=paper_code", "preset=paper_text"])  # the later preset wins where both set a key
+    assert two.clients.optim.lr == 1e-5
+    f = tmp_path / "c.yaml"  # a file's own preset sits under the file's sections
+    f.write_text("preset: paper_text\nmodel: {name: resnet18}\nclients: {optim: {lr: 0.01}}\n")
+    cfg = load_config(f)
+    assert (cfg.clients.optim.lr, cfg.server.optim.lr, cfg.model.freeze_bn) == (0.01, 1e-5, "all")
+    assert "preset" not in dump_config(cfg)  # what ran is the values
+
+
+@pytest.mark.parametrize(
+    "path, overrides, needle",
+    [
+        (ROOT / "configs/repro/cifar10_iid.yaml", ["preset=nope"], "unknown preset 'nope' (known presets: paper_code"),
+        (ROOT / "configs/llm/opt-125m_sst2.yaml", ["preset=paper_text"], "preset paper_text holds settings for model.name"),
+    ],
+)
+def test_a_bad_preset_is_one_line(path, overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_presets_are_package_data():
+    assert "hosfl_dist.config = presets/*.yaml" in (ROOT / "setup.cfg").read_text()
+    assert set(preset_names()) >= {"paper_text", "paper_code"}

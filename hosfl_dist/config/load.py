@@ -16,26 +16,52 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from hosfl_dist.config.preset import check_models, merge, read_preset
 from hosfl_dist.config.schema import FLOAT32_MAX, INT64, TEXT_KEYS, Config, FieldError, shown
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.safe_yaml import WrittenFloat, WrittenInt, load_file, load_override
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides."""
+    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides.
+
+    A named preset (:mod:`.preset`) is a file's top-level ``preset:`` key, its values under the file's sections, or an
+    override ``preset=<name>``, its values over the file and under every ``key=value`` override wherever they stand
+    (so a study's grid over presets keeps the study's own overrides)."""
     raw: dict[str, Any] = {}
+    applied: list[str] = []
     if path is not None:
         loaded = load_file(path)  # bounded: size, alias expansion, nesting; unique keys (hosfl_dist.safe_yaml)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}
+        if PRESET in raw:
+            name = raw.pop(PRESET)
+            base: dict[str, Any] = {}
+            merge(base, read_preset(name)["set"])
+            merge(base, raw)
+            raw = base
+            applied.append(name)
+    pairs = []
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {shown(item)} is not of the form section.key=value")
-        key = key.strip()
-        _set_dotted(raw, key, load_override(text, f"override {_named(key)}"))
-    return build_config(raw)
+        pairs.append((key.strip(), text))
+    for key, text in pairs:
+        if key == PRESET:
+            merge(raw, read_preset(text.strip())["set"])
+            applied.append(text.strip())
+    for key, text in pairs:
+        if key != PRESET:
+            _set_dotted(raw, key, load_override(text, f"override {_named(key)}"))
+    cfg = build_config(raw)
+    check_models(applied, cfg.model.name)
+    return cfg
+
+
+PRESET = "preset"
+"""The config file's top-level key and the override that name a preset (:mod:`hosfl_dist.config.preset`)."""
 
 
 def build_config(raw: dict[str, Any]) -> Config:
