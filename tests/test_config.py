@@ -272,7 +272,8 @@ def test_table3_configs_are_the_text_and_the_code_presets(part):
     text = ROOT / f"configs/paper/table3/{part}.yaml"
     name = ["job.name=x"]
     assert load_config(text, name) == load_config(text, ["preset=paper_text", *name])
-    assert load_config(ROOT / f"configs/paper/table3/{part}_code.yaml", name) == load_config(text, ["preset=paper_code", *name])
+    code = ROOT / f"configs/paper/table3/{part}_code.yaml"
+    assert load_config(code, name) == load_config(text, ["preset=paper_code", *name])
 
 
 def test_a_preset_sits_over_the_file_and_under_every_override(tmp_path):
@@ -292,8 +293,8 @@ def test_a_preset_sits_over_the_file_and_under_every_override(tmp_path):
 @pytest.mark.parametrize(
     "path, overrides, needle",
     [
-        (ROOT / "configs/repro/cifar10_iid.yaml", ["preset=nope"], "unknown preset 'nope' (known presets: paper_code"),
-        (ROOT / "configs/llm/opt-125m_sst2.yaml", ["preset=paper_text"], "preset paper_text holds settings for model.name"),
+        (ROOT / "configs/repro/cifar10_iid.yaml", ["preset=nope"], "unknown preset 'nope' (known presets: paper_"),
+        (ROOT / "configs/llm/opt-125m_sst2.yaml", ["preset=paper_text"], "preset paper_text holds settings for model"),
     ],
 )
 def test_a_bad_preset_is_one_line(path, overrides, needle):

@@ -20,6 +20,7 @@ from typing import Any
 
 from hosfl_dist.config import schema
 from hosfl_dist.config import Config
+from hosfl_dist.config.preset import preset_names, read_preset
 from hosfl_dist.errors import ConfigError
 
 WIDTH = 100
@@ -96,7 +97,34 @@ def help_config(section: str = "") -> str:
         lines.append(f"  {key}: {type_name} = {default!r}")
         for para in doc.split("\n\n"):  # the source's line breaks are layout: reflow each paragraph
             lines += textwrap.wrap(" ".join(para.split()), WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    if not section:
+        lines += ["", "Presets (preset=<name>: over the YAML file, under every key=value override):"]
+        for name, about, models, values in _presets():
+            lines.append(f"  {name} (model.name {' / '.join(models)}):")
+            lines += textwrap.wrap(" ".join(f"{k}={v}" for k, v in values), WIDTH, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)  # fmt: skip
+            lines += textwrap.wrap(about, WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _presets() -> list[tuple[str, str, list[str], list[tuple[str, Any]]]]:
+    """(name, about, models, dotted values) of every preset (:mod:`hosfl_dist.config.preset`)."""
+    out = []
+    for name in preset_names():
+        data = read_preset(name)
+        out.append((name, " ".join(str(data.get("about", "")).split()), [str(m) for m in data["models"]],
+                    _leaves(data["set"])))  # fmt: skip
+    return out
 
 
 MARKDOWN_COMMAND = "python -m hosfl_dist.config_help --markdown > docs/configuration.md"
@@ -153,6 +181,26 @@ def markdown_config() -> str:
             continue
         meaning = "<br><br>".join(_cell(" ".join(para.split())) for para in doc.split("\n\n"))
         lines.append(f"| {_code(key)} | {_code(type_name)} | {_code(repr(default))} | {meaning} |")
+    lines += [
+        "",
+        "## Presets",
+        "",
+        textwrap.fill(
+            "A preset is a named set of values one source gives (`hosfl_dist/config/presets/<name>.yaml`): an override"
+            " `preset=<name>` puts its values over the YAML file and under every `key=value` override, wherever it"
+            " stands; a YAML file's top-level `preset: <name>` puts them under the file's own sections. A preset names"
+            " the models it is written for and is refused for another. What ran is the values: a run's config.yaml"
+            " holds them, not the preset's name.",
+            120,
+            break_on_hyphens=False,
+        ),
+        "",
+        "| preset | models | values | whose |",
+        "|---|---|---|---|",
+    ]
+    for name, about, models, values in _presets():
+        shown_values = "<br>".join(_code(f"{k}={v}") for k, v in values)
+        lines.append(f"| {_code(name)} | {', '.join(models)} | {shown_values} | {_cell(about)} |")
     return "\n".join(lines) + "\n"
 
 
