@@ -198,7 +198,9 @@ class RunFront(Handler):
     def _worker_environment(self, rank: int, env: dict[str, Any]) -> None:
         """Record a worker's environment where it differs from this process's (the checkpoints carry it), and
         compare it with the one it had in the checkpoint being resumed."""
-        own = self.identity["environment"]
+        own = self.identity.get("environment")
+        if own is None:  # an identity without one (as recorded before environments were)
+            return
         separate = env != _own(own)
         if separate:
             own.setdefault("workers", {})[str(rank)] = env
