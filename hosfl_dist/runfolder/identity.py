@@ -55,8 +55,9 @@ PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""
 HASH_CACHE = "file-sha256.json"
 FULL_HASH_BYTES = 64 << 20
-"""Files up to this size are hashed whole at every start (SHA-256 runs at about 1.5 GB/s here: 64 MiB in about
-45 ms), so nothing about them is trusted; a larger one is hashed once per version (:func:`file_sha256_cached`)."""
+"""Files up to this size are hashed whole at every start (SHA-256 runs at 0.7-1.5 GB/s on the 2-core machine: 64 MiB
+in 45-90 ms), so nothing about them is trusted; a larger one is hashed once per version (:func:`file_sha256_cached`;
+the costs: docs/checkpoints.md, ``python -m hosfl_dist.measure.hash_cost``)."""
 SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 16, 64 << 10
 """A large file's sample: 16 blocks of 64 KiB (the first, the last and 14 evenly between), 1 MiB read at a start."""
 
