@@ -23,6 +23,10 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 """glibc's largest M_MMAP_THRESHOLD on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX): glibc ignores a larger one."""
 SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
 """A Slurm job id (an integer): it becomes the folder runs/<job.name>/slurm-<id>."""
+KERNEL_SETTING = re.compile(r"[A-Za-z0-9_,]{1,64}")
+KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+"""Variables that cap or fix the instruction set oneDNN and MKL choose their kernels by (read only to be recorded in a
+run's environment, :mod:`hosfl_dist.runfolder.environment`: the libraries read them themselves)."""
 
 
 def _count(lo: int, hi: int) -> Callable[[str], str | None]:
@@ -75,6 +79,8 @@ ENVIRONMENT: dict[str, Callable[[str], str | None]] = {
     "GLOO_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
     "TP_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
     "HOSFL_CACHE": _cache_folder,
+    **{name: (lambda v: None if KERNEL_SETTING.fullmatch(v) else "an instruction-set name such as AVX2")
+       for name in KERNEL_SETTINGS},
 }
 """Every environment variable this package reads (set by torchrun, Slurm or the user), with what its value must be;
 an empty value counts as unset, as each reader takes it."""
@@ -89,6 +95,12 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
         if why is not None:
             shown = repr(value) if len(value) <= 80 else f"{value[:79]!r}… ({len(value):,} characters)"
             raise ConfigError(f"environment variable {name}={shown} is not usable: expected {why}")
+
+
+def kernel_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The :data:`KERNEL_SETTINGS` this process was started with, by name (those set only)."""
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in KERNEL_SETTINGS if env.get(name)}
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str:

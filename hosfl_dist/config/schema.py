@@ -79,6 +79,10 @@ class JobConfig:
     allow_code_change: bool = False
     """job.resume=auto: continue a run whose checkpoint was written by other code (another version of hosfl_dist or
     changed source files); the results may then differ from an uninterrupted run. summary.json records it."""
+    allow_environment_change: bool = False
+    """job.resume=auto: continue a run whose checkpoint was written in another environment (other intra-op threads,
+    whatever set them; another torch, transformers or peft; another CPU kernel set or GPU); the results may then
+    differ from an uninterrupted run. summary.json records what changed."""
     overwrite: bool = False
     """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])

@@ -6,7 +6,8 @@
 - :mod:`.zo_dimension`: cos(ĝ, g) of the zeroth-order estimates per cut and P
   (``python -m hosfl_dist.experiments.zo_dimension``);
 - :mod:`.zo_precision`: the scalars' error against float64 for half-precision weights
-  (``python -m hosfl_dist.experiments.zo_precision``).
+  (``python -m hosfl_dist.experiments.zo_precision``);
+- :mod:`.hash_cost`: what hashing a run's inputs costs at a start (``python -m hosfl_dist.measure.hash_cost FILE``).
 
 The runtime imports nothing of this package (what a run records of its own memory is :mod:`hosfl_dist.runtime.memory`).
 """

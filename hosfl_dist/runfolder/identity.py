@@ -1,23 +1,28 @@
 """A run's identity: what must be the same for a checkpoint to continue a run, or a finished run to stand for one.
 
-    identity = run_identity(cfg)      # {"config": …, "inputs": …, "code": …}
+    identity = run_identity(cfg)      # {"config": …, "inputs": …, "code": …, "environment": …}
     fingerprint(identity)             # one SHA-256 over what the run computes: its config and its inputs' content
 
 - **config**: the resolved config without :data:`RUNTIME_ONLY` keys, the few that say how a run is started or watched
-  (its folder, resume / overwrite, progress bar, trackers, network interface) or only in which order it computes
-  (``zo.overlap``) or what it keeps (``zo.noise_cache_mb``, ``server.reshard_after_forward``). Everything else is
-  identity, including what changes bits without changing the method (``job.threads``, ``job.device``);
+  (its folder, resume / overwrite, progress bar, trackers, network interface, what resume may let through) or only in
+  which order it computes (``zo.overlap``) or what it keeps (``zo.noise_cache_mb``, ``server.reshard_after_forward``).
+  Everything else is identity, including what changes bits without changing the method (``job.threads``,
+  ``job.device``);
 - **inputs**: every file the run reads that its config names only by path (the data set's files, a local model's
-  files, ``model.pretrained``), with its size and SHA-256 (hashed once per version of a file: path, size, mtime and
-  inode, cached in ``$HOSFL_CACHE``); hub data and models by their name;
+  files, ``model.pretrained``), with its size and SHA-256 (:func:`file_sha256_cached`: a file up to
+  :data:`FULL_HASH_BYTES` is hashed at every start; a larger one once per version, a version being what a rewrite
+  cannot keep, and checked against a sample of its blocks at every start); hub data and models by their name;
 - **code**: the package's version, the git commit of its checkout where there is one, and a SHA-256 over its source
-  files (a change not committed yet counts).
+  files (a change not committed yet counts);
+- **environment**: the threads in effect, the torch (and transformers, peft) versions, what selects the CPU kernels,
+  the GPU (:mod:`hosfl_dist.runfolder.environment`).
 
 A checkpoint stores the identity of the run that wrote it (in its manifest, :mod:`hosfl_dist.runfolder.checkpoints`)
-and summary.json its fingerprint, inputs and code; resume and reuse compare with those, never with config.yaml, and
-:func:`identity_differences` names what differs. Resuming continues a run bit for bit, so the code must be the same
-too (``job.allow_code_change=true`` resumes anyway and summary.json says so); reusing a finished run (compare,
-sweep, scaling) asks for the same fingerprint: what it computes, from the same inputs.
+and summary.json its fingerprint, inputs, code and environment; resume and reuse compare with those, never with
+config.yaml, and :func:`identity_differences` names what differs. Resuming continues a run bit for bit, so the code
+and the environment must be the same too (``job.allow_code_change=true``, ``job.allow_environment_change=true``
+resume anyway and summary.json says so); reusing a finished run (compare, sweep, scaling) asks for the same
+fingerprint: what it computes, from the same inputs.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import Any
 from hosfl_dist.config import Config, config_to_dict
 
 RUNTIME_ONLY = {
-    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change"),
+    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change",
+            "allow_environment_change"),
     "zo": ("overlap", "overlap_memory_mb", "noise_cache_mb"),
     "server": ("reshard_after_forward",),
 }
@@ -48,6 +54,12 @@ value it counts like every key."""
 PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""
 HASH_CACHE = "file-sha256.json"
+FULL_HASH_BYTES = 64 << 20
+"""Files up to this size are hashed whole at every start (SHA-256 runs at 0.7-1.5 GB/s on the 2-core machine: 64 MiB
+in 45-90 ms), so nothing about them is trusted; a larger one is hashed once per version (:func:`file_sha256_cached`;
+the costs: docs/checkpoints.md, ``python -m hosfl_dist.measure.hash_cost``)."""
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 16, 64 << 10
+"""A large file's sample: 16 blocks of 64 KiB (the first, the last and 14 evenly between), 1 MiB read at a start."""
 
 
 def comparable_config(cfg: Config) -> dict[str, Any]:
@@ -117,11 +129,20 @@ def code_identity() -> dict[str, Any]:
 
 
 def run_identity(cfg: Config) -> dict[str, Any]:
-    return {"config": comparable_config(cfg), "inputs": input_files(cfg), "code": code_identity()}
+    """This run's identity (the module docstring); read after the runtime set this process's threads."""
+    from hosfl_dist.runfolder.environment import environment_identity
+
+    return {
+        "config": comparable_config(cfg),
+        "inputs": input_files(cfg),
+        "code": code_identity(),
+        "environment": environment_identity(cfg),
+    }
 
 
 def fingerprint(identity: dict[str, Any]) -> str:
-    """One SHA-256 over what a run computes: its config and its inputs' content (not their paths; not the code)."""
+    """One SHA-256 over what a run computes: its config and its inputs' content (not their paths; not the code, not
+    the environment: they decide the last bits of the floats, not what is computed)."""
     inputs = {role: _file_key(entry) for role, entry in (identity.get("inputs") or {}).items()}
     what = {"config": identity.get("config"), "inputs": inputs}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
@@ -177,28 +198,27 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 # -- hashing -----------------------------------------------------------------------------------------------------------
 def file_sha256_cached(path: Path) -> str:
-    """A file's SHA-256, hashed once per version of the file (path, size, mtime, inode) and remembered in
-    ``$HOSFL_CACHE/file-sha256.json`` (a model of many GB is hashed once, not at every start)."""
+    """A file's SHA-256, which a rewrite cannot hide.
+
+    A file of at most :data:`FULL_HASH_BYTES` is hashed at every call. A larger one (a model of many GB) is hashed once
+    per version and remembered in ``$HOSFL_CACHE/file-sha256.json``: the version is its size, mtime, ctime, inode and
+    device. A rewrite that keeps the size and sets the mtime back (``os.utime``) still moves the ctime, which only
+    the kernel sets (faking it takes changing the system clock, or writing the disk beneath the file system); a cache
+    hit also re-reads :func:`sampled_sha256` of the file and rehashes it whole where the sample differs."""
     real = os.path.realpath(path)
     st = os.stat(real)
-    key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    return _sha256_of_version(real, key)
-
-
-@functools.lru_cache(maxsize=256)
-def _sha256_of_version(real: str, key: str) -> str:
+    if st.st_size <= FULL_HASH_BYTES:
+        return file_sha256(real)
+    version = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
     cache_file = _cache_dir() / HASH_CACHE
-    cache = _read_cache(cache_file)
-    hit = cache.get(real)
-    if isinstance(hit, dict) and hit.get("version") == key and isinstance(hit.get("sha256"), str):
+    hit = _read_cache(cache_file).get(real)
+    sample = sampled_sha256(real)
+    if isinstance(hit, dict) and (hit.get("version"), hit.get("sample")) == (version, sample) and \
+            isinstance(hit.get("sha256"), str):  # fmt: skip
         return hit["sha256"]
-    h = hashlib.sha256()
-    with open(real, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = file_sha256(real)
     cache = _read_cache(cache_file)  # another process may have added entries meanwhile
-    cache[real] = {"version": key, "sha256": digest}
+    cache[real] = {"version": version, "sample": sample, "sha256": digest}
     try:  # the cache saves time only: a read-only or full disk costs the next start a hash, nothing more
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
@@ -207,6 +227,29 @@ def _sha256_of_version(real: str, key: str) -> str:
     except OSError:
         pass
     return digest
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a whole file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sampled_sha256(path: str | Path) -> str:
+    """A SHA-256 over a file's size and :data:`SAMPLE_BLOCKS` blocks of it (the first, the last, the others evenly
+    between): a cheap check that a cached hash still describes the file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(str(size).encode() + b"\0")
+        last = max(0, size - SAMPLE_BLOCK_BYTES)
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(last * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
 
 
 def _read_cache(path: Path) -> dict[str, Any]:

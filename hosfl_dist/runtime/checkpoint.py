@@ -39,6 +39,7 @@ from hosfl_dist.runfolder.checkpoints import (
     verify_checkpoint,
     write_manifest,
 )
+from hosfl_dist.runfolder.environment import environment_identity
 from hosfl_dist.runtime.control import CheckpointPart, ResumeRequest, SaveCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -227,9 +228,11 @@ class CheckpointManager:
         """Processed samples at the last checkpoint (or at the start)."""
 
     def resume(self) -> LoopState | None:
-        """Restore this worker from the checkpoint the front resumes from (None: the run starts afresh)."""
+        """Restore this worker from the checkpoint the front resumes from (None: the run starts afresh). The worker's
+        environment goes with the request: the front records it and refuses a resume in another one."""
         hosted = tuple(sorted(self.worker.hosted))
-        got = self.control.send(ResumeRequest(self.rank, hosted, self.peers.is_leader))
+        environment = environment_identity(self.cfg)
+        got = self.control.send(ResumeRequest(self.rank, hosted, self.peers.is_leader, environment))
         if got is None:
             return None
         part = got["part"]

@@ -54,11 +54,14 @@ class Handler:
 # -- client worker -> the run's front ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ResumeRequest:
-    """A worker starting: its part of the checkpoint being resumed, and what the server adds to it (None: start)."""
+    """A worker starting: its part of the checkpoint being resumed, and what the server adds to it (None: start).
+    ``environment``: the worker's (:func:`~hosfl_dist.runfolder.environment.environment_identity`), which the front
+    records and compares with the checkpoint's like its own."""
 
     rank: int
     hosted: tuple[int, ...]
     leader: bool
+    environment: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
 from hosfl_dist.runfolder.checkpoints import read_manifest
+from hosfl_dist.runfolder.environment import environment_differences
 from hosfl_dist.runfolder.folder import prepare_out_dir
 from hosfl_dist.runfolder.identity import identity_differences, run_identity
 from hosfl_dist.runfolder.lock import RunLock
@@ -91,6 +92,10 @@ class RunFront(Handler):
         self.record: RunRecord | None = None
         self.lock: RunLock | None = None
         self.identity: dict[str, Any] = {}
+        self.resumed_from: Path | None = None
+        self.recorded_environment: dict[str, Any] | None = None
+        """The environment the checkpoint being resumed was written in (None: starting, or a checkpoint written before
+        environments were recorded); each worker's is compared with it as the worker starts."""
         self.resume: tuple[LoopState, dict[str, Any]] | None = None
         self.parts: dict[str, Any] = {}
         self.saved: str | None = None
@@ -103,7 +108,8 @@ class RunFront(Handler):
 
     def open(self, restarted: bool = False) -> None:
         """Lock the run's folder, make it ready, and start the record; resuming, verify the checkpoints newest first
-        and load the newest intact one, if it was written by this run (config, inputs, code)."""
+        and load the newest intact one, if it was written by this run (config, inputs, code, environment). Called
+        after this process's threads are set: they are part of the environment."""
         candidates, self.lock = prepare_out_dir(self.cfg, restarted)
         self.identity = run_identity(self.cfg)
         loop, ckpt, notes = None, None, {}
@@ -148,22 +154,67 @@ class RunFront(Handler):
 
     def _same_run(self, ckpt: Path) -> dict[str, Any]:
         """Refuse a checkpoint of another run (by its manifest's identity); what summary.json notes of a resume that
-        ``job.allow_code_change`` let through."""
+        ``job.allow_code_change`` or ``job.allow_environment_change`` let through."""
         recorded = (read_manifest(ckpt) or {}).get("identity") or {}
         differ = identity_differences(recorded, self.identity, code=False)
         if differ:
             raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by another run "
                               f"({', '.join(differ[:4])}); resume it with what it was run with, or choose another "
                               "folder")  # fmt: skip
+        notes: dict[str, Any] = {}
         code = identity_differences(recorded, self.identity)
-        if not code:
-            return {}
-        if not self.cfg.job.allow_code_change:
-            raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by other code "
-                              f"({code[0].removeprefix('the code ')}); resuming would not continue it bit for bit "
-                              "(job.allow_code_change=true resumes anyway)")  # fmt: skip
-        logger.warning(f"resuming {_round(ckpt)} with other code (job.allow_code_change): {code[0]}")
-        return {"resumed_with_other_code": {"checkpoint": recorded.get("code"), "now": self.identity["code"]}}
+        if code:
+            if not self.cfg.job.allow_code_change:
+                raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by other code "
+                                  f"({code[0].removeprefix('the code ')}); resuming would not continue it bit for bit "
+                                  "(job.allow_code_change=true resumes anyway)")  # fmt: skip
+            logger.warning(f"resuming {_round(ckpt)} with other code (job.allow_code_change): {code[0]}")
+            notes["resumed_with_other_code"] = {"checkpoint": recorded.get("code"), "now": self.identity["code"]}
+        environment = recorded.get("environment")
+        if not isinstance(environment, dict):
+            logger.warning(f"{_round(ckpt)} records no environment (written before threads, library versions and CPU "
+                           "kernels were recorded): resuming without comparing them")  # fmt: skip
+            return {**notes, "resumed_with_unrecorded_environment": True}
+        self.resumed_from, self.recorded_environment = ckpt, environment
+        now = self.identity["environment"]
+        changed = self._environment_changed(_round(ckpt), _own(environment), now)
+        if changed:
+            notes["resumed_with_other_environment"] = {"checkpoint": _own(environment), "now": now, "differs": changed}
+        return notes
+
+    def _environment_changed(self, what: str, recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+        """What differs between the environment ``what`` was written in and this one; refused in one line unless
+        ``job.allow_environment_change``."""
+        differ = environment_differences(recorded, now)
+        if differ and not self.cfg.job.allow_environment_change:
+            raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {what} was written in another environment "
+                              f"({', '.join(differ[:4])}); resuming would not continue it bit for bit "
+                              "(job.allow_environment_change=true resumes anyway)")  # fmt: skip
+        if differ:
+            logger.warning(f"resuming {what} in another environment (job.allow_environment_change): "
+                           + ", ".join(differ))
+        return differ
+
+    def _worker_environment(self, rank: int, env: dict[str, Any]) -> None:
+        """Record a worker's environment where it differs from this process's (the checkpoints carry it), and
+        compare it with the one it had in the checkpoint being resumed."""
+        own = self.identity.get("environment")
+        if own is None:  # an identity without one (as recorded before environments were)
+            return
+        separate = env != _own(own)
+        if separate:
+            own.setdefault("workers", {})[str(rank)] = env
+        recorded = self.recorded_environment
+        if recorded is None:
+            return
+        theirs = (recorded.get("workers") or {}).get(str(rank))
+        if theirs is None and not separate:  # the same as this process's then and now: compared in _same_run
+            return
+        changed = self._environment_changed(f"{_round(self.resumed_from)} (worker rank {rank})",
+                                            theirs or _own(recorded), env)  # fmt: skip
+        if changed:
+            noted = self.record.base.setdefault("resumed_with_other_environment", {})
+            noted.setdefault("workers", {})[str(rank)] = changed
 
     def close(self) -> None:
         """Release the run's folder (the end of the process releases it too, however it ends)."""
@@ -173,6 +224,8 @@ class RunFront(Handler):
     # -- control messages ------------------------------------------------------------------------------------------
     @handles(ResumeRequest)
     def _on_resume(self, msg: ResumeRequest) -> dict[str, Any] | None:
+        if msg.environment is not None:
+            self._worker_environment(msg.rank, msg.environment)
         if self.resume is None:
             return None
         loop, parts = self.resume
@@ -286,6 +339,11 @@ class LocalControl:
 
     def send(self, msg: Any) -> Any:
         return self.front.handle(msg)
+
+
+def _own(environment: dict[str, Any]) -> dict[str, Any]:
+    """A recorded environment without its workers' (those that differ from the process that recorded it)."""
+    return {k: v for k, v in environment.items() if k != "workers"}
 
 
 def _round(checkpoint: Path) -> str:

@@ -73,10 +73,10 @@ class InProcessRunner:
 
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.front.open()
         params = sum(p.numel() for m in (self.split.client, self.split.server) for p in m.parameters())
         self.threads_before = torch.get_num_threads()  # restored by cleanup: a library call leaves the process as is
-        threads, why = set_threads(cfg, params)
+        threads, why = set_threads(cfg, params)  # before open(): the threads are part of the run's identity
+        self.front.open()
         c = cfg.clients
         logger.info(f"{cfg.job.name}: {cfg.algorithm.name} in one process, {c.total} clients ({c.per_round} per "
                     f"round), budget {cfg.train.budget_samples} samples; run folder {cfg.job.out_dir}")  # fmt: skip

@@ -94,6 +94,7 @@ class RunRecord:
             "algorithm": cfg.algorithm.name,
             **({"inputs": identity["inputs"]} if identity.get("inputs") else {}),
             **({"fingerprint": fingerprint(identity), "code": identity.get("code")} if identity else {}),
+            **({"environment": identity["environment"]} if identity.get("environment") else {}),
             **({"resumed_from": resumed} if resumed else {}),
             **(notes or {}),
         }
