@@ -272,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         run = run_in_the_way(args.out)
         if run is not None:  # a run's metrics.jsonl or checkpoint replaced by predictions
             raise PredictError(f"--out {args.out} is inside the run folder {run}: write the predictions elsewhere")
-        if args.out.resolve().is_relative_to(args.model.resolve()):  # the export's weights or card replaced
-            raise PredictError(f"--out {args.out} is inside the --model folder: write the predictions elsewhere")
+        target = args.out.resolve()
+        if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
+            raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
         record = _record(args.model)
         task = record.get("task") or {}
         spec, columns = task_of(record, args)
