@@ -1,5 +1,11 @@
 """Errors that the CLI turns into one-line messages."""
 
+from __future__ import annotations
+
+import errno
+import os
+import re
+
 
 class HosflError(Exception):
     """Base of the errors the command line reports in one line, without a traceback."""
@@ -23,12 +29,57 @@ class NonFiniteError(HosflError):
 
 
 class Interrupted(HosflError):
-    """SIGTERM or SIGINT: the run checkpointed (where it could) and stopped; summary.json says ``interrupted``."""
+    """SIGTERM or SIGINT: the run checkpointed (where it could) and stopped; summary.json says ``interrupted``. Exit
+    code 130 after SIGINT (Ctrl-C, as a shell reports it), 1 after SIGTERM (what torchrun and Slurm's requeue read)."""
 
     exit_code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.by_ctrl_c = message.startswith("SIGINT")
+        if self.by_ctrl_c:
+            self.exit_code = 130
 
 
 class ProtocolError(HosflError):
     """A client call the server refuses (fail closed): a client not sampled in the round, a malformed upload."""
 
     exit_code = 1
+
+
+class WriteError(HosflError):
+    """A file could not be written: the disk is full, a quota is reached, the file system is read-only, or the folder
+    is not writable. What was written before stays; the command ends with one line and exit code 2."""
+
+
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""The errors of a write that the machine refused (not a bug): full disk, quota, read-only file system, file size."""
+DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+"""Permission refused: a write the machine refused where the caller knows the failure was a write."""
+
+_WRAPPED_OS_ERROR = re.compile(r"Os \{ code: (\d+)")  # safetensors: IoError(Os { code: 28, kind: StorageFull, ... })
+
+
+def write_failure(
+    exc: BaseException, where: str | os.PathLike[str] | None = None, denied: bool = False
+) -> WriteError | None:
+    """``exc`` as a one-line :class:`WriteError` naming what could not be written and where, when it is a write the
+    machine refused: an OSError of :data:`WRITE_ERRNOS` (with ``denied``, of :data:`DENIED_ERRNOS` too: the caller
+    was writing), or torch's or safetensors' wrapping of one (torch.save says ``file write failed``, safetensors
+    ``IoError(Os { code: 28 … })``). None for anything else."""
+    if isinstance(exc, WriteError):
+        return exc
+    code = exc.errno if isinstance(exc, OSError) else None
+    text = str(exc)
+    if code is None and not isinstance(exc, OSError):
+        found = _WRAPPED_OS_ERROR.search(text)
+        if found is not None:
+            code = int(found.group(1))
+        elif "file write failed" in text or "unexpected pos" in text:
+            code = errno.ENOSPC  # torch's zip writer does not say why; a full disk is what makes it fail
+    if code not in WRITE_ERRNOS and not (denied and code in DENIED_ERRNOS):
+        return None
+    filename = getattr(exc, "filename", None) or where
+    place = f" {filename}" if filename else ""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else os.strerror(code)
+    return WriteError(f"cannot write{place}: {reason}")

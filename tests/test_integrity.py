@@ -330,8 +330,10 @@ def test_a_full_disk_is_recorded_as_failed_in_one_line(tmp_path, monkeypatch, ca
         return real(self, row)
 
     monkeypatch.setattr(RunRecord, "log", full)
-    assert main([*RUN, f"job.out_dir={out}"]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: OSError: [Errno 28] No space left on device"
+    assert main([*RUN, f"job.out_dir={out}"]) == 2  # the machine refused a write: one line, exit code 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"error: cannot write {out}: No space left on device"
+    assert "Traceback" not in err and err.count("error:") == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"] == "OSError: [Errno 28] No space left on device"
     assert not (out / "summary.json.tmp").exists() and lock_holder(out) is None
@@ -346,10 +348,10 @@ def test_when_even_the_failure_cannot_be_written_stderr_says_so_and_readers_see_
 
     monkeypatch.setattr(RunRecord, "log", lambda self, row: full() if row["round"] > 0 else real_log(self, row))
     monkeypatch.setattr(RunRecord, "_dump", lambda self, s: full() if s["status"] != "running" else real_dump(self, s))
-    assert main([*RUN, f"job.out_dir={out}"]) == 1
+    assert main([*RUN, f"job.out_dir={out}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert any(line.startswith(f"error: could not record the failure in {out}/summary.json: ") for line in err), err
-    assert err[-1] == "error: OSError: [Errno 28] No space left on device"
+    assert err[-1] == f"error: cannot write {out}: No space left on device"
     assert not (out / "summary.json.tmp").exists()
     assert json.loads((out / "summary.json").read_text())["status"] == "running" and run_status(out) == "died"
 
@@ -426,8 +428,9 @@ def test_a_disk_that_fills_during_a_checkpoint_is_recorded_as_failed_in_one_line
             os.chdir(cwd)
         err = capsys.readouterr().err.strip().splitlines()[-1]
         summary = json.loads((out / "summary.json").read_text())
-        assert rc == 1 and err.startswith("error: OSError: [Errno 28] No space left on device (writing the checkpoint")
-        assert summary["status"] == "failed" and summary["error"] == err.removeprefix("error: ")
+        assert rc == 2 and err.startswith(f"error: cannot write {out}: No space left on device (writing the checkpoint")
+        assert summary["status"] == "failed"
+        assert summary["error"].startswith("OSError: [Errno 28] No space left on device (writing the checkpoint")
         assert not list(out.rglob("*.tmp")) and not list(out.rglob("*.partial"))
     finally:
         subprocess.run(["umount", str(mount)], check=False)

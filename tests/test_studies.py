@@ -70,7 +70,8 @@ def test_a_point_given_twice_is_refused_and_ctrl_c_ends_a_study_in_one_line(tmp_
     monkeypatch.setattr(cli, "run_rows", interrupted)
     assert cli.run_experiment("compare", argparse.Namespace(out=str(tmp_path / "study")), [], None) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("interrupted: compare stopped by Ctrl-C") and "study" in err[0]
+    assert len(err) == 1 and err[0].startswith(f"interrupted: compare into {tmp_path / 'study'} stopped by Ctrl-C")
+    assert err[0].endswith("run the same command again")
 
 
 def test_rows_get_the_first_matching_world_else_nproc_else_their_server_group_and_one_worker(tmp_path):

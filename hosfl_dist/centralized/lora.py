@@ -48,6 +48,21 @@ def evaluate(split: SplitModel, data: Any, batch_size: int) -> dict[str, Any]:
     return split.task.finalize(stats)
 
 
+METHOD = "centralized first-order LoRA"
+
+
+def own_result_or_none(out: Path) -> None:
+    """Refuse a ``job.out_dir`` that is, lies inside or holds a federated run's folder: its config.yaml, metrics.jsonl
+    and summary.json would be replaced (an earlier result of this command is replaced, as before)."""
+    from hosfl_dist.runfolder.folder import recorded_summary, run_in_the_way
+
+    run = run_in_the_way(out)
+    if run is not None and not (run == out.resolve() and (recorded_summary(run) or {}).get("method") == METHOD):
+        where = "holds" if run != out.resolve() and run.is_relative_to(out.resolve()) else "is inside"
+        raise HosflError(f"job.out_dir {out} {where} the run folder {run}: write the reference elsewhere (a run's "
+                         "files are never replaced)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hosfl_dist.experiments.centralized_lora", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -60,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         data = build_data(cfg)
         if data.info.get("kind") != "classification":
             raise HosflError("the centralized LoRA reference evaluates classification tasks only")
+        out = Path(cfg.job.out_dir)
+        own_result_or_none(out)
         split = build_split_model(cfg, data.info, get_algorithm(cfg.algorithm.name).zeroth_order_client)
     except HosflError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = Path(cfg.job.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     opts = [
@@ -120,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             log()
     metrics_file.close()
     summary = {
-        "method": "centralized first-order LoRA",
+        "method": METHOD,
         "steps": step,
         "processed_samples": processed,
         "samples_per_step": step_size,

@@ -82,6 +82,12 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     record_path = out.with_suffix(".json")
+    from hosfl_dist.cli.guard import check_destination
+    from hosfl_dist.runtime.process.host import check_devices
+
+    for written in (out, record_path):
+        check_destination(written)  # a run's checkpoint or record is never replaced by the weights
+    check_devices(cfg)
     start = time.perf_counter()
     data = load_vision_data(cfg.data, cfg.job.seed)
     device = torch.device(cfg.job.device)
@@ -168,13 +174,13 @@ def evaluate(net: Any, data: Any, device: Any, batch_size: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     init_logging()
-    try:
-        args = parse_args(words)
-        pretrain(args, "python -m hosfl_dist.experiments.pretrain " + " ".join(words))
-    except HosflError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    from hosfl_dist.cli.guard import guarded
+
+    def body() -> int:
+        pretrain(parse_args(words), "python -m hosfl_dist.experiments.pretrain " + " ".join(words))
+        return 0
+
+    return guarded("the pretraining", body)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.errors import ConfigError, DataError, HosflError
+from hosfl_dist.errors import ConfigError, DataError, HosflError, write_failure
 
 RECORD = "hosfl_export.json"
 """What an export says about its task (hosfl_dist/export/card.py)."""
@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         run = run_in_the_way(args.out)
         if run is not None:  # a run's metrics.jsonl or checkpoint replaced by predictions
             raise PredictError(f"--out {args.out} is inside the run folder {run}: write the predictions elsewhere")
+        target = args.out.resolve()
+        if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
+            raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
         record = _record(args.model)
         task = record.get("task") or {}
         spec, columns = task_of(record, args)
@@ -286,13 +289,24 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(f".{args.out.name}.partial")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(args.out)
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(args.out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves --out as it was and nothing beside it
+            raise
+    except KeyboardInterrupt:
+        print(f"interrupted: predicting {args.data} with {args.model} stopped by Ctrl-C; --out {args.out} is as it "
+              "was: run the same command again", file=sys.stderr)  # fmt: skip
+        return 130
     except (HosflError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}", file=sys.stderr)
+        failure = write_failure(exc, args.out)
+        where = f" ({exc.filename})" if exc.filename else ""
+        said = str(failure) if failure is not None else f"{exc.strerror or exc}{where}"
+        print(f"error: {said}", file=sys.stderr)
         return 2
     metrics.update(out=str(args.out), seconds=round(time.perf_counter() - start, 2))
     print(json.dumps(metrics))

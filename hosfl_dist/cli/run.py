@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hosfl_dist.config import Config, dump_config, load_config
-from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.errors import ConfigError, HosflError, Interrupted, write_failure
 from hosfl_dist.logs import init_logging
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    launch = None
+    launch = cfg = None
     try:
         if args.help_config is not None:
             return _help_config(args.help_config)
@@ -88,15 +88,33 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1 and launch is not None:
             return _train_torchrun(cfg, launch, world)
         return _train_in_process(cfg)
-    except HosflError as exc:  # bad input (exit 2), or a run that diverged or was stopped (exit 1)
-        if launch is None or launch.rank == 0:  # the same error on every rank: say it once
-            print(f"error: {exc}", file=sys.stderr)
-        else:  # torchrun stops the job at the first exit: leave rank 0 time to say it
-            time.sleep(3)
-        return exc.exit_code
-    except (OSError, MemoryError) as exc:  # the machine, not the code: a full disk, no memory (summary.json says so)
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the run's stop handler was in place, or a second one (at once)
+        if launch is None or launch.rank == 0:
+            print(_stopped_at_once(cfg), file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - each kind is said in one line; anything else keeps its traceback
+        failure = exc if isinstance(exc, HosflError) else write_failure(exc, cfg and cfg.job.out_dir, denied=True)
+        if failure is None and not isinstance(exc, (OSError, MemoryError)):
+            raise
+        if launch is not None and launch.rank != 0 and isinstance(exc, HosflError):
+            time.sleep(3)  # the same error on every rank: rank 0 says it; torchrun stops the job at the first exit
+        elif isinstance(failure, Interrupted) and failure.by_ctrl_c:
+            print(f"interrupted: the run stopped by {failure}", file=sys.stderr)
+        elif failure is not None:  # bad input or a full disk (exit 2), a run that diverged or was stopped (exit 1)
+            print(f"error: {failure}", file=sys.stderr)
+        else:  # the machine, not the code: no memory, another I/O error (summary.json says so)
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return failure.exit_code if failure is not None else 1
+
+
+def _stopped_at_once(cfg: Config | None) -> str:
+    """The line of a run stopped by Ctrl-C at once: what it was, and how to go on."""
+    if cfg is None:
+        return "interrupted: hosfl_dist.run stopped by Ctrl-C before its config was read; nothing was written"
+    where = f"job.out_dir={cfg.job.out_dir}" if cfg.job.out_dir else f"runs/{cfg.job.name}/latest"
+    return (f"interrupted: the run {cfg.job.name} ({where}) stopped by Ctrl-C at once, without a checkpoint of its "
+            "own; run the same command again with job.resume=auto to continue from the newest checkpoint its folder "
+            "holds (or start afresh where it holds none)")  # fmt: skip
 
 
 # -- the modes, in the order main tries them -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import load_config
-from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.errors import ConfigError, HosflError, write_failure
 from hosfl_dist.experiments.launch import LAUNCHERS
 from hosfl_dist.experiments.launch.worlds import Rule, World
 
@@ -273,21 +273,73 @@ def run_experiment(
     row: str = "grid point",
 ) -> int:
     """:func:`run_rows`, then the invocation's wall time; a bad input or a run that did not complete is one line each
-    (exit code 2)."""
-    start = time.perf_counter()
-    try:
+    (exit code 2), as :func:`guarded` says."""
+
+    def body(start: float) -> None:
         record = run_rows(prog, args, argv, build, plan, row)
         if record is not None:
             complete(record, row)
             print(done_line(start, record, Path(args.out)))
+
+    return guarded(prog, args, body)
+
+
+def guarded(prog: str, args: argparse.Namespace, body: Callable[[float], None]) -> int:
+    """A study's command around ``body`` (given the start time): bad input, a run that did not complete or a write
+    the machine refused (full disk, quota, read-only) is one line each, exit code 2; Ctrl-C is one line naming the
+    study and how to go on, exit code 130 (the runs, which the terminal's Ctrl-C reached too, checkpoint and stop
+    first); the study's lock on ``--out`` (:func:`own_out`) is let go at the end."""
+    start = time.perf_counter()
+    try:
+        body(start)
     except HosflError as exc:
         print_error(exc)
         return 2
+    except OSError as exc:
+        failure = write_failure(exc, denied=True)
+        if failure is None:
+            raise
+        print_error(failure)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the study was
-        print(f"interrupted: {prog} stopped by Ctrl-C after {time.perf_counter() - start:.0f} s; the runs it finished "
-              f"are kept under {args.out} and reused when the same command runs again", file=sys.stderr)  # fmt: skip
+        print(f"interrupted: {prog} into {args.out} stopped by Ctrl-C after {time.perf_counter() - start:.0f} s; its "
+              "finished runs are kept and reused, an unfinished one resumes from its last checkpoint: run the same "
+              "command again", file=sys.stderr)  # fmt: skip
         return 130
+    finally:
+        lock = getattr(args, "study_lock", None)
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def free_out(args: argparse.Namespace) -> None:
+    """Refuse, before anything is checked or built, an ``--out`` that lies inside a run's folder (the study's files
+    would go among the run's) or that a live study holds (it writes the report there)."""
+    from hosfl_dist.runfolder.folder import refuse_run_in_the_way
+    from hosfl_dist.runfolder.lock import STUDY_LOCK, lock_holder
+
+    out = Path(args.out)
+    refuse_run_in_the_way(out, "--out", below=False)  # below it are this study's own runs
+    holder = lock_holder(out, STUDY_LOCK)
+    if holder is not None:
+        raise ConfigError(f"--out {out} is in use by a live study ({holder}); wait for it to end or choose another "
+                          "folder")  # fmt: skip
+
+
+def own_out(args: argparse.Namespace) -> None:
+    """Take the study's lock on ``--out`` (held until the command ends, :func:`guarded`): the record, the runs' logs
+    and the report are written by this process alone."""
+    from hosfl_dist.runfolder.lock import StudyLock
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out} cannot be created: {exc.strerror or exc}") from None
+    lock = StudyLock(out)
+    lock.acquire()
+    args.study_lock = lock
 
 
 def run_rows(
@@ -301,8 +353,10 @@ def run_rows(
     """Check the overrides, worlds and builds of every row (with ``plan``; ``row`` names a row in the errors), build
     the runs, launch the unfinished ones (or, with ``--collect``, none), write the report of those that completed;
     returns the record of what ran, its ``missing`` runs named with their cause (None for a dry run, or a Slurm
-    submission not waited for). ``args.study_specs`` holds the runs as launched (with their worlds)."""
+    submission not waited for). ``args.study_specs`` holds the runs as launched (with their worlds). Except in a dry
+    run, the study holds its lock on ``--out`` (:func:`own_out`) from before the first run starts."""
     parse_list(args.seeds, "--seeds", int)
+    free_out(args)
     launch = launch_options(args)
     worlds = None
     if plan is not None:
@@ -319,6 +373,11 @@ def run_rows(
     specs, title, extra = build(args)
     specs = placed(specs, worlds, launch.launcher)
     args.study_specs = specs
+    from hosfl_dist.experiments.runs import check_distinct
+
+    check_distinct(args.config, specs, Path(args.out), row)
+    if not args.dry_run:
+        own_out(args)
     words = argv if argv is not None else sys.argv[1:]
     record = start(prog, args, [w for w in words if w != "--collect"], specs, launch)
     if record is None:

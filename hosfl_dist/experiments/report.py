@@ -487,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         if note is not None:
             print(note)
     out = args.out or (args.runs[0] / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
+    if out.resolve() not in {(folder / "curves.png").resolve() for folder in args.runs}:  # a run's own curves may be
+        from hosfl_dist.runfolder.folder import run_in_the_way  # drawn again; nothing else of a run is replaced
+
+        run = run_in_the_way(out, below=False)
+        if run is not None:
+            print(f"error: --out {out} is inside the run folder {run}: write the curves elsewhere", file=sys.stderr)
+            return 2
     title = ", ".join(series) if len(series) > 1 else f"{next(iter(series))}: {args.runs[0]}"
     try:
         write_curves(out, series, title)

@@ -60,6 +60,35 @@ def resolve(config: str | None, spec: RunSpec) -> Config:
         raise ConfigError(f"{spec.variant} seed {spec.seed}: {exc}") from None
 
 
+def check_distinct(config: str | None, specs: dict[str, list[RunSpec]], out: Path, row: str = "grid point") -> None:
+    """Refuse a study in which two runs are one point, which the report would count twice: two runs in one folder
+    (labels that make the same folder name), or two runs of one config (``--grid zo.mu=1e-3,0.001``, a value written
+    two ways); and a run folder that resolves out of ``out`` (a link to another run's folder). One line each."""
+    from hosfl_dist.runfolder.identity import comparable_config
+
+    base = out.resolve()
+    folders: dict[Path, str] = {}
+    configs: dict[str, str] = {}
+    problems = []
+    for name, runs in specs.items():
+        for spec in runs:
+            here = f"{row} {name} seed {spec.seed}"
+            folder = spec.out_dir.resolve()
+            if not folder.is_relative_to(base):
+                problems.append(f"{here}: its run folder {spec.out_dir} resolves to {folder}, out of --out {out}")
+            if folder in folders:
+                problems.append(f"{here}: its run folder {spec.out_dir} is that of {folders[folder]} too")
+            folders.setdefault(folder, here)
+            key = json.dumps(comparable_config(resolve(config, spec)), sort_keys=True, default=str)
+            if key in configs:
+                problems.append(f"{here}: the same run as {configs[key]} (one config, written two ways)")
+            configs.setdefault(key, here)
+    if problems:
+        problems.append(f"{len(problems)} run(s) would be counted twice or written elsewhere: each point runs once, "
+                        "in its own folder under --out")  # fmt: skip
+        raise ConfigError("\n".join(problems))
+
+
 def is_finished(spec: RunSpec, cfg: Config) -> bool:
     """A completed run of exactly this config (but for how it was started), from inputs of the same content."""
     return (
@@ -140,12 +169,18 @@ def launch(
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        with open(spec.out_dir / "log.txt", "w") as log:
-            cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **added}).returncode
+        log = open_log(spec.out_dir)
+        if isinstance(log, str):  # a live run holds the folder: its log is not this study's to touch
+            rc, said = 2, f": {log}"
+        else:
+            with log:
+                cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **added}).returncode
+            said = ""
         took = time.perf_counter() - t0
         world = "" if launcher == "inprocess" else f" ({spec.world.describe()})"
-        line = f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s\n"
+        line = (f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s"
+                f"{said}\n")  # fmt: skip
         sys.stdout.write(line)  # one write per line: runs finish in parallel threads
         sys.stdout.flush()
         return spec, rc, took
@@ -161,6 +196,23 @@ def launch(
         "threads": threads,
         "launcher": launcher,
     }
+
+
+def open_log(folder: Path) -> Any:
+    """The run's ``log.txt``, opened (and emptied) under the run's lock, so that the log of a run another process
+    holds is never touched; the lock is let go before the run's own process takes it. A string saying who holds the
+    folder where it is held."""
+    from hosfl_dist.runfolder.lock import RunLock
+
+    lock = RunLock(folder)
+    try:
+        lock.acquire()
+    except ConfigError as exc:
+        return str(exc)
+    try:
+        return open(folder / "log.txt", "w")  # noqa: SIM115 - the run's output goes into it until the run ends
+    finally:
+        lock.release()
 
 
 def last_error(log: Path) -> str | None:

@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hosfl_dist.errors import HosflError
-from hosfl_dist.experiments.cli import complete, done_line, parse, parser, print_error, quote_arg, run_rows
+from hosfl_dist.experiments.cli import complete, done_line, guarded, parse, parser, quote_arg, run_rows
 from hosfl_dist.experiments.sweep import build, plan
 
 if TYPE_CHECKING:
@@ -496,11 +495,11 @@ def _unit(q: str, values: list[float], metric: str) -> tuple[str, str | None, fl
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    start = time.perf_counter()
-    try:
+
+    def body(start: float) -> None:
         record = run_rows(PROG, args, argv, build, plan)  # the runs, and the sweep's accuracy report
         if record is None:  # a dry run
-            return 0
+            return
         from hosfl_dist.experiments.runs import load  # imports torch: after the overrides were checked
 
         specs, title, _ = build(args)
@@ -519,10 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             print(write_scaling(out, points, args.metric, command, title if args.title else f"Scaling: {title}"))
         complete(record)
         print(done_line(start, record, out))
-    except HosflError as exc:
-        print_error(exc)
-        return 2
-    return 0
+
+    return guarded(PROG, args, body)  # one line for bad input, a full disk or Ctrl-C; the study's lock let go
 
 
 if __name__ == "__main__":

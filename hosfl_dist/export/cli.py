@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.errors import HosflError
+from hosfl_dist.errors import HosflError, write_failure
 from hosfl_dist.export.restore import ExportError, restore
 
 FORMATS = ("merged", "peft", "state_dict")
@@ -194,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "hosfl_dist.export", *(sys.argv[1:] if argv is None else argv)])
     try:
         record = export(args.run_dir, args.out, args.checkpoint, args.fmt, args.max_shard_size, args.force, command)
-    except (HosflError, OSError) as exc:
+    except KeyboardInterrupt:  # the half-written folder is gone (export's cleanup), the run was only read
+        print(f"interrupted: the export of {args.run_dir} to {args.out} stopped by Ctrl-C; --out is as it was and the "
+              "run untouched: run the same command again", file=sys.stderr)  # fmt: skip
+        return 130
+    except Exception as exc:  # noqa: BLE001 - bad input and refused writes in one line; anything else its traceback
+        failure = write_failure(exc, args.out)  # torch's and safetensors' wrapping of a full disk too
+        if failure is not None:
+            print(f"error: {failure} (--out is as it was; the run untouched)", file=sys.stderr)
+            return 2
+        if not isinstance(exc, (HosflError, OSError)):
+            raise
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
         print(f"error: {message}{where}", file=sys.stderr)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hosfl_dist.errors import ConfigError, HosflError
+from hosfl_dist.cli.guard import check_destination, check_device, guarded
 from hosfl_dist.logs import init_logging
 from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, expected_costs, make_step
 from hosfl_dist.measure.tracker import measure
@@ -351,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             overlap=args.overlap,
         )
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        check_device(args.device)
+        if not args.single_mode_json:
+            check_destination(Path(args.out), below=False)  # memory.json and memory.png never go into a run's folder
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         if args.single_mode_json:  # child of an isolated run: one mode, raw figures
@@ -363,11 +367,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HosflError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the memory profile stopped by Ctrl-C; nothing was written: run the same command again",
+              file=sys.stderr)  # fmt: skip
+        return 130
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report["command"] = "python -m hosfl_dist.measure.memory " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / "memory.png")
+
+    def write() -> int:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, out / "memory.png")
+        return 0
+
+    code = guarded("writing the memory profile", write, out)
+    if code:
+        return code
     print(f"{'mode':<11} {'peak MiB':>9} {'resident':>9} {'working':>9} {'x infer':>7} {'RSS MiB':>8} {'step s':>7}")
     for m, r in report["modes"].items():
         ratio = report["ratio_to_inference"].get(m)

@@ -37,7 +37,7 @@ from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import HosflError
+from hosfl_dist.cli.guard import check_destination, guarded
 from hosfl_dist.models import build_split_model, server_forward
 from hosfl_dist.runtime.checks import load_run_config
 
@@ -142,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     args = p.parse_intermixed_args(words)
     torch.set_num_threads(1)
-    try:
+    out = Path(args.out) if args.out else None
+
+    def body() -> int:
+        for written in (out.with_suffix(".json"), out.with_suffix(".md")) if out is not None else ():
+            check_destination(written)  # before the measurement: a run's files are never replaced
         results = []
         for cut in args.cuts:
             res = measure_cut(args.config, args.overrides, cut, args.ps, args.repeats)
@@ -151,17 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"cut {cut} {r['method']:>6} d={r['d']:>10,} P={r['P']:>3}: cos {r['cos_mean']:.2e} "
                       f"± {r['cos_std']:.1e} (Gaussian {r['cos_gaussian']:.2e}), |ĝ|/|g| {r['norm_ratio_mean']:.0f} "
                       f"(Gaussian {r['norm_ratio_gaussian']:.0f})", flush=True)  # fmt: skip
-    except HosflError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    command = shlex.join([*PROG.split(), *words])
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2) + "\n")
-        out.with_suffix(".md").write_text(markdown(results, command))
-    return 0
+        command = shlex.join([*PROG.split(), *words])
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2) + "\n")
+            out.with_suffix(".md").write_text(markdown(results, command))
+        return 0
 
+    return guarded(PROG, body, out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -44,6 +44,7 @@ from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.cli.guard import check_destination, guarded
 from hosfl_dist.measure.modes import ProfileSpec, build_setup
 from hosfl_dist.models.precision import computing_in
 
@@ -165,25 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="also write <out>.json and <out>.md (default: print only)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows: list[dict] = []
-    for model in args.models:
-        try:
-            rows += measure_model(model)
-        except ConfigError as err:  # a package model that is not installed
-            print(f"{model}: skipped ({err})", flush=True)
-    command = shlex.join([*prog.split(), *(sys.argv[1:] if argv is None else argv)])
-    text = markdown(command, rows)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"command": command, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
-        record = {**meta, "P": P, "batch": BATCH, "seq": SEQ, "rows": rows}
-        out.with_suffix(".json").write_text(json.dumps(record) + "\n")
-        out.with_suffix(".md").write_text(text)
-        print(f"-> {out}.json, {out}.md")
-    return 0
+    out = Path(args.out) if args.out else None
 
+    def body() -> int:
+        for written in (out.with_suffix(".json"), out.with_suffix(".md")) if out is not None else ():
+            check_destination(written)  # before the measurement: a run's files are never replaced
+        rows: list[dict] = []
+        for model in args.models:
+            try:
+                rows += measure_model(model)
+            except ConfigError as err:  # a package model that is not installed
+                print(f"{model}: skipped ({err})", flush=True)
+        command = shlex.join([*prog.split(), *(sys.argv[1:] if argv is None else argv)])
+        text = markdown(command, rows)
+        print(text)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            meta = {"command": command, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+            record = {**meta, "P": P, "batch": BATCH, "seq": SEQ, "rows": rows}
+            out.with_suffix(".json").write_text(json.dumps(record) + "\n")
+            out.with_suffix(".md").write_text(text)
+            print(f"-> {out}.json, {out}.md")
+        return 0
+
+    return guarded(prog, body, out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -218,21 +218,32 @@ def holds_run(d: Path) -> bool:
     return any((d / f).exists() for f in (*RUN_FILES, CHECKPOINTS))
 
 
-def run_in_the_way(dest: Path, most: int = 100_000) -> Path | None:
+def run_in_the_way(dest: Path, most: int = 100_000, below: bool = True) -> Path | None:
     """A run folder that writing ``dest`` (a file or a folder a command would replace) could destroy: one that holds
-    ``dest`` (``dest`` resolved through its symlinks, then each folder above it), or one below a ``dest`` folder (its
-    first ``most`` folders looked at). None when there is none."""
+    ``dest`` (``dest`` resolved through its symlinks, then each folder above it), or, with ``below``, one below a
+    ``dest`` folder (its first ``most`` folders looked at). None when there is none."""
     target = dest.resolve()
     for folder in (target, *target.parents):
         if _is_run(folder):
             return folder
-    if target.is_dir():
+    if below and target.is_dir():
         for i, (folder, _, _) in enumerate(os.walk(target, followlinks=False)):
             if i >= most:
                 break
             if _is_run(Path(folder)):
                 return Path(folder)
     return None
+
+
+def refuse_run_in_the_way(dest: Path, flag: str, below: bool = True) -> None:
+    """Refuse, in one line, a destination ``dest`` (given as ``flag``) that is, lies inside or (with ``below``) holds
+    a run's folder (:func:`run_in_the_way`): whatever a command writes there could replace a run's record or
+    checkpoints."""
+    run = run_in_the_way(dest, below=below)
+    if run is not None:
+        where = "holds" if run != dest.resolve() and run.is_relative_to(dest.resolve()) else "is inside"
+        raise ConfigError(f"{flag} {dest} {where} the run folder {run}: write it elsewhere (a run's files are never "
+                          "replaced)")  # fmt: skip
 
 
 def _is_run(d: Path) -> bool:
@@ -260,6 +271,9 @@ def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) ->
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ConfigError(f"job.out_dir {d} is not writable ({parent}: permission denied)")
             break
+    around = next((p for p in d.resolve().parents if _is_run(p)), None)
+    if around is not None:  # its files would go among another run's (a checkpoint's folder, pruned with it)
+        raise ConfigError(f"job.out_dir {d} lies inside the run folder {around}; choose a folder of its own")
     holder = None if locked else wait_for_earlier_start(d, cfg.server.rpc_timeout_s + EARLIER_START_GRACE_S)
     if holder is not None:
         raise ConfigError(f"job.out_dir {d} is in use by a live run ({holder}); wait for it to end or choose another "

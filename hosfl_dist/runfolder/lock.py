@@ -1,5 +1,6 @@
 """Who holds a run's folder: the lock of the process that writes the run (:class:`RunLock`), read by whoever asks
-whether a run is live (:func:`lock_holder`), and waited for by a requeued Slurm job (:func:`wait_for_earlier_start`).
+whether a run is live (:func:`lock_holder`), and waited for by a requeued Slurm job (:func:`wait_for_earlier_start`);
+and who holds a study's folder (:class:`StudyLock`: compare, sweep, scaling and collect, for the whole command).
 Torch-free."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from hosfl_dist.errors import ConfigError
 
 LOCK = ".lock"
 """The file a live run holds an exclusive lock on (:class:`RunLock`)."""
+STUDY_LOCK = ".study.lock"
+"""The file a live study holds an exclusive lock on, in its ``--out`` (:class:`StudyLock`)."""
 
 
 class RunLock:
@@ -22,6 +25,10 @@ class RunLock:
     from its start to its end: another run, a resume or an overwrite into the folder is refused while it lives, and
     the kernel releases it when the process dies however it dies, so a reader can tell a live run from a dead one
     (:func:`lock_holder`). Local file systems; NFS honours flock only where its mount does."""
+
+    FILE = LOCK
+    NAME = "job.out_dir"
+    HOLDER = "a live run"
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
@@ -31,17 +38,20 @@ class RunLock:
         import fcntl
         import socket
 
-        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.folder / self.FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"{self.NAME} {self.folder}: cannot lock it ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            holder = lock_holder(self.folder) or "a process that holds its lock"
-            raise ConfigError(f"job.out_dir {self.folder} is in use by a live run ({holder}); wait for it to end or "
-                              "choose another folder") from None  # fmt: skip
+            holder = lock_holder(self.folder, self.FILE) or "a process that holds its lock"
+            raise ConfigError(f"{self.NAME} {self.folder} is in use by {self.HOLDER} ({holder}); wait for it to end "
+                              "or choose another folder") from None  # fmt: skip
         except OSError as exc:
             os.close(fd)
-            raise ConfigError(f"job.out_dir {self.folder}: cannot lock it ({exc.strerror or exc})") from None
+            raise ConfigError(f"{self.NAME} {self.folder}: cannot lock it ({exc.strerror or exc})") from None
         os.ftruncate(fd, 0)
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         job = slurm_start()
@@ -59,12 +69,23 @@ class RunLock:
         return self._fd is not None
 
 
-def lock_holder(folder: Path) -> str | None:
-    """Who holds ``folder``'s run lock (``pid … on host, since …``), or None when no live process does."""
+class StudyLock(RunLock):
+    """An exclusive lock on a study's ``--out`` (``<out>/.study.lock``), held by a compare, sweep, scaling or collect
+    command for its whole life: a second study into the folder is refused in one line naming the holder, and only
+    the holder writes the study's record and report (study.json, table.md, table.json, the plots, scaling.md)."""
+
+    FILE = STUDY_LOCK
+    NAME = "--out"
+    HOLDER = "a live study"
+
+
+def lock_holder(folder: Path, name: str = LOCK) -> str | None:
+    """Who holds ``folder``'s run lock (``name``: or another of its locks; ``pid … on host, since …``), or None when
+    no live process does."""
     import fcntl
 
     try:
-        fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+        fd = os.open(Path(folder) / name, os.O_RDONLY)
     except OSError:
         return None
     try:

@@ -306,7 +306,8 @@ class RunFront(Handler):
             why = f"{self.stopped.signal} after round {self.stopped.t}"
             self.record.interrupt(why, self.stopped.t, self.saved)
             self.servers.stop()
-            raise Interrupted(f"{why}; checkpoint {self.saved} (resume with job.resume=auto)")
+            raise Interrupted(f"{why}; checkpoint {self.saved}; resume it: the same command with job.resume=auto "
+                              f"job.out_dir={self.cfg.job.out_dir}")  # fmt: skip
         if self.failure:
             raise PeerFailure(self.failure)
         final = self.final

@@ -221,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Simulate at the given settings, write latency.json and latency.png under --out, print a table."""
     try:
         args = _parse_args(argv)
+        from hosfl_dist.cli.guard import check_destination
+
+        check_destination(Path(args.out), below=False)  # latency.json and latency.png never go into a run's folder
         model, sim = _build(args)
         noise, trials, seed = float(sim["noise"]), int(sim["trials"]), int(sim["seed"])
         layers = simulate(model, range(1, sim["max_client_layers"] + 1), noise, trials, seed)
