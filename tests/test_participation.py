@@ -234,8 +234,11 @@ def test_a_baseline_averages_theta_c_over_who_delivered(tmp_path, monkeypatch):
 
     calls = []
     real = exchange.aggregate
-    monkeypatch.setattr(exchange, "aggregate", lambda base, models, w, lr=1.0: (calls.append(len(models)),
-                                                                               real(base, models, w, lr))[1])  # fmt: skip
+    def aggregate(base, models, weights, global_lr=1.0):
+        calls.append(len(models))
+        return real(base, models, weights, global_lr)
+
+    monkeypatch.setattr(exchange, "aggregate", aggregate)
     overrides = forced(tmp_path, {0: {1: AFTER_UPLOAD}}, "server.min_clients=1", "algorithm.name=sfl")
     run_in_process([*TINY_OVERRIDES, *overrides, f"job.out_dir={tmp_path / 'run'}"])
     assert calls[:2] == [2, 3]  # round 0: θc over the delivered two, θs over the three copies
@@ -262,7 +265,7 @@ def test_a_method_that_cannot_drop_clients_is_refused_in_one_line(monkeypatch, t
                                    "clients.per_round=3 uploads"),
         (["server.min_clients=-1"], "error: invalid value for server.min_clients: -1 (must be >= 0"),
         (["clients.over_select=-1"], "error: invalid value for clients.over_select: -1.0 (must be >= 0)"),
-        (["clients.over_select=1"], "error: invalid value for clients.over_select: 1.0 (samples ⌈K·(1+ε)⌉ = 6"),
+        (["clients.over_select=1.5"], "error: invalid value for clients.over_select: 1.5 (samples ⌈K·(1+ε)⌉ = 8"),
         (["clients.dropout_stage=never"], "error: invalid value for clients.dropout_stage: 'never'"),
         (["clients.participation=/nonexistent/p.jsonl"], "error: invalid value for clients.participation: "
                                                          "'/nonexistent/p.jsonl' (cannot read it"),

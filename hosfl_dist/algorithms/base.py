@@ -102,7 +102,7 @@ class ServerBase:
     def open_round(self, closed: int) -> int:
         """The first round from ``closed`` on that is not skipped: a skipped round (fewer uploads than
         ``server.min_clients``) sends nothing and is closed with the round before it."""
-        while self.round_plan.round(closed).skipped:
+        while self.round_plan.participation.skipped(closed):
             closed += 1
         return closed
 

@@ -106,6 +106,13 @@ class ParticipationPlan:
             got = self._cache[t] = self._recorded(t) if self.recorded is not None else self.draw(t)
         return got
 
+    def skipped(self, t: int) -> bool:
+        """Whether round t is skipped (a round past the end of a replayed record is not known to be: running it is
+        refused, looking ahead at it is not)."""
+        if self.recorded is not None and t >= len(self.recorded):
+            return False
+        return self.round(t).skipped
+
     def sampled(self, t: int) -> list[int]:
         return sample_clients(self.seed, t, self.total, self.size)
 
@@ -166,8 +173,9 @@ def read_participation(path: Path, plan: ParticipationPlan) -> list[Participatio
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc
         raise ConfigError(f"invalid value for clients.participation: {str(path)!r} (cannot read it: "
-                          f"{type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) else exc})") from None  # fmt: skip
+                          f"{type(exc).__name__}: {why})") from None  # fmt: skip
     rounds = []
     for i, text in enumerate(lines, 1):
         try:

@@ -342,7 +342,8 @@ class ClientsConfig:
     same draw in every runtime; no other random stream moves): docs/participation.md."""
     dropout_stage: Literal["before_upload", "after_upload", "mixed"] = "before_upload"
     """When a dropped client fails: before_upload (it sends nothing), after_upload (its upload reaches the server's
-    step; what follows it never arrives: HO-SFL's scalars, a baseline's θc_m), or mixed (each drop picks one, seeded)."""
+    step; what follows it never arrives: HO-SFL's scalars, a baseline's θc_m), or mixed (each drop picks one,
+    seeded)."""
     over_select: float = 0.0
     """ε: sample ⌈K·(1+ε)⌉ clients and step on the first K uploads that arrive (seeded order); the others are late,
     answered "not this round"."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm
+from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import TEXT_DATASETS, VISION_CUT_RANGE, VISION_MODELS, Config, check, load_config
 from hosfl_dist.errors import ConfigError
 
@@ -117,3 +118,5 @@ def _check_participation(cfg: Config, spec: AlgorithmSpec) -> None:
                                 ("participation", c.participation, "")):  # fmt: skip
         check(value == default or spec.drops_clients, f"clients.{key}", value, f"algorithm.name={spec.name} cannot "
               f"run a round without all its sampled clients; implemented for {dropping}")  # fmt: skip
+    if c.participation:  # a replayed record is read and checked line by line before anything is built
+        ParticipationPlan(cfg)
