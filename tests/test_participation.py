@@ -171,6 +171,8 @@ def test_records_and_a_replay_of_participation_jsonl_give_the_same_run(tmp_path)
     assert part["dropped"] == sum(len(x["dropped"]) for x in lines) and part["dropped"] > 0
     assert part["late"] == sum(len(x["late"]) for x in lines) and part["late"] > 0
     assert part["workers_lost"] == part["workers_joined"] == 0
+    refused = sum(len(x["arrived"]) for x in lines if x["skipped"])  # each client's round ends one way
+    assert part["sampled"] == part["delivered"] + part["dropped"] + part["late"] + refused
     replay = ["clients.over_select=0.5", "server.min_clients=1", f"clients.participation={log}"]
     _, _, got, _ = run_in_process([*TINY_OVERRIDES, *replay, f"job.out_dir={tmp_path / 'replay'}"])
     ref_rows, ref = read_run(tmp_path / "ref")

@@ -133,10 +133,14 @@ class ParticipationPlan:
         return self.settle(t, sampled, arrived, dropped)
 
     def settle(self, t: int, sampled: list[int], arrived: list[int], dropped: dict[int, str]) -> Participation:
-        """The rest of round t from who was sampled, who dropped and the order of the arrivals."""
+        """The rest of round t from who was sampled, who dropped and the order of the arrivals. A client's fate is the
+        first thing that happens to it: an upload that is late, or refused by a skipped round, ends its round, so a
+        drop after it is not one (sampled = delivered + dropped + late + the uploads skipped rounds refused)."""
         if len(arrived) < self.min_clients:
+            dropped = {m: s for m, s in dropped.items() if s == BEFORE_UPLOAD}
             return Participation(t, tuple(sampled), tuple(arrived), (), (), dropped, skipped=True)
         counted, late = arrived[: self.per_round], arrived[self.per_round :]
+        dropped = {m: s for m, s in dropped.items() if m not in late}
         return Participation(t, tuple(sampled), tuple(arrived), tuple(sorted(counted)), tuple(sorted(late)), dropped)
 
     def _recorded(self, t: int) -> Participation:
@@ -212,6 +216,8 @@ def read_participation(path: Path, plan: ParticipationPlan) -> list[Participatio
         if got.skipped != row["skipped"]:
             raise bad(i, f"skipped is {row['skipped']}, but {len(uploading)} upload(s) against server.min_clients="
                          f"{plan.min_clients} make it {got.skipped}")  # fmt: skip
+        if got.dropped != drops:
+            raise bad(i, f"dropped {dropped}, but a late upload or a skipped round's ends a client's round first")
         for key in ("counted", "delivered", "late"):
             if lists[key] != list(getattr(got, key)):
                 raise bad(i, f"{key} {lists[key]}, but its arrivals and drops make it {list(getattr(got, key))}")
