@@ -187,8 +187,9 @@ class ExchangeServer(ServerBase):
         self.check_round(t)
         round_t, clients = self.round_plan.round(t), sorted(batch)
         if clients != list(round_t.counted):
-            raise ProtocolError(f"round {t}: models from clients {clients}, counted {list(round_t.counted)} (S_t = "
-                                f"{self.round_plan.sampled(t)})")  # fmt: skip
+            sampled, counted = list(round_t.sampled), list(round_t.counted)
+            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {sampled}"
+                                + ("" if counted == sampled else f", counted {counted}"))  # fmt: skip
         delivered = list(round_t.delivered)
         for m in clients:
             if m not in delivered and (batch[m]["params"] or batch[m]["stats"]):

@@ -199,8 +199,9 @@ class BackpropServer(ServerBase):
         self.enter_round(t)
         clients, counted = sorted(batch), list(self.round_plan.round(t).counted)
         if clients != counted:
-            raise ProtocolError(f"round {t}: activations from clients {clients}, counted {counted} (S_t = "
-                                f"{self.round_plan.sampled(t)})")  # fmt: skip
+            sampled = self.round_plan.sampled(t)
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {sampled}"
+                                + ("" if counted == sampled else f", counted {counted}"))  # fmt: skip
         admitted = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
         uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in admitted}
         counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in admitted}  # no 0/0
