@@ -29,7 +29,7 @@ from hosfl_dist.runtime.process.groups import check_server_gpus, shared_gpus
 from hosfl_dist.runtime.process.host import bind_interface
 from hosfl_dist.runtime.process.launch import RoleMap, launch_env, role_map
 from hosfl_dist.runtime.server_group import local_endpoint
-from tiny import TINY_OVERRIDES, read_run, run_one_thread, server_of, torchrun
+from tiny import TINY_OVERRIDES, assert_same_as, read_run, run_one_thread, server_of, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
@@ -244,6 +244,31 @@ def test_fsdp_server_group_of_two_equals_a_one_rank_server(tmp_path, reference):
             assert a[k] == b[k] if b[k] is None else a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     assert summary["roles"]["server_ranks"] == [0, 1] and summary["roles"]["hosted"] == {"worker_2": list(range(6))}
     assert summary["transport"]["server"]["threads"] == 1  # every execution on the server's own thread
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("alg", "extra"),
+    [
+        ("hosfl", ["clients.dropout=0.3"]),  # server.min_clients = K: two rounds in three are skipped
+        ("sfl", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
+                 "server.min_clients=1"]),  # drops at both stages, late clients
+    ],
+)  # fmt: skip
+def test_torchrun_equals_in_process_with_clients_dropping(tmp_path, alg, extra):
+    """Participation is drawn alike in every process (docs/participation.md): 1 server + 2 workers equal the
+    in-process run bit for bit, with the same participation.jsonl and summary.json participation."""
+    cfg = [*TINY, f"algorithm.name={alg}", *extra]
+    ref = run_one_thread([*cfg, f"job.out_dir={tmp_path / 'inproc'}"])
+    rc, out, _ = torchrun(3, ["-m", "hosfl_dist.run", *cfg, f"job.out_dir={tmp_path / 'run'}"])
+    assert rc == 0, out[-4000:]
+    summary = assert_same_as(tmp_path / "run", ref)  # a baseline's two workers fetch θc at the end: eval traffic
+    assert len(summary["client_digests"]) == 2
+    part = summary["participation"]
+    assert part == ref[1]["participation"] and part["dropped"] > 0
+    assert alg != "hosfl" or part["rounds_skipped"] > 0
+    log = "participation.jsonl"
+    assert (tmp_path / "run" / log).read_text() == (tmp_path / "inproc" / log).read_text()
 
 
 FAIL_SCRIPT = textwrap.dedent(

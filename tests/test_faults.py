@@ -92,6 +92,11 @@ def test_a_stop_signal_in_the_last_round_lets_the_run_complete(tmp_path, monkeyp
         ("fsl_sage", ["algorithm.server_update_interval=2"]),
         ("zo_sfl", []),
         ("mu_splitfed", []),
+        # clients dropping at both stages, late ones, skipped rounds (docs/participation.md)
+        ("hosfl", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
+                   "server.min_clients=2"]),
+        ("fsl_sage", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
+                      "server.min_clients=2"]),
         # frozen parameters (BatchNorm's affine ones), which checkpoints leave out, and running statistics that
         # training updates (freeze_bn=client): five rounds, evaluated every second
         *[pytest.param("hosfl", ["model.name=resnet18", f"model.freeze_bn={bn}", "train.budget_samples=120",
@@ -117,6 +122,9 @@ def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, alg, extra)
     assert rows_of(out) == rows_of(tmp_path / "ref")
     assert got["client_digests"] == ref["client_digests"] and got["server_digest"] == ref["server_digest"]
     assert got["comm"] == ref["comm"] and got["resumed_from"].endswith("round-00000002")
+    log = "participation.jsonl"  # the rounds before the checkpoint written again, the later ones once
+    assert (out / log).read_text() == (tmp_path / "ref" / log).read_text()
+    assert got["participation"] == ref["participation"]
 
 
 def test_a_checkpoint_without_frozen_parameters_restores_the_server(tmp_path):

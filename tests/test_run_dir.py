@@ -36,7 +36,7 @@ def test_a_chosen_folder_is_used_exactly(tmp_path):
     d = tmp_path / "exactly here"
     cfg = run_in_process([*TINY_OVERRIDES, f"job.out_dir={d}"])[0]
     assert Path(cfg.job.out_dir) == d
-    files = [".lock", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json"]
+    files = [".lock", "checkpoints", "config.yaml", "metrics.jsonl", "participation.jsonl", "summary.json"]
     assert sorted(p.name for p in d.iterdir()) == files
     assert [p.name for p in (d / "checkpoints").iterdir()] == ["round-00000010"]  # the final one (checkpoint.final)
 

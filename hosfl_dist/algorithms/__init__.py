@@ -49,6 +49,9 @@ class AlgorithmSpec:
     lr_schedules: bool = False
     """Follows ``optim.schedule`` and ``optim.warmup_rounds`` (its optimizers step once a round); else they are
     refused."""
+    drops_clients: bool = False
+    """Can run rounds that not every sampled client finishes (``clients.dropout``, ``clients.over_select``,
+    ``clients.participation``: docs/participation.md); else those are refused."""
     uploads_perturbed_pair: bool = False
     """The server takes the difference of two uploaded activations (z₊ − z₋): their rounding to a half-precision
     model.dtype bounds μ from below (``ZOConfig.precision_problem``)."""
@@ -74,7 +77,7 @@ class AlgorithmSpec:
 
 
 _REGISTRY: dict[str, AlgorithmSpec] = {}
-_SKIP = frozenset({"base", "exchange"})
+_SKIP = frozenset({"base", "exchange", "participation"})
 """Modules of this package that hold shared parts, not methods."""
 
 

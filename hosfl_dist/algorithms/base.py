@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms.compute import ServerCompute
+from hosfl_dist.algorithms.participation import Participation, ParticipationPlan
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
-from hosfl_dist.core.seeding import sample_clients
 from hosfl_dist.data import FederatedData
 from hosfl_dist.errors import NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
@@ -41,9 +41,10 @@ EVAL_CLIENT = -1
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """The run's rounds and who takes part in each: S_t, the K of M clients a seeded draw picks for round t. The
-    server and every worker hold the same plan and compute the same set without a message; the server's instructions
-    to the sampled clients (seeds, catch-up) are the traffic."""
+    """The run's rounds and who takes part in each: S_t, the K of M clients a seeded draw picks for round t (more
+    with over-selection), and which of them count and deliver (:class:`Participation`). The server and every worker
+    hold the same plan and compute the same sets without a message; the server's instructions to the sampled clients
+    (seeds, catch-up) are the traffic."""
 
     seed: int
     """job.seed."""
@@ -52,18 +53,25 @@ class RoundPlan:
     per_round: int
     """K, clients.per_round."""
     rounds: int
-    """Rounds of the run: K·B samples each until train.budget_samples (the learning-rate schedules' length)."""
+    """Rounds of the run when every sampled client delivers: K·B samples each until train.budget_samples (the
+    learning-rate schedules' length; rounds that lose clients make a run longer, at the schedule's last rate)."""
+    participation: ParticipationPlan
+    """Who is sampled, dropped, late, counted and delivers in each round (docs/participation.md)."""
 
     @classmethod
     def of(cls, cfg: Config) -> RoundPlan:
         """The plan of a run's config (what its server and workers build once)."""
         round_samples = cfg.clients.per_round * cfg.clients.batch_size
         rounds = -(-cfg.train.budget_samples // round_samples)
-        return cls(cfg.job.seed, cfg.clients.total, cfg.clients.per_round, rounds)
+        return cls(cfg.job.seed, cfg.clients.total, cfg.clients.per_round, rounds, ParticipationPlan(cfg))
 
     def sampled(self, t: int) -> list[int]:
-        """S_t, sorted."""
-        return sample_clients(self.seed, t, self.total, self.per_round)
+        """S_t, sorted (⌈K·(1+ε)⌉ clients with clients.over_select)."""
+        return list(self.round(t).sampled)
+
+    def round(self, t: int) -> Participation:
+        """Round t's participation."""
+        return self.participation.round(t)
 
 
 class ServerBase:
@@ -88,15 +96,33 @@ class ServerBase:
         self._skipped = 0
 
     def expected_in_round(self, t: int) -> int:
-        """Clients whose gathered calls make up round t."""
-        return self.cfg.clients.per_round
+        """Clients whose gathered calls make up round t: the uploads it counts."""
+        return len(self.round_plan.round(t).counted)
+
+    def open_round(self, closed: int) -> int:
+        """The first round from ``closed`` on that is not skipped: a skipped round (fewer uploads than
+        ``server.min_clients``) sends nothing and is closed with the round before it."""
+        while self.round_plan.participation.skipped(closed):
+            closed += 1
+        return closed
+
+    def enter_round(self, t: int) -> None:
+        """A call about round t: the server passes the skipped rounds before it; a round out of order is refused."""
+        if t > self.rounds_done and self.open_round(self.rounds_done) == t:
+            self.rounds_done = t  # rounds_done..t-1 were skipped: nothing to step
+        if t != self.rounds_done:
+            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
 
     # -- what arrives --------------------------------------------------------------------------------------------
     def check_sampled(self, t: int, client: int, what: str) -> None:
-        """Refuse a call about a client that the server did not sample for round t."""
-        if client not in self.round_plan.sampled(t):
+        """Refuse a call about a client that round t does not count (not sampled, dropped before its upload, late)."""
+        p = self.round_plan.round(t)
+        if client not in p.sampled:
             raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "
-                                f"{self.round_plan.sampled(t)})")  # fmt: skip
+                                f"{list(p.sampled)})")  # fmt: skip
+        if client not in p.counted:
+            raise ProtocolError(f"round {t}: {what} from client {client}, which the round does not count (counted "
+                                f"{list(p.counted)} of S_t = {list(p.sampled)})")  # fmt: skip
 
     def admit(self, t: int, client: int, act: Activation, labels: Tensor) -> bool:
         """Whether an upload takes part in round t: a malformed one is refused; a non-finite one stops the run or,
@@ -208,10 +234,10 @@ class WorkerBase:
         self.processed = 0
         """Samples processed by all clients so far (every worker knows the total)."""
 
-    def plan(self, t: int) -> tuple[list[int], list[int]]:
-        """(S_t, the sampled clients this worker hosts)."""
-        sampled = self.round_plan.sampled(t)
-        return sampled, [m for m in sampled if m in self.hosted]
+    def plan(self, t: int) -> tuple[Participation, list[int]]:
+        """(round t's participation, the counted clients this worker hosts: those that take part in it)."""
+        p = self.round_plan.round(t)
+        return p, [m for m in p.counted if m in self.hosted]
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:
         """Point the client module's trainable slots at a replica's tensors (no copy)."""

@@ -1,7 +1,8 @@
 """What the baselines share: methods that exchange client models (SFL, SplitLoRA, FSL-SAGE, ZO-SFL, MU-SplitFed).
 
 Unlike HO-SFL, these methods aggregate θc by shipping it. A round t of any of them is:
-  plan       S_t, as in HO-SFL (``RoundPlan``), and every sampled client's number of local steps
+  plan       S_t, as in HO-SFL (``RoundPlan``), who of it counts (docs/participation.md), and every counted client's
+             number of local steps; a skipped round (fewer uploads than ``server.min_clients``) sends nothing
   download   every sampled client m downloads the global θc^t (downlink model; answered once round t−1 is
              closed) — the SplitFed "fed server" role is played by the server object, which keeps θc^t beside θs^t
   train      it trains locally for its steps (E local epochs, or one step for MU-SplitFed), talking to the server
@@ -12,7 +13,9 @@ Unlike HO-SFL, these methods aggregate θc by shipping it. A round t of any of t
   aggregate  θ^{t+1} = θ^t + η_g · Σ_m w_m (θ_m − θ^t), w_m = n_m / Σ_m n_m (:func:`aggregate`), for θc and for
              the per-client server copies θs_m (η_g = 1: FedAvg; MU-SplitFed: its global lr), in client-id order,
              so the result does not depend on arrival order or on how clients are spread over workers; this closes
-             round t
+             round t. θc is averaged over the clients that delivered; a client that dropped after its upload (its
+             requests trained its copy θs_m, its θc_m never arrives) is in θs's average, not in θc's: under the
+             emulation its worker sends an empty upload in its place, so that the server can tell its round is over
 
 Only trainable tensors (``requires_grad``) travel: all of θc for vision models, the LoRA adapters for SplitLoRA.
 A server part that normalises with batch statistics (``model.freeze_bn=code|client|none``) gives each copy θs_m its
@@ -138,8 +141,7 @@ class ExchangeServer(ServerBase):
         self.rounds_done = 0
 
     def check_round(self, t: int) -> None:
-        if t != self.rounds_done:
-            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
+        self.enter_round(t)
 
     def copy_for(self, t: int, client: int) -> ServerCopy:
         """θs_m for round t, created from θs^t at the client's first request of the round."""
@@ -181,12 +183,18 @@ class ExchangeServer(ServerBase):
     @wire(args={"params": UPLINK_MODEL, "stats": UPLINK_MODEL}, gather=True, closes_round=True)
     def upload(self, t: int, batch: dict[int, dict[str, Any]]) -> None:
         """θc_m of the round's K clients after their local training (and its running statistics), each with its
-        aggregation weight n_m."""
+        aggregation weight n_m; a client that dropped after its upload sends no model (empty lists)."""
         self.check_round(t)
-        clients = sorted(batch)
-        if clients != self.round_plan.sampled(t):
-            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {self.round_plan.sampled(t)}")
+        round_t, clients = self.round_plan.round(t), sorted(batch)
+        if clients != list(round_t.counted):
+            sampled, counted = list(round_t.sampled), list(round_t.counted)
+            raise ProtocolError(f"round {t}: models from clients {clients}, sampled {sampled}"
+                                + ("" if counted == sampled else f", counted {counted}"))  # fmt: skip
+        delivered = list(round_t.delivered)
         for m in clients:
+            if m not in delivered and (batch[m]["params"] or batch[m]["stats"]):
+                raise ProtocolError(f"round {t}: client {m} dropped after its upload but sent a model")
+        for m in delivered:
             if not all(bool(torch.isfinite(p).all()) for p in batch[m]["params"]):
                 self.nonfinite(t, m, "client model")
             stats = batch[m]["stats"]
@@ -198,12 +206,14 @@ class ExchangeServer(ServerBase):
             if not all(bool(torch.isfinite(s).all()) for s in stats):
                 self.nonfinite(t, m, "client running statistics")
         weights = [float(batch[m]["weight"]) for m in clients]
-        new_c = aggregate(self.client_model, [batch[m]["params"] for m in clients], weights, self.global_lr)
+        kept = [float(batch[m]["weight"]) for m in delivered]  # θc: over the clients whose model arrived
         with torch.no_grad():
-            for p, v in zip(self.client_model, new_c):
-                p.copy_(v)
-            if self.client_stats:  # the running statistics θc_m's batches gave, averaged with the same weights
-                new_stats = aggregate(self.client_stats, [batch[m]["stats"] for m in clients], weights, self.global_lr)
+            if delivered:
+                new_c = aggregate(self.client_model, [batch[m]["params"] for m in delivered], kept, self.global_lr)
+                for p, v in zip(self.client_model, new_c):
+                    p.copy_(v)
+            if self.client_stats and delivered:  # the running statistics θc_m's batches gave, with the same weights
+                new_stats = aggregate(self.client_stats, [batch[m]["stats"] for m in delivered], kept, self.global_lr)
                 for s, v in zip(self.client_stats, new_stats):
                     s.copy_(v.to(s.device, s.dtype))
             if self.copies:
@@ -242,8 +252,9 @@ class ExchangeServer(ServerBase):
         return tensors_digest([*self.client_model, *self.client_stats])  # what every worker fetched at the end
 
     def client_params_at(self, t: int) -> list[Tensor]:
-        """θc^t, which the server keeps (it aggregates the uploads into it); only the current round's."""
-        if t != self.rounds_done:
+        """θc^t, which the server keeps (it aggregates the uploads into it); only the current round's (or a skipped
+        round's after it: θc did not change)."""
+        if not self.rounds_done <= t <= self.open_round(self.rounds_done):
             raise ValueError(f"the server holds θc of round {self.rounds_done}, not of round {t}")
         return [p.detach() for p in self.client_model]
 
@@ -281,7 +292,7 @@ class ExchangeWorker(WorkerBase):
         return self.cfg.algorithm.local_epochs * self.data.stream(client).steps_per_epoch()
 
     def round_steps(self, sampled: list[int], mine: list[int]) -> list[int]:
-        """Steps of every sampled client this round, known to every worker (and a round-start barrier).
+        """Steps of every counted client this round (``sampled``), known to every worker (and a round-start barrier).
 
         Each client's steps are capped so that the round does not run past ``train.budget_samples`` by more than
         one batch per client: the last round is shortened evenly rather than overshooting the budget.
@@ -297,8 +308,11 @@ class ExchangeWorker(WorkerBase):
         return self.collective.coordinate(steps).tolist()
 
     def run_round(self, t: int) -> int:
-        sampled, mine = self.plan(t)
-        steps = dict(zip(sampled, self.round_steps(sampled, mine)))
+        round_t, mine = self.plan(t)
+        if round_t.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
+            return 0
+        counted = list(round_t.counted)
+        steps = dict(zip(counted, self.round_steps(counted, mine)))
         uploads: list[Pending] = []
         for m in mine:
             got = self.server.download(t=t, client=m)
@@ -307,10 +321,12 @@ class ExchangeWorker(WorkerBase):
             self.load_stats(got["stats"])  # θc^t's running statistics: this client's batches update them
             self.train_client(t, m, params, steps[m], got)
             weight = steps[m] * self.B
-            stats = [s.detach().clone() for s in self.stat_buffers]
-            uploads.append(
-                self.server.upload.send(t=t, client=m, params=[p.detach() for p in params], stats=stats, weight=weight)
-            )
+            if m in round_t.delivered:
+                stats = [s.detach().clone() for s in self.stat_buffers]
+                uploads.append(self.server.upload.send(t=t, client=m, params=[p.detach() for p in params],
+                                                       stats=stats, weight=weight))  # fmt: skip
+            else:  # dropped after its upload: θc_m never arrives (the empty upload stands for the server's noticing)
+                uploads.append(self.server.upload.send(t=t, client=m, params=[], stats=[], weight=weight))
         for fut in uploads:  # answered once the round's K uploads are aggregated (errors surface here)
             fut.wait()
         n = sum(steps.values()) * self.B

@@ -3,7 +3,8 @@
 What the zeroth-order client adds to HO-SFL is the difference between HO-SFL and this method: the clients keep θc^0
 (the pretrained part, its LoRA adapters as initialised) and only forward; the server trains f_s exactly as HO-SFL's
 does. Round t, for the sampled clients a worker hosts:
-  plan       S_t, the seeded draw HO-SFL makes (``RoundPlan``)
+  plan       S_t, the seeded draw HO-SFL makes (``RoundPlan``), and who of it counts (docs/participation.md): a
+             client that drops after its upload has sent all it sends, so it counts like one that delivers
   client     z_m = f_c(x_m; θc^0) goes up with y_m, computed as HO-SFL's z is (no dropout, ``zo.compute_dtype``,
              sent in the server's dtype)                                                          (Eq. 1)
   server     HO-SFL's step (:class:`~hosfl_dist.algorithms.hosfl.BackpropServer`): the K activations gathered into
@@ -80,7 +81,7 @@ class FrozenClientWorker(WorkerBase):
             return self.client_forward(x)
 
     def run_round(self, t: int) -> int:
-        sampled, mine = self.plan(t)
+        round_t, mine = self.plan(t)  # a client dropped after its upload has done all it does: it counts
         pending = []
         for m in mine:
             x, y = self.data.next_batch(m)
@@ -88,7 +89,7 @@ class FrozenClientWorker(WorkerBase):
             pending.append(self.server.submit.send(t=t, client=m, act=act, labels=y))
         for answer in pending:  # empty, once the round is stepped (a server error surfaces here)
             answer.wait()
-        n = len(sampled) * self.cfg.clients.batch_size
+        n = len(round_t.counted) * self.cfg.clients.batch_size  # none in a skipped round: nothing was sent
         self.processed += n
         return n
 
@@ -114,5 +115,6 @@ register(
         traffic=frozenset({UPLINK_ACTIVATIONS}),
         skips_nonfinite=True,
         lr_schedules=True,
+        drops_clients=True,
     )
 )

@@ -235,6 +235,7 @@ register(
         traffic=frozenset({UPLINK_ACTIVATIONS, UPLINK_MODEL, DOWNLINK_MODEL}),
         worker_parts=("client", "server"),  # the auxiliary model starts from f_s's first block
         server_parts=("server", "client"),
+        drops_clients=True,
         families=("vision",),  # the paper's setting: the auxiliary model is a vision block
     )
 )

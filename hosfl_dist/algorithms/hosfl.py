@@ -1,7 +1,9 @@
 """HO-SFL (Algorithms 1-3): server backprop + client zeroth-order projection with dimension-free aggregation.
 
 Round t, as the code below runs it (a worker runs the client side for the sampled clients it hosts):
-  plan       S_t = the K clients of a seeded draw (``RoundPlan``: server and workers compute the same set)
+  plan       S_t = the K clients of a seeded draw (``RoundPlan``: server and workers compute the same set), and which
+             of them count and deliver (``clients.dropout``, ``clients.over_select``: docs/participation.md); a round
+             with fewer uploads than ``server.min_clients`` is skipped: nothing is sent, nothing steps
   sync       each sampled client m receives the round's seeds s^t and the (seeds, v̄) history since its replica's
              round t'_m, and replays it (ClientSync, Algorithm 3). The request is prefetched as soon as round
              t−1's scalars are aggregated and is answered once round t−1 is closed (``after_previous_round``), so
@@ -13,10 +15,13 @@ Round t, as the code below runs it (a worker runs the client side for the sample
              runs the passes on one rank or over the server ranks)                               (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding (zo.overlap) the
              P perturbed forwards of each client whose λ_m is still away run once every z_m has gone up  (Eq. 12-13)
-  aggregate  v̄ = mean over the K clients of their P scalars (:func:`mean_over_clients`), among the client
-             workers: P scalars per client up, v̄ down                                           (Eq. 14)
+  aggregate  v̄ = mean over the clients that deliver of their P scalars (:func:`mean_over_clients`), among the
+             client workers: P scalars per client up, v̄ down                                   (Eq. 14)
   close      the leader posts v̄ (``finish_round``; nobody waits for it) and the server appends it to the history
-  update     every replica rebuilds ĝ_c = 1/(Pμ) Σ_p v̄_p u_p from the seeds and steps its optimizer (Eq. 15-16)
+  update     every replica that delivered rebuilds ĝ_c = 1/(Pμ) Σ_p v̄_p u_p from the seeds and steps its optimizer
+             (Eq. 15-16); a client that dropped stays at its round and catches up later by replay (Algorithm 3)
+A round in which no client delivers its scalars (or a skipped one) is a row of NaN in the history: no client step,
+on any replica, live or replaying (:func:`apply_update`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase
+from hosfl_dist.algorithms.participation import Participation
 from hosfl_dist.algorithms.compute import ServerCompute, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
@@ -145,7 +151,12 @@ def apply_update(
     rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
 ) -> None:
     """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor (Eq. 15-16), or taken from the
-    round's ``cache`` of draws where it holds them."""
+    round's ``cache`` of draws where it holds them. A v̄ of NaN is a round without a client step (skipped, or no
+    scalars delivered): the replica moves to the next round and its optimizer does not step (AdamW would move θc on
+    a zero gradient)."""
+    if bool(torch.isnan(scalars).all()):
+        rep.round += 1
+        return
     coeffs = scalar_coefficients(scalars, mu)
     rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, rng_device, cache))
     rep.round += 1
@@ -179,17 +190,18 @@ class BackpropServer(ServerBase):
         gather=True,
     )
     def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Round t's (z_m, y_m) of the K sampled clients in; θs steps once with the mean gradient over the clients
-        kept, and each client gets {"lam": λ_m} back (Eq. 11).
+        """Round t's (z_m, y_m) of the K sampled clients in (the uploads the round counts); θs steps once with the
+        mean gradient over the clients kept, and each client gets {"lam": λ_m} back (Eq. 11).
 
         A client whose upload or loss is non-finite (``train.on_nonfinite=skip``) is left out of the step and gets
         {"lam": 0, "skip": True}; a non-finite gradient or λ leaves the whole round out of θs's step.
         """
-        if t != self.rounds_done:
-            raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
-        clients = sorted(batch)
-        if clients != self.round_plan.sampled(t):
-            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {self.round_plan.sampled(t)}")
+        self.enter_round(t)
+        clients, counted = sorted(batch), list(self.round_plan.round(t).counted)
+        if clients != counted:
+            sampled = self.round_plan.sampled(t)
+            raise ProtocolError(f"round {t}: activations from clients {clients}, sampled {sampled}"
+                                + ("" if counted == sampled else f", counted {counted}"))  # fmt: skip
         admitted = [m for m in clients if self.admit(t, m, batch[m]["act"], batch[m]["labels"])]
         uploads = {m: Upload(batch[m]["act"], batch[m]["labels"]) for m in admitted}
         counts = {m: max(1.0, float(self.task.sample_counts(uploads[m].labels).sum())) for m in admitted}  # no 0/0
@@ -233,6 +245,13 @@ class HOSFLServer(BackpropServer):
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
         self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, self.round_plan.rounds))
+        self._pass_skipped()
+
+    def _pass_skipped(self) -> None:
+        """Append a row of NaN (no client step) for each skipped round from where the history ends: the history then
+        reaches the next round that steps, as the endpoint's closed rounds do (:meth:`ServerBase.open_round`)."""
+        for t in range(self.history.end, self.open_round(self.history.end)):
+            self.history.append(t, self.seeds_of(t), torch.full((self.P,), float("nan")))
 
     def seeds_of(self, t: int) -> Tensor:
         return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
@@ -285,7 +304,9 @@ class HOSFLServer(BackpropServer):
 
     @wire(args={"scalars": CONTROL}, closes_round=True)
     def finish_round(self, t: int, scalars: Tensor) -> None:
-        """Record v̄^t for catch-up; the sampled clients are now current at t+1, and round t is closed."""
+        """Record v̄^t for catch-up; the clients that delivered are now current at t+1 (one that dropped after its
+        upload at t, where its sync brought it), and round t is closed with the skipped rounds after it. v̄ is NaN
+        when no client delivered its scalars (no client step)."""
         if t != self.history.end or t >= self.rounds_done:
             raise ProtocolError(
                 f"finish_round for round {t}: the next round to close is {self.history.end} and the server has run "
@@ -294,11 +315,15 @@ class HOSFLServer(BackpropServer):
         if not isinstance(scalars, Tensor) or tuple(scalars.shape) != (self.P,):
             got = tuple(scalars.shape) if isinstance(scalars, Tensor) else type(scalars).__name__
             raise ProtocolError(f"round {t}: v̄ of shape {got}, expected ({self.P},)")
-        if not bool(torch.isfinite(scalars).all()):
+        p = self.round_plan.round(t)
+        if p.delivered and not bool(torch.isfinite(scalars).all()):
             raise NonFiniteError(f"round {t}: the aggregated scalars v̄ are not finite")
+        if not p.delivered and not bool(torch.isnan(scalars).all()):
+            raise ProtocolError(f"round {t}: v̄ of a round whose clients all dropped must be NaN (no client step)")
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
-        for m in self.round_plan.sampled(t):
-            self.client_round[m] = t + 1
+        for m in p.counted:
+            self.client_round[m] = t + 1 if m in p.delivered else t
+        self._pass_skipped()
         self._trim()
 
     # -- checkpoints and the audit -------------------------------------------------------------------------------
@@ -488,11 +513,13 @@ class HOSFLWorker(WorkerBase):
             self.noise = None
 
     def run_round(self, t: int) -> int:
-        sampled, mine = self.plan(t)
+        round_t, mine = self.plan(t)
+        if round_t.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
+            return 0
         with self.round_noise():
-            return self._run_round(t, sampled, mine)
+            return self._run_round(t, round_t, mine)
 
-    def _run_round(self, t: int, sampled: list[int], mine: list[int]) -> int:
+    def _run_round(self, t: int, round_t: Participation, mine: list[int]) -> int:
         # each replica's catch-up and the round's seeds, in one message (taken from the previous round's prefetch
         # where it was sent)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
@@ -523,16 +550,18 @@ class HOSFLWorker(WorkerBase):
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
             # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
             for job in jobs:
-                if not job.answer.done():
+                if not job.answer.done() and job.client in round_t.delivered:
                     self.bind(job.replica.params)
                     job.z_tilde = self.zo_activations(job.x, seeds[job.client])
 
-        rows = torch.zeros(self.K, self.P, dtype=torch.float32)
-        slot = {m: i for i, m in enumerate(sampled)}
+        counted, delivered = round_t.counted, round_t.delivered
+        rows = torch.zeros(len(counted), self.P, dtype=torch.float32)
+        slot = {m: i for i, m in enumerate(counted)}
         while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
             job = jobs.pop(0)
             m, answer = job.client, job.answer.wait()
-            if answer.get("skip"):  # the server left this client out of the round: so does the aggregation
+            if answer.get("skip") or m not in delivered:  # left out of the round by the server, or dropped after
+                # its upload (its scalars never arrive): left out of the aggregation
                 rows[slot[m]] = float("nan")
                 del job
                 continue
@@ -544,11 +573,16 @@ class HOSFLWorker(WorkerBase):
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
             rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
-        vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine}, mean_over_clients)
+        if delivered:  # v̄ over the clients that delivered (the rows of the others are NaN)
+            vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine if m in delivered},
+                                             mean_over_clients)  # fmt: skip
+        else:  # nobody's scalars arrived: no client step this round (every worker knows it from the plan)
+            vbar = torch.full((self.P,), float("nan"))
 
         for m in mine:
-            self.client_round[m] = t + 1  # the update below is applied before the next round starts
-        n = len(sampled) * self.cfg.clients.batch_size
+            if m in delivered:
+                self.client_round[m] = t + 1  # the update below is applied before the next round starts
+        n = len(counted) * self.cfg.clients.batch_size  # the samples the server stepped with
         self.processed += n
         with self.server.together():  # one message: the server closes the round, then answers the syncs at once
             if self.collective.is_leader:  # the round's report; nobody waits for its answer
@@ -559,7 +593,8 @@ class HOSFLWorker(WorkerBase):
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:
-                self.apply_update(self.replicas[m], seeds_t, vbar)
+                if m in delivered:  # a client that dropped does not receive v̄: it replays it when next counted
+                    self.apply_update(self.replicas[m], seeds_t, vbar)
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
         return n
@@ -630,5 +665,6 @@ register(
         skips_nonfinite=True,
         lr_schedules=True,
         batches_perturbations=True,
+        drops_clients=True,
     )
 )

@@ -98,5 +98,6 @@ register(
         uploads_perturbed_pair=True,
         traffic=ZO_SFL_TRAFFIC,
         server_parts=("server", "client"),
+        drops_clients=True,
     )
 )

@@ -74,6 +74,7 @@ register(
         zeroth_order_client=False,
         traffic=SFL_TRAFFIC,
         server_parts=("server", "client"),
+        drops_clients=True,
     )
 )
 register(
@@ -84,6 +85,7 @@ register(
         zeroth_order_client=False,
         traffic=SFL_TRAFFIC,
         server_parts=("server", "client"),
+        drops_clients=True,
         families=("hf",),
         needs_lora=True,
     )

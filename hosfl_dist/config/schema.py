@@ -341,6 +341,19 @@ class ClientsConfig:
     shared: one replica per process, always current (the published code's shortcut; identical results, faster)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Client optimizer (applied to the reconstructed gradient ĝ_c)."""
+    dropout: float = 0.0
+    """Probability that a sampled client fails to deliver its round, drawn per round and client from job.seed (the
+    same draw in every runtime; no other random stream moves): docs/participation.md."""
+    dropout_stage: Literal["before_upload", "after_upload", "mixed"] = "before_upload"
+    """When a dropped client fails: before_upload (it sends nothing), after_upload (its upload reaches the server's
+    step; what follows it never arrives: HO-SFL's scalars, a baseline's θc_m), or mixed (each drop picks one,
+    seeded)."""
+    over_select: float = 0.0
+    """ε: sample ⌈K·(1+ε)⌉ clients and step on the first K uploads that arrive (seeded order); the others are late,
+    answered "not this round"."""
+    participation: str = ""
+    """A participation.jsonl a run wrote, replayed instead of the seeded draw of drops and arrivals (the same S_t,
+    checked line by line); empty: draw them."""
 
     def __post_init__(self) -> None:
         check(self.total >= 1, "total", self.total, "must be >= 1")
@@ -352,6 +365,14 @@ class ClientsConfig:
             f"K must not exceed clients.total (M={self.total})",
         )
         check(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        check(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1): a client that always drops "
+              "never trains")  # fmt: skip
+        check(math.isfinite(self.over_select) and self.over_select >= 0, "over_select", self.over_select,
+              "must be >= 0")  # fmt: skip
+        sampled = math.ceil(round(self.per_round * (1.0 + self.over_select), 9))
+        check(sampled <= self.total, "over_select", self.over_select, f"samples ⌈K·(1+ε)⌉ = {sampled} clients, more "
+              f"than clients.total (M={self.total})")  # fmt: skip
+        _check_path("participation", self.participation)
 
 
 @dataclass
@@ -364,6 +385,9 @@ class ServerConfig:
     """Timeout of one client->server RPC, in seconds (the rendezvous and an idle server rank's wait too)."""
     collective_timeout_s: float = 600.0
     """Timeout of one collective among the client workers or the server ranks (all_reduce, barrier), in seconds."""
+    min_clients: int = 0
+    """A round steps only with at least this many uploads; fewer is a skipped round (recorded in participation.jsonl
+    and summary.json, nothing stepped). 0 = clients.per_round (K)."""
     micro_batch_tokens: int = 0
     """Largest number of tokens (samples for vision models) one server forward/backward holds: a round's activations
     are processed in micro-batches of whole samples and their gradients accumulated (same mean). 0 = the whole
@@ -382,6 +406,7 @@ class ServerConfig:
             check(1 <= getattr(self, key) <= 7 * 86400, key, getattr(self, key),
                   "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
         check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
+        check(self.min_clients >= 0, "min_clients", self.min_clients, "must be >= 0 (0 = clients.per_round)")
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:

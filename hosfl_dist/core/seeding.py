@@ -47,6 +47,12 @@ class Stream(IntEnum):
     """FSL-SAGE's alignment batches (per round and client)."""
     CENTRALIZED_ORDER = 0xCE17
     """The sample order of the centralised first-order reference (hosfl_dist/centralized/lora.py)."""
+    DROPOUT = 0xD809
+    """Whether a sampled client fails to deliver its round (``clients.dropout``; per round and client)."""
+    DROPOUT_STAGE = 0xD57A
+    """The stage of a client's failure under ``clients.dropout_stage=mixed`` (per round and client)."""
+    ARRIVAL = 0xA771
+    """The order in which a round's uploads arrive under ``clients.over_select`` (per round and client)."""
 
 
 def _splitmix64(x: int) -> int:

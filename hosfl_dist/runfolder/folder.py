@@ -36,7 +36,7 @@ from hosfl_dist.safe_yaml import load_file
 
 RUNS = Path("runs")
 LATEST = "latest"
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "participation.jsonl")
 
 
 def chosen(cfg: Config) -> bool:

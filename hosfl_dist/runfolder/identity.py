@@ -47,7 +47,14 @@ RUNTIME_ONLY = {
 computed (latency hiding changes the order of the client's forwards, never a bit; the noise cache keeps draws instead
 of drawing them again; a server group may keep gathered weights instead of gathering them again), not what it
 computes."""
-ADDED_KEYS = {("zo", "perturb_batch"): 1}
+ADDED_KEYS = {
+    ("zo", "perturb_batch"): 1,
+    ("clients", "dropout"): 0.0,
+    ("clients", "dropout_stage"): "before_upload",
+    ("clients", "over_select"): 0.0,
+    ("clients", "participation"): "",
+    ("server", "min_clients"): 0,
+}
 """Identity keys added after runs were recorded, with the value every earlier run had: at that value a key is left
 out of the identity, so a run recorded before it existed keeps its fingerprint (and compares equal); at any other
 value it counts like every key."""
@@ -101,6 +108,8 @@ def input_sources(cfg: Config) -> dict[str, Any]:
             out["model"] = {"unreadable": str(exc).splitlines()[0][:300]}
     if cfg.model.pretrained:
         out["model.pretrained"] = cfg.model.pretrained
+    if cfg.clients.participation:  # a replayed record decides who takes part: its content is the run's
+        out["clients.participation"] = cfg.clients.participation
     return out
 
 

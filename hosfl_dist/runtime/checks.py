@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm
+from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import TEXT_DATASETS, VISION_CUT_RANGE, VISION_MODELS, Config, check, load_config
 from hosfl_dist.errors import ConfigError
 
@@ -32,6 +33,7 @@ def check_config(cfg: Config) -> Config:
     if cfg.model.name == "resnet18" and cfg.model.freeze_bn != "all":
         _check_batch_stats_server(cfg)
     _check_algorithm(cfg, get_algorithm(cfg.algorithm.name))
+    _check_participation(cfg, get_algorithm(cfg.algorithm.name))
     check(
         cfg.train.budget_samples >= cfg.clients.batch_size,
         "train.budget_samples",
@@ -104,3 +106,17 @@ def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
         cfg.train.on_nonfinite,
         f"algorithm.name={spec.name} stops on a non-finite value; skip is implemented for hosfl",
     )
+
+
+def _check_participation(cfg: Config, spec: AlgorithmSpec) -> None:
+    """Rounds that not every sampled client finishes: a method that implements them, a floor it can reach."""
+    c = cfg.clients
+    check(cfg.server.min_clients <= c.per_round, "server.min_clients", cfg.server.min_clients,
+          f"a round counts at most clients.per_round={c.per_round} uploads, so it would never step")  # fmt: skip
+    dropping = "/".join(n for n in algorithm_names() if get_algorithm(n).drops_clients)
+    for key, value, default in (("dropout", c.dropout, 0), ("over_select", c.over_select, 0),
+                                ("participation", c.participation, "")):  # fmt: skip
+        check(value == default or spec.drops_clients, f"clients.{key}", value, f"algorithm.name={spec.name} cannot "
+              f"run a round without all its sampled clients; implemented for {dropping}")  # fmt: skip
+    if c.participation:  # a replayed record is read and checked line by line before anything is built
+        ParticipationPlan(cfg)

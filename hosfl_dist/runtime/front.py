@@ -125,7 +125,7 @@ class RunFront(Handler):
                 raise ConfigError(f"checkpoint {ckpt} was written by another layout ({meta.get('engine')}, "
                                   f"{written}); resume it with that world")  # fmt: skip
             self.resume = (loop, parts)
-            self.endpoint.closed = loop.round
+            self.endpoint.resume_at(loop.round)
             logger.info(f"resuming from {ckpt} (round {loop.round}, {loop.processed} samples)")
         self.record = RunRecord(
             self.cfg,
@@ -247,6 +247,7 @@ class RunFront(Handler):
     @handles(SaveCheckpoint)
     def _on_save(self, msg: SaveCheckpoint) -> str:
         loop = LoopState(msg.t, msg.processed, self.record.wall_s)
+        self.record.rounds_run(msg.t)  # participation.jsonl covers what the checkpoint holds
         workers = self.layout.get("worker_ranks", [0])
         if sorted(self.parts) != sorted(str(r) for r in workers):
             raise RuntimeError(f"checkpoint of round {loop.round}: parts from {sorted(self.parts)} only")

@@ -6,7 +6,8 @@ necessary is done here, the same way for the in-process runtime, the torchrun ru
 - **only declared calls**: a method without :func:`~hosfl_dist.transport.wire.wire` is not reachable;
 - **round order**: a call declared ``after_previous_round`` about round t is held until round t−1 is closed by a
   call declared ``closes_round`` (HO-SFL's ``sync`` waits for ``finish_round``; a baseline's ``download`` waits for
-  the round's last ``upload``);
+  the round's last ``upload``); a round the server's plan skips (``server.open_round``: fewer uploads than
+  ``server.min_clients``) sends nothing and is closed with the round before it;
 - **round gathering**: calls declared ``gather`` are collected per round until ``server.expected_in_round(t)``
   clients called; the method then runs once with all of them in client-id order, whatever the arrival order, and
   each caller gets its own part of the result (or the error, if the round failed);
@@ -85,7 +86,7 @@ class ServerEndpoint:
         self.served = tuple(type(t) for t in self.targets)
         self.execute = execute
         self._lock = threading.RLock()
-        self.closed = 0
+        self.closed = self._open(0)
         """Rounds below this are closed."""
         self._held: list[tuple[int, str, dict[str, Any], Future]] = []
         self._gathering: dict[tuple[str, int], dict[int, tuple[dict[str, Any], Future]]] = {}
@@ -193,8 +194,18 @@ class ServerEndpoint:
             self.compute_s[method] = self.compute_s.get(method, 0.0) + time.perf_counter() - start
             self.calls[method] = self.calls.get(method, 0) + 1
 
+    def resume_at(self, round_idx: int) -> None:
+        """Rounds below ``round_idx`` are closed (a run resumed from a checkpoint of that round)."""
+        with self._lock:
+            self.closed = self._open(round_idx)
+
+    def _open(self, closed: int) -> int:
+        """The first round from ``closed`` on that is not closed with the one before it (skipped by the plan)."""
+        open_round = getattr(self.server, "open_round", None)
+        return closed if open_round is None else open_round(closed)
+
     def _close(self, closed: int) -> None:
-        self.closed = max(self.closed, closed)
+        self.closed = max(self.closed, self._open(closed))
         ready = sorted((h for h in self._held if h[0] <= self.closed), key=lambda h: h[0])
         self._held = [h for h in self._held if h[0] > self.closed]
         for _, method, kwargs, fut in ready:

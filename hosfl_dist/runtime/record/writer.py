@@ -3,6 +3,9 @@
 In ``job.out_dir`` (see :mod:`hosfl_dist.runfolder.folder`):
 - ``config.yaml``: the resolved config;
 - ``metrics.jsonl``: one object per evaluation, flushed as it is written (an interrupted run keeps every line);
+- ``participation.jsonl``: one object per round run, who was sampled, counted, delivered, dropped (and when), late,
+  and whether the round was skipped (:mod:`hosfl_dist.algorithms.participation`; ``clients.participation`` replays
+  it), written up to each metrics row and checkpoint;
 - ``summary.json``: written when the run starts (``status: running``) and rewritten by every ending: ``completed``
   (final metrics, traffic totals, wall time, θc/θs digests), ``failed`` (with the error) or ``interrupted``;
 - ``checkpoints/`` (see :mod:`hosfl_dist.runtime.checkpoint`).
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hosfl_dist.algorithms.participation import ParticipationPlan, add
 from hosfl_dist.config import Config, dump_config
 from hosfl_dist.errors import NonFiniteError
 from hosfl_dist.runfolder.identity import fingerprint
@@ -86,6 +90,7 @@ class RunRecord:
         self.trackers = Trackers(cfg, self.dir)  # job.loggers beyond jsonl (TensorBoard, W&B offline)
         for row in self.history:
             self.trackers.log(row)
+        self.participation = ParticipationRecord(cfg, self.dir, rows_until, self.history)
         self.start = time.perf_counter() - wall_s
         self.finished = False
         identity = identity or {}
@@ -106,7 +111,8 @@ class RunRecord:
 
     def log(self, row: dict[str, Any]) -> dict[str, Any]:
         """Write one metrics row (adding wall time and the best evaluation so far); returns it as written."""
-        row = {**row, **self._best(row), "wall_time_s": round(self.wall_s, 3)}
+        participants = self.participation.delivered_since_last_row(row["round"])
+        row = {**row, "participants": participants, **self._best(row), "wall_time_s": round(self.wall_s, 3)}
         self.history.append(row)
         self._metrics.write(strict_dumps(row) + "\n")
         self._metrics.flush()
@@ -131,11 +137,16 @@ class RunRecord:
             tmp.unlink(missing_ok=True)  # a full disk leaves the previous summary, not an empty file beside it
             raise
 
+    def rounds_run(self, t: int) -> None:
+        """Rounds 0..t-1 have run (a checkpoint of round t): participation.jsonl is written up to there."""
+        self.participation.through(t)
+
     def _write(self, summary: dict[str, Any]) -> dict[str, Any]:
         summary = {**self.base, **summary, "wall_time_s": round(self.wall_s, 3)}
         self._dump(summary)
         if not self._metrics.closed:
             self._metrics.close()
+        self.participation.close()
         self.trackers.finish(summary)
         self.finished = True
         return summary
@@ -170,6 +181,7 @@ class RunRecord:
                 **{k: last[k] for k in BEST_KEYS if k in last},
             },
             "comm": {"bytes": comm, "training_total_bytes": sum(comm[c] for c in PAPER_CATEGORIES)},
+            "participation": self.participation.totals_through(rounds),
             "client_digests": client_digests,
             "server_digest": server_digest,
         }
@@ -181,6 +193,48 @@ class RunRecord:
     def interrupt(self, why: str, rounds: int | None, checkpoint: str | None) -> dict[str, Any]:
         """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto)."""
         return self._write({"status": "interrupted", "error": why, "rounds": rounds, "checkpoint": checkpoint})
+
+
+class ParticipationRecord:
+    """participation.jsonl and the counts beside it: each metrics row's ``participants`` (client-rounds delivered
+    since the previous row) and summary.json's ``participation``. Written from the run's plan, which the server and
+    every worker follow; resuming at round r, the rounds before r are written again from it."""
+
+    def __init__(self, cfg: Config, folder: Path, resumed_at: int | None, rows: list[dict[str, Any]]) -> None:
+        self.plan = ParticipationPlan(cfg)
+        self.counts = dict.fromkeys(("sampled", "delivered", "dropped", "late", "rounds_skipped"), 0)
+        self.written = 0
+        self._file = open(folder / "participation.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
+        self.reported = 0
+        if resumed_at is not None:
+            self.through(rows[-1]["round"] if rows else 0)
+            self.reported = self.counts["delivered"]  # the kept rows' participants
+            self.through(resumed_at)
+
+    def through(self, t: int) -> None:
+        """Write the rounds before t that are not written yet."""
+        if self._file.closed:
+            return
+        for r in range(self.written, t):
+            p = self.plan.round(r)
+            self._file.write(json.dumps(p.record()) + "\n")
+            add(self.counts, p)
+        self.written = max(self.written, t)
+        self._file.flush()
+
+    def delivered_since_last_row(self, t: int) -> int:
+        """Client-rounds delivered since the previous metrics row (a row of round t: rounds before t have run)."""
+        self.through(t)
+        out, self.reported = self.counts["delivered"] - self.reported, self.counts["delivered"]
+        return out
+
+    def totals_through(self, rounds: int) -> dict[str, int]:
+        """summary.json's ``participation`` over the rounds before ``rounds``."""
+        self.through(rounds)
+        return {**self.counts, "workers_lost": 0, "workers_joined": 0}
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def kept_rows(path: Path, rows_until: int) -> list[dict[str, Any]]:
