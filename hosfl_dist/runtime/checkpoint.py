@@ -8,17 +8,24 @@ replica current by replaying each history row it trims (so the history stays bou
 
 A checkpoint proves itself before a byte of it is loaded (:func:`~hosfl_dist.runfolder.checkpoints.verify_checkpoint`;
 under a server group each rank the files it reads, and the decision is the group's): resume takes the newest one that
-verifies and names the ones that did not. Older checkpoints are removed only after a newer one verified.
+verifies and names the ones that did not. Older checkpoints are removed only after a newer one verified. Rank 0
+signs the manifest with the user's key (:mod:`hosfl_dist.runfolder.signing`); whoever loads checks the signature
+first (:func:`~hosfl_dist.runfolder.checkpoints.trusted_manifest`).
+
+``state.pt`` holds plain data only (:func:`check_plain` at every save) and is read with ``torch.load(weights_only=
+True)``: a state.pt that holds anything else, whoever wrote it, is refused in one line and never runs code.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
 import json
 import logging
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,10 +42,10 @@ from hosfl_dist.runfolder.checkpoints import (
     checkpoint_path,
     commit,
     prune,
-    read_manifest,
     verify_checkpoint,
     write_manifest,
 )
+from hosfl_dist.runfolder.signing import Key, check_outside, load_key
 from hosfl_dist.runtime.control import CheckpointPart, ResumeRequest, SaveCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -63,6 +70,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+PLAIN = (str, int, float, bool, type(None), bytes)
+"""The scalars state.pt may hold beside tensors (exactly these types: a subclass would be pickled by its name)."""
+
+
+def check_plain(obj: Any, where: str = "state") -> None:
+    """Refuse (TypeError naming where) anything in ``obj`` but tensors, dicts, lists, tuples and :data:`PLAIN`
+    scalars: what ``torch.load(weights_only=True)`` reads back without naming any type."""
+    if type(obj) in PLAIN:
+        return
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+            raise TypeError(f"{where}: a {type(obj).__name__}, not a plain tensor")
+        return
+    if type(obj) in (dict, collections.OrderedDict):
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise TypeError(f"{where}: a key of type {type(k).__name__}")
+            check_plain(v, f"{where}.{k}")
+        return
+    if type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    raise TypeError(f"{where}: a {type(obj).__module__}.{type(obj).__qualname__}, which state.pt does not hold "
+                    "(tensors, dicts, lists, tuples, str, int, float, bool, None only)")  # fmt: skip
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.pt``, read without running code (``weights_only=True``); ConfigError in one line for
+    one that holds anything but plain data (never written by this version)."""
+    try:
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - weights_only refusals, a torn zip, anything torch cannot read
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"checkpoint {path}: state.pt is not plain data this version wrote, refused unread "
+                          f"({first})") from None  # fmt: skip
+    if not isinstance(state, dict) or not {"server", "loop", "workers", "rng"} <= set(state):
+        raise ConfigError(f"checkpoint {path}: state.pt does not hold a checkpoint's state")
+    return state
 
 
 def _disk_full(path: Path, out_dir: Path) -> bool:
@@ -108,6 +156,17 @@ class CheckpointStore:
         self.keep = keep
         self.group = group
         self.rank0 = group is None or dist.get_rank(group) == 0
+        self._key: Key | None = None
+        self.last_sign_s = 0.0
+        """Seconds the last save spent hashing the files and signing the manifest."""
+
+    def key(self) -> Key:
+        """The user's signing key (made on first use), kept outside the run's folder; loaded once."""
+        if self._key is None:
+            key = load_key()
+            check_outside(key, self.out_dir)
+            self._key = key
+        return self._key
 
     def _dcp(self) -> dict[str, Any]:
         return {"process_group": self.group} if self.group is not None else {"no_dist": True}
@@ -143,10 +202,13 @@ class CheckpointStore:
                     "workers": workers,
                     "rng": rng_state(),  # the server process's (dropout on the server side)
                 }
+                check_plain(extra)  # what weights_only=True reads back
                 torch.save(extra, partial / "state.pt")
                 info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
                 (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-                write_manifest(partial, loop.round, identity)  # last: a folder with a manifest is complete
+                began = time.perf_counter()
+                write_manifest(partial, loop.round, identity, self.key())  # last: a folder with a manifest is complete
+                self.last_sign_s = time.perf_counter() - began
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             full = not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(partial, self.out_dir)
             if self.rank0:
@@ -167,18 +229,21 @@ class CheckpointStore:
             dist.barrier(group=self.group)
         return final
 
-    def verify(self, path: str | Path) -> str | None:
-        """:func:`verify_checkpoint` of what this server rank reads from ``path``."""
-        return verify_checkpoint(Path(path), dist.get_rank(self.group) if self.group is not None else None)
+    def verify(self, path: str | Path, digest: str | None = None) -> str | None:
+        """:func:`verify_checkpoint` of what this server rank reads from ``path`` (``digest``: of the manifest rank 0
+        verified)."""
+        return verify_checkpoint(Path(path), dist.get_rank(self.group) if self.group is not None else None, digest)
 
     def load(self, server: Any, path: str | Path) -> tuple[LoopState, dict[str, Any], dict[str, Any]]:
-        """Restore the server from ``path`` (verified before, :meth:`verify`); returns the loop state, the workers'
-        parts and the meta data."""
+        """Restore the server from ``path`` (verified and its signature checked before: :meth:`verify`,
+        :func:`~hosfl_dist.runfolder.checkpoints.trusted_manifest`); returns the loop state, the workers' parts and
+        the meta data."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
+        extra = read_state(path)  # first: a state.pt this version did not write is refused before anything changes
         state, opts = _model_state(server)
         if not meta["has_optim"]:
             state.pop("optim", None)
@@ -198,10 +263,8 @@ class CheckpointStore:
                                   f"unexpected {list(loaded.unexpected_keys)[:3]})")  # fmt: skip
         if "optim" in state:
             set_optimizer_state_dict(server.model, server.optimizer, state["optim"], options=opts)
-        extra = torch.load(path / "state.pt", weights_only=False)
         server.load_state_dict(extra["server"])
         set_rng_state(extra["rng"])
-        meta["identity"] = (read_manifest(path) or {}).get("identity")
         return LoopState(**extra["loop"]), extra["workers"], meta
 
 
