@@ -222,6 +222,22 @@ def test_a_state_pt_whose_pickle_would_create_a_file_never_runs(stopped, complet
     assert marker.exists()
 
 
+def test_a_dcp_metadata_whose_pickle_would_create_a_file_never_runs(stopped, tmp_path, capsys):
+    """torch's DCP reader unpickles model/.metadata unrestricted; the runtime reads it admitting DCP's records only."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    marker = tmp_path / "PWNED"
+    out = copy_of(stopped, tmp_path)
+    metadata = FileSystemReader(str(newest(out) / "model")).read_metadata()
+    metadata.planner_data = _Payload(marker)
+    (newest(out) / "model" / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge(newest(out), signature="strip")
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto", "job.allow_unsigned=true"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: checkpoint {newest(out)}: model/ is not plain data this version wrote, refused "
+                          "unread (model/.metadata asks for ") and not marker.exists()  # fmt: skip
+
+
 def test_state_pt_holds_plain_data_only():
     from hosfl_dist.runtime.checkpoint import check_plain
 

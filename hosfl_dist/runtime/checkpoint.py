@@ -24,6 +24,8 @@ import dataclasses
 import errno
 import json
 import logging
+import pathlib
+import pickle
 import shutil
 import time
 import warnings
@@ -111,6 +113,64 @@ def read_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not {"server", "loop", "workers", "rng"} <= set(state):
         raise ConfigError(f"checkpoint {path}: state.pt does not hold a checkpoint's state")
     return state
+
+
+def _dcp_globals() -> dict[tuple[str, str], Any]:
+    """The only names a DCP ``.metadata`` pickle may ask for: DCP's own metadata records, torch.Size, a path, a
+    layout by its name (dtypes are admitted by :class:`_MetadataUnpickler` as they are looked up)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+             "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")  # fmt: skip
+    return {
+        **{(metadata.__name__, n): getattr(metadata, n) for n in names},
+        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    }
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` (a pickle, which torch's reader would load unrestricted) admitting only
+    :func:`_dcp_globals` and torch's dtypes: a crafted one is refused, never run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _dcp_globals().get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"model/.metadata asks for {module}.{name}")
+        return found
+
+
+def _safe_dcp(path: Path) -> dict[str, Any]:
+    """A DCP reader and planner that run no code from the checkpoint: the metadata through
+    :class:`_MetadataUnpickler`, the non-tensor items (the optimizer's hyperparameters) with ``weights_only=True``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                found = _MetadataUnpickler(f).load()
+            if getattr(found, "storage_meta", None) is None:
+                found.storage_meta = StorageMeta()
+            found.storage_meta.load_id = self.load_id
+            return found
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return {"storage_reader": Reader(str(path)), "planner": Planner()}
 
 
 def _disk_full(path: Path, out_dir: Path) -> bool:
@@ -251,8 +311,18 @@ class CheckpointStore:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
-        with _no_dist_quiet():
-            dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
+        refused = f"checkpoint {path}: model/ is not plain data this version wrote, refused unread"
+        try:
+            with open(path / "model" / ".metadata", "rb") as f:  # first, where its refusal is one line
+                _MetadataUnpickler(f).load()
+            with _no_dist_quiet():
+                dcp.load(state, **_safe_dcp(path / "model"), **self._dcp())
+        except pickle.UnpicklingError as exc:  # a crafted .metadata
+            raise ConfigError(f"{refused} ({str(exc).splitlines()[0][:200]})") from None
+        except dcp.api.CheckpointException as exc:  # DCP wraps what failed on each rank
+            if "Weights only load failed" not in str(exc) and "UnpicklingError" not in str(exc):
+                raise
+            raise ConfigError(f"{refused} (a non-tensor item holds more than plain data)") from None
         # frozen parameters were left out of the checkpoint (they never change; they come from the model's source),
         # so they are the one kind of key allowed to be missing here
         loaded = set_model_state_dict(server.model, state["model"], options=dataclasses.replace(opts, strict=False))
