@@ -239,7 +239,7 @@ def test_a_dcp_metadata_whose_pickle_would_create_a_file_never_runs(stopped, tmp
 
 
 def test_state_pt_holds_plain_data_only():
-    from hosfl_dist.runtime.checkpoint import check_plain
+    from hosfl_dist.runtime.plain import check_plain
 
     check_plain({"a": [torch.zeros(2), (1, 2.0, "x", None, True)], 3: {"b": b"bytes"}})
     with pytest.raises(TypeError, match=r"state.server.n: a numpy.int64, which state.pt does not hold"):

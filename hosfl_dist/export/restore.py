@@ -4,13 +4,12 @@
     restored.split.client, restored.split.server            # f_c with θc^T bound, f_s with θs^T
 
 The checkpoint is verified first (every file against its manifest, and the manifest's signature against the user's
-key: a mismatch is refused, an unsigned one unless ``allow_unsigned``), then checked against the run, by the identity
-of that verified manifest: the config that
-config.yaml resolves to must be the one the checkpoint's identity recorded, and the base model's files must still have
-the content they had (frozen weights are not in a checkpoint: they come from the model's source). The model is then
-built as a run builds it, both parts materialised, and loaded with the runtime's own :class:`CheckpointStore`: θs
-from ``model/`` (DCP reads the shards of every server rank into the unsharded module in this process, one at a
-time), the algorithm server from ``state.pt``, and θc is what that server knows of round T
+key: a mismatch is refused, an unsigned one unless ``allow_unsigned``), then checked against the run by the identity
+that verified manifest records: the config that config.yaml resolves to must be the one recorded, and the base
+model's files must still have the content they had (frozen weights are not in a checkpoint: they come from the
+model's source). The model is then built as a run builds it, both parts materialised, and loaded with the runtime's
+own :class:`CheckpointStore`: θs from ``model/`` (DCP reads the shards of every server rank into the unsharded module
+in this process, one at a time), the algorithm server from ``state.pt``, and θc is what that server knows of round T
 (``client_params_at``: HO-SFL replays its base replica; the baselines keep θc^T).
 """
 
