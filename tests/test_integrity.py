@@ -110,8 +110,8 @@ def test_a_checkpoint_lists_every_file_and_retention_keeps_the_last_verified_one
 
     real = ckpt_mod.verify_checkpoint
 
-    def failing_new_saves(folder, rank=None):
-        return "hash mismatch (injected)" if folder.name > newest.name else real(folder, rank)
+    def failing_new_saves(folder, rank=None, digest=None):
+        return "hash mismatch (injected)" if folder.name > newest.name else real(folder, rank, digest)
 
     monkeypatch.setattr(ckpt_mod, "verify_checkpoint", failing_new_saves)
     _, _, got, _ = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto"])

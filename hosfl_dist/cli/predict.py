@@ -3,7 +3,9 @@
 The model is loaded with plain ``transformers`` (``AutoModelForCausalLM.from_pretrained(DIR)``; a ``peft`` export:
 its base, then ``PeftModel.from_pretrained(base, DIR)``), the tokenizer from DIR. The task — prompt template, label
 words, columns, tokenisation, batch size — comes from the export's ``hosfl_export.json`` (what the run used), each
-overridable by a flag, or from the flags alone for a model exported elsewhere.
+overridable by a flag, or from the flags alone for a model exported elsewhere. The folder is verified first against
+its signed ``hosfl_manifest.json`` (:mod:`hosfl_dist.runfolder.exported`): a damaged or forged one is refused, an
+unsigned one (exported elsewhere) read only with ``--allow-unsigned``.
 
 The examples are prompted and tokenised as a run's evaluation does them (:func:`~hosfl_dist.data.text.
 tokenize_split`) and batched the same way (consecutive rows, ``--batch-size``, each batch trimmed to its longest
@@ -248,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32, help="generation: at most this many tokens (32)")
     p.add_argument("--max-examples", type=int, default=0, help="the first N examples only (0: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--allow-unsigned", action="store_true", help="read a model folder without a signed "
+                   "hosfl_manifest.json (exported elsewhere or by an earlier version), if you trust whoever could "
+                   "write it; a signature mismatch is refused whatever this says")  # fmt: skip
     args = p.parse_args(argv)
     start = time.perf_counter()
     try:
@@ -272,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         run = run_in_the_way(args.out)
         if run is not None:  # a run's metrics.jsonl or checkpoint replaced by predictions
             raise PredictError(f"--out {args.out} is inside the run folder {run}: write the predictions elsewhere")
+        from hosfl_dist.runfolder.exported import verify_export
+        from hosfl_dist.runfolder.signing import load_key
+
+        if not args.model.is_dir():
+            raise PredictError(f"--model {args.model} is not a folder")
+        verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         target = args.out.resolve()
         if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
             raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")

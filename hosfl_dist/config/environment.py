@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from hosfl_dist.config.schema import IFNAME, MAX_THREADS
 from hosfl_dist.errors import ConfigError
@@ -54,6 +55,14 @@ def _cache_folder(value: str) -> str | None:
     return None
 
 
+def _key_file(value: str) -> str | None:
+    if not os.path.isabs(value):  # read as it is (no ~), like HOSFL_CACHE
+        return "an absolute file path"
+    if len(value) > 4096 or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return "a file path of at most 4096 printable characters"
+    return None
+
+
 def _printable(limit: int) -> Callable[[str], str | None]:
     def check(value: str) -> str | None:
         ok = len(value) <= limit and value.isprintable() and not any(c.isspace() for c in value)
@@ -81,6 +90,8 @@ ENVIRONMENT: dict[str, Callable[[str], str | None]] = {
     "HOSFL_CACHE": _cache_folder,
     **{name: (lambda v: None if KERNEL_SETTING.fullmatch(v) else "an instruction-set name such as AVX2")
        for name in KERNEL_SETTINGS},
+    "HOSFL_KEY_FILE": _key_file,
+    "XDG_CONFIG_HOME": lambda v: None,  # a relative one is ignored, as the XDG base directory spec says
 }
 """Every environment variable this package reads (set by torchrun, Slurm or the user), with what its value must be;
 an empty value counts as unset, as each reader takes it."""
@@ -120,3 +131,16 @@ def slurm_start(environ: Mapping[str, str] | None = None) -> tuple[str, int] | N
         return None
     check_environment({"SLURM_RESTART_COUNT": env.get("SLURM_RESTART_COUNT", "")})
     return job_id, 1 + int(env.get("SLURM_RESTART_COUNT") or 0)
+
+
+def key_file_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the user's signing key lives (:mod:`hosfl_dist.runfolder.signing`): ``$HOSFL_KEY_FILE``, else
+    ``$XDG_CONFIG_HOME/hosfl_dist/key`` (an absolute XDG_CONFIG_HOME only), else ``~/.config/hosfl_dist/key``."""
+    env = os.environ if environ is None else environ
+    value = env.get("HOSFL_KEY_FILE", "")
+    if value:
+        check_environment({"HOSFL_KEY_FILE": value})
+        return Path(value)
+    config = env.get("XDG_CONFIG_HOME", "")
+    base = Path(config) if config and os.path.isabs(config) else Path.home() / ".config"
+    return base / "hosfl_dist" / "key"

@@ -83,6 +83,10 @@ class JobConfig:
     """job.resume=auto: continue a run whose checkpoint was written in another environment (other intra-op threads,
     whatever set them; another torch, transformers or peft; another CPU kernel set or GPU); the results may then
     differ from an uninterrupted run. summary.json records what changed."""
+    allow_unsigned: bool = False
+    """job.resume=auto: continue from a checkpoint whose manifest carries no signature (written by hand or by another
+    tool, or stripped), if you trust whoever could write the folder; its identity is then taken as written.
+    summary.json records it. A signature mismatch (a forgery, or another key) is refused whatever this says."""
     overwrite: bool = False
     """Replace the run that job.out_dir holds (its files and checkpoints) instead of refusing the folder."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])

@@ -7,11 +7,13 @@ Each loader returns uint8 images (N, C, H, W) and int64 labels for a train and a
 from __future__ import annotations
 
 import gzip
+import importlib
 import pickle
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -146,14 +148,40 @@ def load_cifar10_npz(root: str) -> ImageSplits:
     return ImageSplits(x[tr], y[tr], x[te], y[te], 10, m, s)
 
 
+_CIFAR_GLOBALS = {
+    ("numpy", "ndarray"): ("numpy", "ndarray"),
+    ("numpy", "dtype"): ("numpy", "dtype"),
+    ("_codecs", "encode"): ("_codecs", "encode"),  # bytes in a protocol-2 pickle written by Python 3
+    **{(f"numpy.{core}.multiarray", name): ("numpy._core.multiarray", name)
+       for core in ("core", "_core") for name in ("_reconstruct", "scalar")},
+    **{(f"numpy.{core}.numeric", "_frombuffer"): ("numpy._core.numeric", "_frombuffer") for core in ("core", "_core")},
+}  # fmt: skip
+"""The only names a CIFAR batch's pickle may call: a numpy array's and dtype's reconstruction, under numpy 1's
+(``numpy.core``, as the published files name them) and numpy 2's module names."""
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """Reads a pickle of plain data and numpy arrays; any other name it asks for is refused, so no code runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        where = _CIFAR_GLOBALS.get((module, name))
+        if where is None:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a data file has no use for")
+        return getattr(importlib.import_module(where[0]), where[1])
+
+
 def _unpickle(path: Path) -> dict:
+    """A CIFAR python batch (a pickled dict of numpy arrays and lists), read without running code from it."""
     if not path.is_file():
         raise DataError(f"CIFAR file not found: {path}")
     try:
         with open(path, "rb") as f:
-            return pickle.load(f, encoding="latin1")
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+            data = _DataUnpickler(f, encoding="latin1").load()
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as exc:
         raise DataError(f"{path}: cannot be read as a CIFAR batch ({exc})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: cannot be read as a CIFAR batch (a {type(data).__name__}, not a dict)")
+    return data
 
 
 def cifar_folder_files(root: str, num_classes: int) -> tuple[list[Path], list[Path]]:

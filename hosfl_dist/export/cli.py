@@ -4,7 +4,9 @@ The checkpoint is restored (:func:`~hosfl_dist.export.restore.restore`: verified
 parts loaded), written into a hidden folder beside DIR, and renamed to DIR once complete, so DIR never holds half an
 export: a crash or a full disk leaves DIR as it was. Formats: ``merged`` (default for LMs) and ``peft`` for a split
 decoder LM (:mod:`~hosfl_dist.export.hf`); ``state_dict`` (the only one, and the default) for a vision model
-(:mod:`~hosfl_dist.export.vision`). Every export also holds the model card (README.md) and hosfl_export.json.
+(:mod:`~hosfl_dist.export.vision`). Every export also holds the model card (README.md), hosfl_export.json and, written
+last, hosfl_manifest.json: every file's size and hash, signed with the user's key (what predict and load_vision
+verify). The checkpoint's own manifest must be signed by that key (``--allow-unsigned`` accepts an unsigned one).
 
 Bad input (no run, no checkpoint, one that fails verification, a checkpoint of another model, a base model that
 changed, a DIR that exists or cannot be written) is one line on stderr and exit code 2.
@@ -37,10 +39,12 @@ def export(
     max_shard_size: str = DEFAULT_SHARD,
     force: bool = False,
     command: str = "",
+    allow_unsigned: bool = False,
 ) -> dict[str, Any]:
     """Export checkpoint ``checkpoint`` of the run in ``run_dir`` to the folder ``out``; returns hosfl_export.json's
     record. ``fmt`` None: ``merged`` for an LM, ``state_dict`` for a vision model. ``force`` replaces an ``out``
-    that holds files (only once the new export is complete)."""
+    that holds files (only once the new export is complete). ``allow_unsigned``: export a checkpoint whose manifest
+    carries no signature (a signature mismatch is refused whatever it says)."""
     run_dir, out = run_folder(Path(run_dir)), Path(out)
     if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -62,7 +66,11 @@ def export(
     _check_out(out, force)
     tmp = _scratch(out)
     try:
-        restored = restore(run_dir, checkpoint)
+        from hosfl_dist.runfolder.signing import check_outside, load_key
+
+        key = load_key()
+        check_outside(key, tmp)
+        restored = restore(run_dir, checkpoint, allow_unsigned=allow_unsigned)
         lm = restored.cfg.model.name == "hf"
         fmt = fmt or ("merged" if lm else "state_dict")
         if lm and fmt == "state_dict":
@@ -94,6 +102,9 @@ def export(
             from hosfl_dist.export.hf import fix_base_path
 
             fix_base_path(tmp, out)
+        from hosfl_dist.runfolder.exported import sign_export
+
+        sign_export(tmp, key, restored.round)  # last: every file of the export, signed
         _commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default=DEFAULT_SHARD,
                    help=f"safetensors shard size of LM weights (default {DEFAULT_SHARD})")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace the files in --out once the new export is complete")
+    p.add_argument("--allow-unsigned", action="store_true", help="export a checkpoint whose manifest carries no "
+                   "signature, if you trust whoever could write the run's folder; a signature mismatch is refused "
+                   "whatever this says")  # fmt: skip
     args = p.parse_args(argv)
     from hosfl_dist.logs import init_logging
 
@@ -193,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     command = shlex.join(["python", "-m", "hosfl_dist.export", *(sys.argv[1:] if argv is None else argv)])
     try:
-        record = export(args.run_dir, args.out, args.checkpoint, args.fmt, args.max_shard_size, args.force, command)
+        record = export(args.run_dir, args.out, args.checkpoint, args.fmt, args.max_shard_size, args.force, command,
+                        args.allow_unsigned)
     except KeyboardInterrupt:  # the half-written folder is gone (export's cleanup), the run was only read
         print(f"interrupted: the export of {args.run_dir} to {args.out} stopped by Ctrl-C; --out is as it was and the "
               "run untouched: run the same command again", file=sys.stderr)  # fmt: skip

@@ -3,12 +3,13 @@
     restored = restore(Path("runs/x/latest"), "latest")     # verified, checked against the run, loaded
     restored.split.client, restored.split.server            # f_c with θc^T bound, f_s with θs^T
 
-The checkpoint is verified first (every file against its manifest), then checked against the run: the config that
-config.yaml resolves to must be the one the checkpoint's identity recorded, and the base model's files must still have
-the content they had (frozen weights are not in a checkpoint: they come from the model's source). The model is then
-built as a run builds it, both parts materialised, and loaded with the runtime's own :class:`CheckpointStore`: θs
-from ``model/`` (DCP reads the shards of every server rank into the unsharded module in this process, one at a
-time), the algorithm server from ``state.pt``, and θc is what that server knows of round T
+The checkpoint is verified first (every file against its manifest, and the manifest's signature against the user's
+key: a mismatch is refused, an unsigned one unless ``allow_unsigned``), then checked against the run by the identity
+that verified manifest records: the config that config.yaml resolves to must be the one recorded, and the base
+model's files must still have the content they had (frozen weights are not in a checkpoint: they come from the
+model's source). The model is then built as a run builds it, both parts materialised, and loaded with the runtime's
+own :class:`CheckpointStore`: θs from ``model/`` (DCP reads the shards of every server rank into the unsharded module
+in this process, one at a time), the algorithm server from ``state.pt``, and θc is what that server knows of round T
 (``client_params_at``: HO-SFL replays its base replica; the baselines keep θc^T).
 """
 
@@ -85,12 +86,26 @@ def _round_of(path: Path) -> int:
     return int(path.name.removeprefix("round-"))
 
 
-def check_same_run(cfg: Config, checkpoint: Path) -> None:
-    """The checkpoint was written by the run config.yaml describes, from the base model that is there now."""
-    from hosfl_dist.runfolder.checkpoints import read_manifest
+def trusted(checkpoint: Path, allow_unsigned: bool = False) -> dict[str, Any]:
+    """The manifest of a verified checkpoint if its signature is this user's key's (or it is unsigned and
+    ``allow_unsigned``); ExportError in one line otherwise."""
+    from hosfl_dist.errors import ConfigError
+    from hosfl_dist.runfolder.checkpoints import trusted_manifest
+    from hosfl_dist.runfolder.signing import load_key
+
+    try:
+        manifest, _ = trusted_manifest(checkpoint, load_key(), allow_unsigned, "--allow-unsigned")
+    except ConfigError as exc:
+        raise ExportError(f"checkpoint {exc}") from None
+    return manifest
+
+
+def check_same_run(cfg: Config, checkpoint: Path, manifest: dict[str, Any]) -> None:
+    """The checkpoint (its verified ``manifest``) was written by the run config.yaml describes, from the base model
+    that is there now."""
     from hosfl_dist.runfolder.identity import comparable_config, config_key_differences, file_sha256_cached
 
-    identity = (read_manifest(checkpoint) or {}).get("identity")
+    identity = manifest.get("identity")
     if not isinstance(identity, dict):  # a checkpoint of before identities: nothing to compare with
         return
     keys = config_key_differences(identity.get("config") or {}, comparable_config(cfg))
@@ -130,11 +145,12 @@ def _dotted(tree: dict[str, Any], key: str) -> Any:
     return tree
 
 
-def restore(run_dir: Path, which: str = "latest", device: str = "cpu") -> Restored:
+def restore(run_dir: Path, which: str = "latest", device: str = "cpu", allow_unsigned: bool = False) -> Restored:
     """Verify, check and load checkpoint ``which`` of the run in ``run_dir`` (see the module docstring)."""
     checkpoint = find_checkpoint(run_dir, which)
+    manifest = trusted(checkpoint, allow_unsigned)
     cfg = load_run_config(run_dir / CONFIG)
-    check_same_run(cfg, checkpoint)
+    check_same_run(cfg, checkpoint, manifest)
     cfg = load_run_config(run_dir / CONFIG, [f"job.device={device}"])
 
     from hosfl_dist.algorithms import get_algorithm

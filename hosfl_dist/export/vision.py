@@ -92,12 +92,21 @@ def _normalisation(restored: Restored) -> dict[str, list[float]] | None:
     return {"mean": list(images.mean), "std": list(images.std)}
 
 
-def load_vision(folder: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_unsigned: bool = False) -> nn.Module:
     """The exported vision model in ``folder``, whole, in eval mode: ``(B, C, H, W)`` normalised images -> logits.
-    vision.json's ``normalize`` says how: ``(pixels / 255 - mean) / std`` per channel."""
+    vision.json's ``normalize`` says how: ``(pixels / 255 - mean) / std`` per channel. The folder is verified against
+    its signed manifest first (``allow_unsigned``: read one without a signature)."""
     from safetensors.torch import load_file
 
+    from hosfl_dist.errors import ConfigError
+    from hosfl_dist.runfolder.exported import verify_export
+    from hosfl_dist.runfolder.signing import load_key
+
     folder = Path(folder)
+    try:
+        verify_export(folder, load_key(), allow_unsigned, "allow_unsigned=True")
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
     try:
         d = json.loads((folder / DESCRIPTION).read_text())
         state = load_file(str(folder / WEIGHTS))

@@ -30,7 +30,8 @@ from typing import Any
 from hosfl_dist.config import Config
 from hosfl_dist.config.environment import slurm_job_id
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, read_manifest
+from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, signed_manifest
+from hosfl_dist.runfolder.signing import load_key
 from hosfl_dist.runfolder.lock import RunLock, lock_holder, wait_for_earlier_start
 from hosfl_dist.safe_yaml import load_file
 
@@ -101,11 +102,13 @@ def resolve_out_dir(cfg: Config, restarted: bool = False) -> Config:
 
 def recorded_config(folder: Path) -> dict[str, Any] | None:
     """The config of the run ``folder`` holds, as identity (:func:`~.identity.comparable`): from its newest checkpoint
-    whose manifest reads (what a resume continues), else from its config.yaml; None when it holds neither."""
+    whose manifest is intact and signed by this user's key (what a resume continues; an unsigned or forged manifest
+    says nothing here), else from its config.yaml; None when it holds neither."""
     from hosfl_dist.runfolder.identity import comparable
 
+    key = load_key() if checkpoint_folders(folder) else None
     for ckpt in checkpoint_folders(folder):
-        manifest = read_manifest(ckpt)
+        manifest = signed_manifest(ckpt, key)
         config = ((manifest or {}).get("identity") or {}).get("config")
         if isinstance(config, dict):
             return config

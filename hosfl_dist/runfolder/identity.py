@@ -39,7 +39,7 @@ from hosfl_dist.config import Config, config_to_dict
 
 RUNTIME_ONLY = {
     "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change",
-            "allow_environment_change"),
+            "allow_environment_change", "allow_unsigned"),
     "zo": ("overlap", "overlap_memory_mb", "noise_cache_mb"),
     "server": ("reshard_after_forward",),
 }

@@ -8,7 +8,13 @@ replica current by replaying each history row it trims (so the history stays bou
 
 A checkpoint proves itself before a byte of it is loaded (:func:`~hosfl_dist.runfolder.checkpoints.verify_checkpoint`;
 under a server group each rank the files it reads, and the decision is the group's): resume takes the newest one that
-verifies and names the ones that did not. Older checkpoints are removed only after a newer one verified.
+verifies and names the ones that did not. Older checkpoints are removed only after a newer one verified. Rank 0
+signs the manifest with the user's key (:mod:`hosfl_dist.runfolder.signing`); whoever loads checks the signature
+first (:func:`~hosfl_dist.runfolder.checkpoints.trusted_manifest`).
+
+``state.pt`` holds plain data only (checked at every save) and nothing of a checkpoint is read with an unrestricted
+unpickler (:mod:`hosfl_dist.runtime.plain`): a file that holds anything else, whoever wrote it, is refused in one
+line and never runs code.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import dataclasses
 import errno
 import json
 import logging
+import pickle
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,12 +43,13 @@ from hosfl_dist.runfolder.checkpoints import (
     checkpoint_path,
     commit,
     prune,
-    read_manifest,
     verify_checkpoint,
     write_manifest,
 )
 from hosfl_dist.runfolder.environment import environment_identity
+from hosfl_dist.runfolder.signing import Key, check_outside, load_key
 from hosfl_dist.runtime.control import CheckpointPart, ResumeRequest, SaveCheckpoint
+from hosfl_dist.runtime.plain import MetadataUnpickler, check_plain, read_state, safe_dcp
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +118,17 @@ class CheckpointStore:
         self.keep = keep
         self.group = group
         self.rank0 = group is None or dist.get_rank(group) == 0
+        self._key: Key | None = None
+        self.last_sign_s = 0.0
+        """Seconds the last save spent hashing the files and signing the manifest."""
+
+    def key(self) -> Key:
+        """The user's signing key (made on first use), kept outside the run's folder; loaded once."""
+        if self._key is None:
+            key = load_key()
+            check_outside(key, self.out_dir)
+            self._key = key
+        return self._key
 
     def _dcp(self) -> dict[str, Any]:
         return {"process_group": self.group} if self.group is not None else {"no_dist": True}
@@ -144,10 +164,13 @@ class CheckpointStore:
                     "workers": workers,
                     "rng": rng_state(),  # the server process's (dropout on the server side)
                 }
+                check_plain(extra)  # what weights_only=True reads back
                 torch.save(extra, partial / "state.pt")
                 info = {**meta, "round": loop.round, "processed": loop.processed, "has_optim": "optim" in state}
                 (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-                write_manifest(partial, loop.round, identity)  # last: a folder with a manifest is complete
+                began = time.perf_counter()
+                write_manifest(partial, loop.round, identity, self.key())  # last: a folder with a manifest is complete
+                self.last_sign_s = time.perf_counter() - began
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             full = not isinstance(exc, (KeyboardInterrupt, SystemExit)) and _disk_full(partial, self.out_dir)
             if self.rank0:
@@ -168,18 +191,21 @@ class CheckpointStore:
             dist.barrier(group=self.group)
         return final
 
-    def verify(self, path: str | Path) -> str | None:
-        """:func:`verify_checkpoint` of what this server rank reads from ``path``."""
-        return verify_checkpoint(Path(path), dist.get_rank(self.group) if self.group is not None else None)
+    def verify(self, path: str | Path, digest: str | None = None) -> str | None:
+        """:func:`verify_checkpoint` of what this server rank reads from ``path`` (``digest``: of the manifest rank 0
+        verified)."""
+        return verify_checkpoint(Path(path), dist.get_rank(self.group) if self.group is not None else None, digest)
 
     def load(self, server: Any, path: str | Path) -> tuple[LoopState, dict[str, Any], dict[str, Any]]:
-        """Restore the server from ``path`` (verified before, :meth:`verify`); returns the loop state, the workers'
-        parts and the meta data."""
+        """Restore the server from ``path`` (verified and its signature checked before: :meth:`verify`,
+        :func:`~hosfl_dist.runfolder.checkpoints.trusted_manifest`); returns the loop state, the workers' parts and
+        the meta data."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text())
+        extra = read_state(path)  # first: a state.pt this version did not write is refused before anything changes
         state, opts = _model_state(server)
         if not meta["has_optim"]:
             state.pop("optim", None)
@@ -187,8 +213,18 @@ class CheckpointStore:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
             state["optim"] = get_optimizer_state_dict(server.model, server.optimizer, options=opts)
-        with _no_dist_quiet():
-            dcp.load(state, checkpoint_id=str(path / "model"), **self._dcp())
+        refused = f"checkpoint {path}: model/ is not plain data this version wrote, refused unread"
+        try:
+            with open(path / "model" / ".metadata", "rb") as f:  # first, where its refusal is one line
+                MetadataUnpickler(f).load()
+            with _no_dist_quiet():
+                dcp.load(state, **safe_dcp(path / "model"), **self._dcp())
+        except pickle.UnpicklingError as exc:  # a crafted .metadata
+            raise ConfigError(f"{refused} ({str(exc).splitlines()[0][:200]})") from None
+        except dcp.api.CheckpointException as exc:  # DCP wraps what failed on each rank
+            if "Weights only load failed" not in str(exc) and "UnpicklingError" not in str(exc):
+                raise
+            raise ConfigError(f"{refused} (a non-tensor item holds more than plain data)") from None
         # frozen parameters were left out of the checkpoint (they never change; they come from the model's source),
         # so they are the one kind of key allowed to be missing here
         loaded = set_model_state_dict(server.model, state["model"], options=dataclasses.replace(opts, strict=False))
@@ -199,10 +235,8 @@ class CheckpointStore:
                                   f"unexpected {list(loaded.unexpected_keys)[:3]})")  # fmt: skip
         if "optim" in state:
             set_optimizer_state_dict(server.model, server.optimizer, state["optim"], options=opts)
-        extra = torch.load(path / "state.pt", weights_only=False)
         server.load_state_dict(extra["server"])
         set_rng_state(extra["rng"])
-        meta["identity"] = (read_manifest(path) or {}).get("identity")
         return LoopState(**extra["loop"]), extra["workers"], meta
 
 

@@ -28,11 +28,12 @@ from typing import Any
 
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
-from hosfl_dist.runfolder.checkpoints import read_manifest
 from hosfl_dist.runfolder.environment import environment_differences
+from hosfl_dist.runfolder.checkpoints import trusted_manifest
 from hosfl_dist.runfolder.folder import prepare_out_dir
 from hosfl_dist.runfolder.identity import identity_differences, run_identity
 from hosfl_dist.runfolder.lock import RunLock
+from hosfl_dist.runfolder.signing import SIGNATURE, UNSIGNED
 from hosfl_dist.runtime.checkpoint import CheckpointStore, LoopState
 from hosfl_dist.runtime.control import (
     CheckpointPart,
@@ -111,11 +112,12 @@ class RunFront(Handler):
         and load the newest intact one, if it was written by this run (config, inputs, code, environment). Called
         after this process's threads are set: they are part of the environment."""
         candidates, self.lock = prepare_out_dir(self.cfg, restarted)
+        self.store.key()  # a key that cannot be made or read stops the run now, not at its first checkpoint
         self.identity = run_identity(self.cfg)
         loop, ckpt, notes = None, None, {}
         if candidates:
-            ckpt = self._verified(candidates)
-            notes = self._same_run(ckpt)
+            ckpt, manifest = self._verified(candidates)
+            notes = self._same_run(ckpt, manifest)
             self.servers.load(str(ckpt))
             loop, parts, meta = self.store.load(self.server, ckpt)
             if meta.get("engine") != self.engine:
@@ -137,31 +139,39 @@ class RunFront(Handler):
             notes,
         )
 
-    def _verified(self, candidates: list[Path]) -> Path:
-        """The newest checkpoint every server rank verifies; the ones that fail are named in one line."""
+    def _verified(self, candidates: list[Path]) -> tuple[Path, dict[str, Any]]:
+        """The newest checkpoint every server rank verifies, with its manifest if it is signed by this key (or is
+        unsigned and ``job.allow_unsigned`` accepts it); damaged ones are named in one line and passed over, a
+        signature mismatch or an unsigned one refused in one line."""
         failed = []
+        key = self.store.key()
         for path in candidates:
             problem = next((p for p in self.servers.verify(str(path)) if p), None)
             if problem is None:
+                manifest, state = trusted_manifest(path, key, self.cfg.job.allow_unsigned, "job.allow_unsigned=true")
+                if state == UNSIGNED:
+                    logger.warning(f"resuming {_round(path)}, which is unsigned (job.allow_unsigned)")
                 if failed:
                     logger.warning(f"resuming from {_round(path)}: " + "; ".join(
                         f"{_round(p)} failed verification ({why})" for p, why in failed))  # fmt: skip
-                return path
+                return path, manifest
             failed.append((path, problem))
         listed = "; ".join(f"{_round(p)}: {why}" for p, why in failed[:3])
         raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: no checkpoint verifies ({listed}); set "
                           "job.overwrite=true to start the run afresh")  # fmt: skip
 
-    def _same_run(self, ckpt: Path) -> dict[str, Any]:
-        """Refuse a checkpoint of another run (by its manifest's identity); what summary.json notes of a resume that
-        ``job.allow_code_change`` or ``job.allow_environment_change`` let through."""
-        recorded = (read_manifest(ckpt) or {}).get("identity") or {}
+    def _same_run(self, ckpt: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Refuse a checkpoint of another run (by the identity in its verified manifest); what summary.json notes of
+        a resume that ``job.allow_code_change``, ``job.allow_environment_change`` or ``job.allow_unsigned`` let
+        through."""
+        recorded = manifest.get("identity") or {}
+        unsigned = {} if SIGNATURE in manifest else {"resumed_unsigned": str(ckpt)}
         differ = identity_differences(recorded, self.identity, code=False)
         if differ:
             raise ConfigError(f"job.out_dir {self.cfg.job.out_dir}: {_round(ckpt)} was written by another run "
                               f"({', '.join(differ[:4])}); resume it with what it was run with, or choose another "
                               "folder")  # fmt: skip
-        notes: dict[str, Any] = {}
+        notes: dict[str, Any] = dict(unsigned)
         code = identity_differences(recorded, self.identity)
         if code:
             if not self.cfg.job.allow_code_change:

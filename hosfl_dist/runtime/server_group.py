@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hosfl_dist.errors import HosflError
 from hosfl_dist.evaluation.server import EvalServer
+from hosfl_dist.runfolder.checkpoints import read_manifest
 from hosfl_dist.runtime.control import Handler, handles
 from hosfl_dist.runtime.fsdp import full_digest
 from hosfl_dist.runtime.memory import process_memory
@@ -66,9 +68,11 @@ class Save:
 
 @dataclass(frozen=True)
 class Verify:
-    """Verify the files of the checkpoint at ``path`` this rank reads, and send the result to rank 0."""
+    """Verify the files of the checkpoint at ``path`` this rank reads against the manifest rank 0 verified (its
+    ``digest``: rank 0 alone checks the signature), and send the result to rank 0."""
 
     path: str
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ class ServerGroup(Handler):
         mine = self.store.verify(path)
         if self.group is None:
             return [mine]
-        self._announce(Verify(str(path)))
+        self._announce(Verify(str(path), (read_manifest(Path(path)) or {}).get("digest") if mine is None else None))
         out: list[Any] = [None] * self.size
         dist.gather_object(mine, out, group=self.group, group_dst=0)
         return out
@@ -186,7 +190,8 @@ class ServerGroup(Handler):
 
     @handles(Verify)
     def _on_verify(self, msg: Verify) -> None:
-        dist.gather_object(self.store.verify(msg.path), None, group=self.group, group_dst=0)
+        problem = self.store.verify(msg.path, msg.digest) if msg.digest is not None else "rank 0 found it damaged"
+        dist.gather_object(problem, None, group=self.group, group_dst=0)
 
     @handles(Load)
     def _on_load(self, msg: Load) -> None:

@@ -1,0 +1,318 @@
+"""Files that whoever can write a run's folder (or an export, or a data folder) may have replaced: nothing read back
+runs code, and nothing forged is trusted (the hardening issue's parts 1 and 2, attacked one by one).
+
+The attacker here can write every file of the folder and recompute every hash and digest, but does not hold the
+user's key (tests/conftest.py points HOSFL_KEY_FILE at a key of the test session)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import TINY_OVERRIDES, run_in_process, stop_at
+
+from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.export.cli import main as export_main
+from hosfl_dist.run import main
+from hosfl_dist.runfolder.checkpoints import checkpoint_folders, list_files, manifest_digest, verify_checkpoint
+from hosfl_dist.runfolder.signing import MISMATCH, SIGNED, UNSIGNED, load_key, signature_state
+
+RUN = [*TINY_OVERRIDES, "checkpoint.interval_samples=48", "checkpoint.keep=3"]
+"""Ten rounds of K=3 clients of 8 samples, a checkpoint every second round."""
+
+
+def _one_line(capsys) -> list[str]:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A run stopped after round 6 (checkpoints of rounds 2, 4, 6)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        stop_at(mp, "hosfl", 5)
+        with pytest.raises(Exception, match="SIGTERM"):
+            run_in_process([*RUN, f"job.out_dir={out}"])
+    assert [p.name for p in checkpoint_folders(out)] == ["round-00000006", "round-00000004", "round-00000002"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("completed") / "run"
+    _, _, summary, _ = run_in_process([*RUN, f"job.out_dir={out}"])
+    assert summary["status"] == "completed"
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    return out
+
+
+def forge(ckpt: Path, edit=None, signature: str = "keep") -> None:
+    """What an attacker without the key can do to a checkpoint's manifest: list the files as they are now, edit
+    what it records, keep the old signature or strip it, and recompute the digest."""
+    path = ckpt / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = list_files(ckpt)
+    if edit is not None:
+        edit(manifest)
+    if signature == "strip":
+        manifest.pop("signature", None)
+    manifest["digest"] = manifest_digest(manifest)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def newest(run: Path) -> Path:
+    return checkpoint_folders(run)[0]
+
+
+# -- the key ---------------------------------------------------------------------------------------------------------
+def test_the_key_is_made_on_first_use_private_and_kept(tmp_path, monkeypatch):
+    path = tmp_path / "config" / "hosfl_dist" / "key"
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(path))
+    key = load_key()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(key.secret) == 32
+    assert load_key() == key and key.id not in path.read_text() and "secret" not in repr(key)
+    monkeypatch.delenv("HOSFL_KEY_FILE")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    load_key()
+    assert (tmp_path / "xdg" / "hosfl_dist" / "key").is_file()  # the default place, under the user's config
+
+
+def test_a_key_open_to_others_or_not_a_key_is_refused_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "key"
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(path))
+    load_key()
+    path.chmod(0o640)
+    with pytest.raises(ConfigError, match=rf"is open to others \(mode 0640\): chmod 600 {path}"):
+        load_key()
+    path.write_text("not a key\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="is not a key: expected 64 hex digits"):
+        load_key()
+    monkeypatch.setenv("HOSFL_KEY_FILE", "relative/key")
+    with pytest.raises(ConfigError, match="HOSFL_KEY_FILE='relative/key' is not usable: expected an absolute"):
+        load_key()
+
+
+def test_a_key_inside_the_run_folder_is_refused(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(out / "key"))
+    assert main([*RUN, f"job.out_dir={out}"]) == 2
+    assert _one_line(capsys)[-1].startswith(f"error: signing key {out / 'key'} (HOSFL_KEY_FILE) lies inside {out}")
+
+
+def test_the_three_states_of_a_signature(completed, tmp_path, monkeypatch):
+    manifest = json.loads((newest(completed) / "manifest.json").read_text())
+    key = load_key()
+    assert signature_state(manifest, key)[0] == SIGNED and verify_checkpoint(newest(completed)) is None
+    assert signature_state({k: v for k, v in manifest.items() if k != "signature"}, key)[0] == UNSIGNED
+    assert signature_state({**manifest, "round": 99}, key)[0] == MISMATCH
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(tmp_path / "other-key"))
+    state, detail = signature_state(manifest, load_key())
+    assert state == MISMATCH and detail.startswith(f"signed by another key ({key.id}, this one is ")
+
+
+# -- a consistent forgery does not verify ------------------------------------------------------------------------------
+def _lr(manifest: dict) -> None:
+    manifest["identity"]["config"]["clients"]["optim"]["lr"] = 0.02
+
+
+@pytest.mark.parametrize("signature", ["keep", "strip"])
+def test_a_resume_with_a_forged_identity_is_refused(stopped, tmp_path, capsys, signature):
+    """The recorded learning rate changed in every manifest and in config.yaml, every hash recomputed: the resume
+    with the other rate is refused in one line, and nothing of the run is touched."""
+    out = copy_of(stopped, tmp_path)
+    for ckpt in checkpoint_folders(out):
+        forge(ckpt, _lr, signature)
+    (out / "config.yaml").write_text((out / "config.yaml").read_text().replace("lr: 0.01", "lr: 0.02", 1))
+    assert verify_checkpoint(newest(out)) is None  # every file and the digest are consistent
+    summary = (out / "summary.json").read_text()
+    rc = main([*RUN, f"job.out_dir={out}", "job.resume=auto", "clients.optim.lr=0.02"])
+    err = _one_line(capsys)[-1]
+    assert rc == 2 and err.startswith(f"error: {newest(out)}: ")
+    if signature == "keep":
+        assert "signature mismatch (this key's id" in err and "HOSFL_KEY_FILE" in err
+        rc = main([*RUN, f"job.out_dir={out}", "job.resume=auto", "clients.optim.lr=0.02", "job.allow_unsigned=true"])
+        assert rc == 2 and "signature mismatch" in _one_line(capsys)[-1]  # a mismatch is never accepted
+    else:
+        assert "unsigned (its manifest carries no signature" in err and "job.allow_unsigned=true accepts it" in err
+    assert (out / "summary.json").read_text() == summary and len(checkpoint_folders(out)) == 3
+
+
+def test_an_unsigned_checkpoint_resumes_only_when_accepted_and_the_summary_says_so(stopped, tmp_path, capsys):
+    out = copy_of(stopped, tmp_path)
+    forge(newest(out), signature="strip")
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto"]) == 2
+    assert "job.allow_unsigned=true accepts it" in _one_line(capsys)[-1]
+    _, _, got, _ = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto", "job.allow_unsigned=true"])
+    assert got["status"] == "completed" and got["resumed_unsigned"].endswith("round-00000006")
+
+
+def _scaled_weights(ckpt: Path) -> None:
+    """The attacker's weights: the server's θc (HO-SFL's base replica, which the export replays) zeroed in state.pt."""
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state["server"]["base"]["params"] = [torch.zeros_like(p) for p in state["server"]["base"]["params"]]
+    torch.save(state, ckpt / "state.pt")
+
+
+@pytest.mark.parametrize("signature", ["keep", "strip"])
+def test_an_export_of_forged_weights_is_refused(completed, tmp_path, capsys, signature):
+    out = copy_of(completed, tmp_path)
+    _scaled_weights(newest(out))
+    forge(newest(out), signature=signature)
+    assert verify_checkpoint(newest(out)) is None
+    rc = export_main([str(out), "--out", str(tmp_path / "exported")])
+    err = _one_line(capsys)[-1]
+    assert rc == 2 and err.startswith(f"error: checkpoint {newest(out)}: ")
+    want = "signature mismatch" if signature == "keep" else "unsigned (its manifest carries no signature"
+    assert want in err and not (tmp_path / "exported").exists()
+    if signature == "strip":
+        assert "--allow-unsigned accepts it" in err
+
+
+# -- no pickle from disk ---------------------------------------------------------------------------------------------
+class _Payload:
+    """What a hostile state.pt carries: unpickling it calls open(marker, "w"), which creates the file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _hostile_state(ckpt: Path, marker: Path) -> None:
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    state["server"]["payload"] = _Payload(marker)
+    torch.save(state, ckpt / "state.pt")
+
+
+def test_a_state_pt_whose_pickle_would_create_a_file_never_runs(stopped, completed, tmp_path, capsys):
+    marker = tmp_path / "PWNED"
+    out = copy_of(stopped, tmp_path)
+    _hostile_state(newest(out), marker)
+    forge(newest(out), signature="strip")  # consistent, but the attacker cannot sign it
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto"]) == 2
+    assert "unsigned" in _one_line(capsys)[-1] and not marker.exists()
+    # accepted deliberately: still read without running code, and refused in one line
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto", "job.allow_unsigned=true"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: checkpoint {newest(out)}: state.pt is not plain data this version wrote, "
+                          "refused unread (") and not marker.exists()  # fmt: skip
+    run = tmp_path / "done"
+    shutil.copytree(completed, run, symlinks=True)
+    _hostile_state(newest(run), marker)
+    forge(newest(run), signature="strip")
+    assert export_main([str(run), "--out", str(tmp_path / "exported"), "--allow-unsigned"]) == 2
+    assert "state.pt is not plain data" in _one_line(capsys)[-1] and not marker.exists()
+    # the payload is live: the unrestricted read this version no longer does would have created the file
+    torch.load(newest(run) / "state.pt", weights_only=False)
+    assert marker.exists()
+
+
+def test_a_dcp_metadata_whose_pickle_would_create_a_file_never_runs(stopped, tmp_path, capsys):
+    """torch's DCP reader unpickles model/.metadata unrestricted; the runtime reads it admitting DCP's records only."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    marker = tmp_path / "PWNED"
+    out = copy_of(stopped, tmp_path)
+    metadata = FileSystemReader(str(newest(out) / "model")).read_metadata()
+    metadata.planner_data = _Payload(marker)
+    (newest(out) / "model" / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge(newest(out), signature="strip")
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto", "job.allow_unsigned=true"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: checkpoint {newest(out)}: model/ is not plain data this version wrote, refused "
+                          "unread (model/.metadata asks for ") and not marker.exists()  # fmt: skip
+
+
+def test_state_pt_holds_plain_data_only():
+    from hosfl_dist.runtime.plain import check_plain
+
+    check_plain({"a": [torch.zeros(2), (1, 2.0, "x", None, True)], 3: {"b": b"bytes"}})
+    with pytest.raises(TypeError, match=r"state.server.n: a numpy.int64, which state.pt does not hold"):
+        check_plain({"server": {"n": np.int64(3)}})
+    with pytest.raises(TypeError, match=r"state\[0\]: a .*_Payload"):
+        check_plain([_Payload(Path("x"))])
+
+
+def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(stopped, completed, tmp_path, capsys):
+    out = copy_of(stopped, tmp_path)
+    for ckpt in checkpoint_folders(out):
+        forge(ckpt, lambda m: m.update(format=1), signature="strip")  # what the earlier version wrote
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: job.out_dir {out}: no checkpoint verifies (round 6: written by an earlier version (")
+    assert "in checkpoint format 1, whose state.pt is a pickle this version does not run" in err
+    run = tmp_path / "done"
+    shutil.copytree(completed, run, symlinks=True)
+    forge(newest(run), lambda m: m.update(format=1), signature="strip")
+    assert export_main([str(run), "--out", str(tmp_path / "exported"), "--allow-unsigned"]) == 2
+    assert "failed verification (written by an earlier version" in _one_line(capsys)[-1]
+
+
+# -- exports verify their own files ----------------------------------------------------------------------------------
+def test_an_export_is_signed_and_predict_and_load_vision_verify_it(completed, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from hosfl_dist.cli.predict import main as predict_main
+    from hosfl_dist.export import ExportError, load_vision
+    from hosfl_dist.runfolder.exported import EXPORT_MANIFEST
+
+    exported = tmp_path / "exported"
+    assert export_main([str(completed), "--out", str(exported)]) == 0
+    load_vision(exported)
+    weights = exported / "model.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(weights)).items()}, str(weights))
+    manifest = json.loads((exported / EXPORT_MANIFEST).read_text())
+    manifest["files"] = list_files(exported, (EXPORT_MANIFEST,))  # recomputed, as the attacker can
+    manifest["digest"] = manifest_digest(manifest)
+    (exported / EXPORT_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="signature mismatch"):
+        load_vision(exported)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    assert predict_main(["--model", str(exported), "--data", str(data), "--out", str(tmp_path / "p.jsonl")]) == 2
+    assert "signature mismatch" in _one_line(capsys)[-1]
+    (exported / EXPORT_MANIFEST).unlink()
+    with pytest.raises(ExportError, match=r"unsigned \(no hosfl_manifest.json.*\(allow_unsigned=True reads it"):
+        load_vision(exported)
+    load_vision(exported, allow_unsigned=True)  # accepted deliberately
+    again = tmp_path / "again"
+    assert export_main([str(completed), "--out", str(again)]) == 0
+    (again / "pytorch_model.bin").write_bytes(b"anything")
+    with pytest.raises(ExportError, match=r"holds files its hosfl_manifest.json does not list \(pytorch_model.bin\)"):
+        load_vision(again)
+
+
+# -- data files in pickle format -------------------------------------------------------------------------------------
+def test_a_cifar_batch_is_read_without_running_code(tmp_path):
+    from hosfl_dist.data.vision import _unpickle
+
+    rng = np.random.default_rng(0)
+    batch = {"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), "labels": [1, 2, 3, 4], "batch_label": "b"}
+    for protocol in (2, 4, 5):
+        (tmp_path / "b").write_bytes(pickle.dumps(batch, protocol=protocol))
+        got = _unpickle(tmp_path / "b")
+        assert np.array_equal(got["data"], batch["data"]) and got["labels"] == batch["labels"]
+    # the published files name numpy 1's modules (numpy.core), pickled by Python 2 with protocol 2
+    old = pickle.dumps(batch, protocol=2).replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    (tmp_path / "b").write_bytes(old)
+    assert np.array_equal(_unpickle(tmp_path / "b")["data"], batch["data"])
+    marker = tmp_path / "PWNED"
+    (tmp_path / "b").write_bytes(pickle.dumps({"data": _Payload(marker), "labels": [1]}, protocol=2))
+    with pytest.raises(DataError, match=r"cannot be read as a CIFAR batch \(it asks for (io|builtins).open, which a"):
+        _unpickle(tmp_path / "b")
+    assert not marker.exists()
