@@ -163,6 +163,7 @@ def test_predict_refuses_a_destination_in_its_model_and_a_full_disk_leaves_out_a
         return real(self, text, *a, **k)
 
     monkeypatch.setattr(Path, "write_text", full)
+    argv.append("--allow-unsigned")  # the stand-in model folder holds no export's signed manifest
     assert predict.main(argv) == 2
     assert one_line(capsys) == f"error: cannot write {out.with_name('.preds.jsonl.partial')}: No space left on device"
     assert out.read_text() == "earlier predictions\n" and sorted(p.name for p in tmp_path.iterdir()) == [

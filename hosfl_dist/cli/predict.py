@@ -282,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.model.is_dir():
             raise PredictError(f"--model {args.model} is not a folder")
-        verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         target = args.out.resolve()
         if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
             raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
+        verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         record = _record(args.model)
         task = record.get("task") or {}
         spec, columns = task_of(record, args)
