@@ -208,3 +208,28 @@ def test_the_environment_names_what_selects_kernels_and_libraries_only_where_a_r
     ]
     # the environment decides the last bits, not what is computed: a study reuses a run from another machine
     assert identity_mod.fingerprint({"config": {}, "environment": vision}) == identity_mod.fingerprint({"config": {}})
+
+
+def test_auto_threads_of_a_large_model_resume_with_the_checkpoints_not_the_load(tmp_path, monkeypatch, one_thread):
+    """The load rule would pick other threads under another load, and the resume would be refused for it: a resume
+    takes the threads its newest checkpoint records (a hint read from the manifest; the resume verifies it)."""
+    from hosfl_dist.runtime.process.host import resumed_threads, set_threads
+
+    out = interrupted(tmp_path, monkeypatch, RUN)
+    cfg = load_config(None, [*RUN, f"job.out_dir={out}", "job.resume=auto"])
+    assert resumed_threads(cfg) == 1  # what the interrupted run recorded
+    assert resumed_threads(load_config(None, [*RUN, f"job.out_dir={out}"])) is None  # not a resume
+    before = torch.get_num_threads()
+    try:
+        big = 20_000_000
+        n, why = set_threads(cfg, big, environ={}, load=0.0, recorded=3)
+        assert (n, torch.get_num_threads()) == (3, 3) and "its newest checkpoint was written with" in why
+        assert set_threads(cfg, 1000, environ={}, load=0.0, recorded=3)[0] == 1  # a small model: one, as ever
+        assert set_threads(cfg, big, environ={"OMP_NUM_THREADS": "2"}, load=0.0, recorded=3)[0] == 2  # as set
+    finally:
+        torch.set_num_threads(before)
+    newest = checkpoint_folders(out)[0] / "manifest.json"  # a manifest that names no usable count is no hint
+    manifest = json.loads(newest.read_text())
+    manifest["identity"]["environment"]["threads"] = True
+    newest.write_text(json.dumps(manifest))
+    assert resumed_threads(cfg) is None

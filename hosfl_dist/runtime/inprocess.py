@@ -26,7 +26,7 @@ from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.peers import LocalPeers
-from hosfl_dist.runtime.process.host import check_devices, set_threads
+from hosfl_dist.runtime.process.host import check_devices, resumed_threads, set_threads
 from hosfl_dist.runtime.process.signals import StopRequest
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
 from hosfl_dist.runtime.record.progress import Progress
@@ -75,7 +75,8 @@ class InProcessRunner:
         cfg = self.cfg
         params = sum(p.numel() for m in (self.split.client, self.split.server) for p in m.parameters())
         self.threads_before = torch.get_num_threads()  # restored by cleanup: a library call leaves the process as is
-        threads, why = set_threads(cfg, params)  # before open(): the threads are part of the run's identity
+        # before open(): the threads are part of the run's identity (a resume takes its checkpoint's where auto)
+        threads, why = set_threads(cfg, params, recorded=resumed_threads(cfg))
         self.front.open()
         c = cfg.clients
         logger.info(f"{cfg.job.name}: {cfg.algorithm.name} in one process, {c.total} clients ({c.per_round} per "

@@ -157,7 +157,11 @@ def free_cores(cores: int, load: float) -> int:
 
 
 def set_threads(
-    cfg: Config, params: int, environ: Mapping[str, str] | None = None, load: float | None = None
+    cfg: Config,
+    params: int,
+    environ: Mapping[str, str] | None = None,
+    load: float | None = None,
+    recorded: int | None = None,
 ) -> tuple[int, str]:
     """Set this process's intra-op threads from ``job.threads``; (threads, why) for the log.
 
@@ -167,7 +171,9 @@ def set_threads(
     (:func:`free_cores`: the core count less the 1-minute load average, at least 1).
 
     ``params``: the parameters of the model this process runs (both parts in one process); ``load``: the 1-minute
-    load average (default: ``os.getloadavg()``, where the system has one)."""
+    load average (default: ``os.getloadavg()``, where the system has one); ``recorded``: the threads the checkpoint a
+    resume continues was written with (:func:`resumed_threads`): the load rule then takes them, since the threads are
+    part of the run's identity and a resume under another load would otherwise be refused."""
     import torch
 
     environ = os.environ if environ is None else environ
@@ -185,9 +191,27 @@ def set_threads(
         if load is None and hasattr(os, "getloadavg"):
             load = os.getloadavg()[0]
         size = f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters"
-        if load is None:
+        if recorded:
+            n, why = recorded, f"{size}, the threads its newest checkpoint was written with (job.resume=auto)"
+        elif load is None:
             n, why = cores, f"{size}, every core (this system has no load average)"
         else:
             n, why = free_cores(cores, load), f"{size}, the cores other work leaves free ({cores}, load {load:.2f})"
     torch.set_num_threads(n)
     return n, why
+
+
+def resumed_threads(cfg: Config) -> int | None:
+    """The intra-op threads recorded in the newest checkpoint of ``job.out_dir`` when ``job.resume=auto`` would
+    continue it (None otherwise). Read from the manifest as written, a hint for the auto rule only: the resume
+    verifies the manifest and compares the environment before a byte of the checkpoint is loaded."""
+    from hosfl_dist.config.schema import MAX_THREADS
+    from hosfl_dist.runfolder.checkpoints import checkpoint_folders, read_manifest
+
+    if cfg.job.resume != "auto" or not cfg.job.out_dir:
+        return None
+    folders = checkpoint_folders(cfg.job.out_dir)
+    manifest = read_manifest(folders[0]) if folders else None
+    threads = (((manifest or {}).get("identity") or {}).get("environment") or {}).get("threads")
+    ok = isinstance(threads, int) and not isinstance(threads, bool) and 0 < threads <= MAX_THREADS
+    return threads if ok else None
