@@ -10,6 +10,8 @@ else is refused before any of it runs.
 
 from __future__ import annotations
 
+import re
+
 import collections
 import pathlib
 import pickle
@@ -53,9 +55,8 @@ def read_state(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - weights_only refusals, a torn zip, anything torch cannot read
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(f"checkpoint {path}: state.pt is not plain data this version wrote, refused unread "
-                          f"({first})") from None  # fmt: skip
+                          f"({_why_refused(exc)})") from None  # fmt: skip
     if not isinstance(state, dict) or not {"server", "loop", "workers", "rng"} <= set(state):
         raise ConfigError(f"checkpoint {path}: state.pt does not hold a checkpoint's state")
     return state
@@ -117,3 +118,13 @@ def safe_dcp(path: Path) -> dict[str, Any]:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return {"storage_reader": Reader(str(path)), "planner": Planner()}
+
+
+def _why_refused(exc: Exception) -> str:
+    """torch's weights_only refusal in a few words: the global it would have imported (``builtins.open``), not its
+    paragraph of advice to load the file anyway; any other failure by its first line."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch bolds part of its advice with terminal escapes
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand (\d+)", text)
+    if found:
+        return f"it would import {found.group(1)}" if "GLOBAL" in found.group(0) else found.group(0)
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
