@@ -10,11 +10,10 @@ else is refused before any of it runs.
 
 from __future__ import annotations
 
-import re
-
 import collections
 import pathlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
