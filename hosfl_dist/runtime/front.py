@@ -33,6 +33,8 @@ from hosfl_dist.runfolder.environment import environment_differences
 from hosfl_dist.runfolder.folder import prepare_out_dir
 from hosfl_dist.runfolder.identity import identity_differences, run_identity
 from hosfl_dist.runfolder.lock import RunLock
+from hosfl_dist.runfolder.run import Run
+from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore, LoopState
 from hosfl_dist.runtime.control import (
     CheckpointPart,
@@ -78,8 +80,11 @@ class RunFront(Handler):
         layout: dict[str, Any],
         memory_role: str | None = None,
         roles: dict[str, Any] | None = None,
+        callbacks: Callbacks | None = None,
     ) -> None:
         self.cfg = cfg
+        self.callbacks = callbacks or Callbacks()
+        """The user's callbacks of the events this process owns: the start, the rows, the checkpoints, the end."""
         self.endpoint = endpoint
         self.server = endpoint.server
         self.evaluator = endpoint.evaluator
@@ -136,6 +141,7 @@ class RunFront(Handler):
             self.identity,
             notes,
         )
+        self._fire("on_train_start", Run(self.cfg.job.out_dir))
 
     def _verified(self, candidates: list[Path]) -> Path:
         """The newest checkpoint every server rank verifies; the ones that fail are named in one line."""
@@ -238,6 +244,7 @@ class RunFront(Handler):
         row = self.endpoint.locked(lambda: metrics_row(self.server, self.evaluator, msg.t, msg.processed, msg.comm))
         row = self.record.log(row)
         self.server_stats = self.endpoint.stats()
+        self._fire("on_evaluate", dict(row))
         return {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
 
     @handles(CheckpointPart)
@@ -259,6 +266,7 @@ class RunFront(Handler):
             return self.store.save(self.server, loop, parts, meta, self.identity)
 
         self.saved = str(self.endpoint.locked(save))
+        self._fire("on_checkpoint", self.saved)
         return self.saved
 
     @handles(Stopped)
@@ -330,7 +338,23 @@ class RunFront(Handler):
         if final.link:
             summary["link"] = final.link
             logger.info(describe_traffic(final.link))
-        return self.record.complete(summary)
+        summary = self.record.complete(summary)
+        try:
+            self._fire("on_train_end", dict(summary))
+        except Exception:  # the run is recorded as failed, not completed: its end's callback did not run through
+            self.record.finished = False
+            self.record_failure(self.failure)
+            raise
+        return summary
+
+    def _fire(self, event: str, *args: Any) -> None:
+        """Call the callbacks' ``event``; one that raises is the run's failure (the first, if several processes
+        fail), named in one line."""
+        try:
+            self.callbacks.fire(event, *args)
+        except Exception as exc:
+            self.fail(str(exc))
+            raise
 
 
 class LocalControl:
