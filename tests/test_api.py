@@ -24,23 +24,18 @@ from hosfl_dist.errors import CallbackError, ConfigError
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
 from tiny import ROOT, TINY_OVERRIDES, read_run, rows_of, torchrun
 
-PLUGIN = '''
-"""A method outside the package: HO-SFL's classes under a name of its own."""
-from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm, register
-from hosfl_dist.algorithms.hosfl import HOSFLServer, HOSFLWorker
+PAGE = ROOT / "docs" / "python-api.md"
 
 
-class MyServer(HOSFLServer):
-    pass
+def page_block(marker: str) -> str:
+    """The ```python block of docs/python-api.md that holds ``marker``."""
+    blocks = [b.split("```")[0] for b in PAGE.read_text().split("```python\n")[1:]]
+    (found,) = [b for b in blocks if marker in b]
+    return found
 
 
-class MyWorker(HOSFLWorker):
-    server_class = MyServer
-
-
-hosfl = get_algorithm("hosfl")
-register(AlgorithmSpec("my_method", MyServer, MyWorker, True, hosfl.traffic))
-'''
+PLUGIN = page_block('register(AlgorithmSpec("my_method"')
+"""The method written outside the repository, as the page shows it (architecture.md's "Adding a method" links it)."""
 
 WATCH = '''
 """Callbacks that write what they saw to events.jsonl beside the run, one line per call (pid and event)."""
@@ -98,6 +93,17 @@ def user_modules(tmp_path, monkeypatch):
     algorithms._REGISTRY.pop("my_method", None)  # the registry lists the package's methods to the other tests
     for name in ("mymethod", "watch"):
         sys.modules.pop(name, None)
+
+
+TINY_YAML = textwrap.dedent("""\
+    data: {name: synthetic}
+    model: {name: small_cnn, width: 4}
+    split: {cut: 1}
+    clients: {total: 6, per_round: 3, batch_size: 8}
+    zo: {num_perturbations: 3}
+    train: {budget_samples: 240, eval_every_samples: 120}
+    job: {progress: false, plots: false}
+""")
 
 
 def events(folder: Path) -> list[dict]:
@@ -262,19 +268,33 @@ def test_a_plugin_method_and_config_callbacks_under_torchrun(tmp_path, user_modu
 
 def test_a_study_runs_a_plugin_method(tmp_path, user_modules):
     config = tmp_path / "tiny.yaml"
-    config.write_text(textwrap.dedent("""\
-        data: {name: synthetic}
-        model: {name: small_cnn, width: 4}
-        split: {cut: 1}
-        clients: {total: 6, per_round: 3, batch_size: 8}
-        zo: {num_perturbations: 3}
-        train: {budget_samples: 48, eval_every_samples: 24}
-        job: {progress: false, plots: false}
-    """))
+    config.write_text(TINY_YAML)
     res = subprocess.run([sys.executable, "-m", "hosfl_dist.experiments.compare", "--config", str(config),
-                          "--methods", "my_method", "--plugin", "mymethod", "--out", str(tmp_path / "study")],
+                          "--methods", "my_method", "--plugin", "mymethod", "--out", str(tmp_path / "study"),
+                          "train.budget_samples=48", "train.eval_every_samples=24"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "| my_method |" in res.stdout
     summary = json.loads((tmp_path / "study/runs/my_method/seed0/summary.json").read_text())
     assert summary["status"] == "completed" and summary["algorithm"] == "my_method"
+
+
+@pytest.mark.slow  # a run in one process and a torchrun job: 20 s on the 2-core machine
+def test_the_pages_example_runs_at_the_tiny_size(tmp_path, monkeypatch):
+    """docs/python-api.md's watch.py and demo.py as written, with the tiny synthetic config and budget."""
+    (tmp_path / "watch.py").write_text(page_block("class Rows"))
+    demo = page_block("hosfl_dist.train(CONFIG")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_YAML)
+    swapped = demo.replace('CONFIG = "configs/quickstart.yaml"', f'CONFIG = "{config}"')
+    swapped = swapped.replace('"train.budget_samples=6000", "train.eval_every_samples=2000"',
+                              '"train.budget_samples=240", "train.eval_every_samples=120"')  # fmt: skip
+    assert swapped.count(str(config)) == 1 and "budget_samples=240" in swapped
+    (tmp_path / "demo.py").write_text(swapped)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    res = subprocess.run([sys.executable, "demo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    one = next(x for x in lines if x.startswith("one process:"))
+    assert one.replace("one process:", "torchrun:") in lines  # the same rows under torchrun
+    assert sum(x.startswith("on_evaluate: round") for x in lines) == 6  # 3 rows in each run, each seen once
