@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "repeat for several (docs/python-api.md#plug-ins)",
     )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before and after options, as the studies take them
 
 
 def main(argv: list[str] | None = None) -> int:
