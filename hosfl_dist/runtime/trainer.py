@@ -136,12 +136,12 @@ class Trainer:
         if start is None:  # 0 is evaluated before the first round
             self.evaluate(t, processed)
         while processed < budget:
-            took = time.perf_counter()
+            began = time.perf_counter()
             samples = self.timer.run(self.worker, t)
             processed += samples
             t = self.round = t + 1
             if self.callbacks and self.peers.is_leader:
-                info = {"processed": processed, "samples": samples, "seconds": time.perf_counter() - took}
+                info = {"processed": processed, "samples": samples, "seconds": time.perf_counter() - began}
                 self.callbacks.fire("on_round_end", t, info)
             self._advance(processed)
             if points and processed >= points[0]:
