@@ -228,6 +228,9 @@ def test_a_method_outside_the_package_runs_by_plugin_and_equals_the_method_it_re
     (mine_rows, mine), (ref_rows, reference) = read_run(tmp_path / "mine"), read_run(tmp_path / "ref")
     assert mine["algorithm"] == "my_method" and mine["client_digests"] == reference["client_digests"]
     assert mine_rows == ref_rows
+    api = hosfl_dist.train(None, [*TINY_OVERRIDES, "algorithm.name=my_method", f"job.out_dir={tmp_path / 'api'}"],
+                           plugins=["mymethod"])  # fmt: skip
+    assert api.summary["algorithm"] == "my_method" and rows_of(api.out_dir) == rows_of(tmp_path / "mine")
     assert set(mine["code"]["plugins"]) == {"mymethod"}  # the plug-in's source is part of the code's identity
     assert load_config(tmp_path / "mine/config.yaml").job.plugins == ["mymethod"]  # a resume imports it too
     seen = [e["event"] for e in events(tmp_path)]

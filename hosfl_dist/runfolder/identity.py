@@ -131,15 +131,17 @@ def input_files(cfg: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def code_identity(plugins: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The package's version, its git commit (where it runs from a checkout) and a digest of its source files; with
-    plug-ins (``job.plugins``), a digest of each one's source too."""
+def code_identity() -> dict[str, Any]:
+    """The package's version, its git commit (where it runs from a checkout) and a digest of its source files."""
     from hosfl_dist import __version__
 
-    out = {"version": __version__, "commit": _git_commit(), "source_sha256": _source_digest()}
-    if plugins:
-        out["plugins"] = {module: _module_digest(module) for module in plugins}
-    return out
+    return {"version": __version__, "commit": _git_commit(), "source_sha256": _source_digest()}
+
+
+def plugin_identity(plugins: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The code of the run's plug-ins (``job.plugins``): a digest of each one's source, under ``plugins`` (nothing
+    without plug-ins, so a run without them records its code as before)."""
+    return {"plugins": {module: _module_digest(module) for module in plugins}} if plugins else {}
 
 
 def _module_digest(module: str) -> str | None:
@@ -164,7 +166,7 @@ def run_identity(cfg: Config) -> dict[str, Any]:
     return {
         "config": comparable_config(cfg),
         "inputs": input_files(cfg),
-        "code": code_identity(cfg.job.plugins),
+        "code": {**code_identity(), **plugin_identity(cfg.job.plugins)},
         "environment": environment_identity(cfg),
     }
 
