@@ -47,6 +47,13 @@ class ProtocolError(HosflError):
     exit_code = 1
 
 
+class CallbackError(HosflError):
+    """A callback (``job.callbacks``, or one handed to :func:`hosfl_dist.train`) raised: the run stops, failed, with the
+    rows written so far; the message names the callback and the event."""
+
+    exit_code = 1
+
+
 class WriteError(HosflError):
     """A file could not be written: the disk is full, a quota is reached, the file system is read-only, or the folder
     is not writable. What was written before stays; the command ends with one line and exit code 2."""

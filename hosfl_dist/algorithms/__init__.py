@@ -3,13 +3,16 @@
 Every module of this package that defines a method ends with ``register(AlgorithmSpec(...))``: the server and worker
 classes and what the rest of the code asks about the method (does its client back-propagate, which model parts each
 role holds, which traffic it may send, which models it supports). The registry finds the modules by listing this
-package, so adding a method is one new module (plus its tests); nothing else names it.
+package, so adding a method is one new module (plus its tests); nothing else names it. A method outside the package
+registers itself the same way from a module of the user's, a plug-in (``job.plugins``, ``--plugin``) that
+:func:`load_plugins` imports before the config is checked.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from dataclasses import dataclass
 
 from hosfl_dist.errors import ConfigError
@@ -92,6 +95,23 @@ def _discover() -> None:
     for mod in pkgutil.iter_modules(__path__):
         if mod.name not in _SKIP:
             importlib.import_module(f"{__name__}.{mod.name}")
+
+
+def load_plugins(modules: list[str] | tuple[str, ...], key: str = "job.plugins") -> list[str]:
+    """Import the user's plug-in modules (each registers what it defines, e.g. a method with :func:`register`);
+    returns the method names they added. One that cannot be imported is a ConfigError naming it and why."""
+    _discover()  # the package's own first: a plug-in's name that clashes with one of them is refused by register
+    before = set(_REGISTRY)
+    for module in modules:
+        if module in sys.modules:
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - whatever the module raises, the user's input is what failed
+            sys.modules.pop(module, None)
+            raise ConfigError(f"{key}: cannot import plug-in {module!r} ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None  # fmt: skip
+    return sorted(set(_REGISTRY) - before)
 
 
 def algorithm_names() -> list[str]:

@@ -81,8 +81,14 @@ def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
     return out
 
 
-def help_config(section: str = "") -> str:
-    """The help text of every key under ``section`` (all keys when empty)."""
+def help_config(section: str = "", plugins: list[str] | tuple[str, ...] = ()) -> str:
+    """The help text of every key under ``section`` (all keys when empty); with ``plugins`` (``--plugin``), the methods
+    they register are listed under ``algorithm.name``."""
+    added: list[str] = []
+    if plugins:
+        from hosfl_dist.algorithms import load_plugins  # the registry imports torch: only when plug-ins are asked for
+
+        added = load_plugins(plugins, "--plugin")
     entries = _entries(Config(), "")
     sections = [k for k, *_, is_section in entries if is_section]
     if section and section not in sections:
@@ -97,6 +103,8 @@ def help_config(section: str = "") -> str:
         lines.append(f"  {key}: {type_name} = {default!r}")
         for para in doc.split("\n\n"):  # the source's line breaks are layout: reflow each paragraph
             lines += textwrap.wrap(" ".join(para.split()), WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        if key == "algorithm.name" and plugins:
+            lines.append(f"      From the plug-ins ({', '.join(plugins)}): {', '.join(added) or 'none'}")
     if not section:
         lines += ["", "Presets (preset=<name>: over the YAML file, under every key=value override):"]
         for name, about, models, values in _presets():

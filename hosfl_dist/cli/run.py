@@ -13,7 +13,8 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import Config, dump_config, load_config
 from hosfl_dist.errors import ConfigError, HosflError, Interrupted, write_failure
@@ -60,8 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "say how it stands: the run in --status DIR, or the one this config and overrides write (the launch scripts "
         "do this when torchrun has ended with an error)",
     )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before anything is built (it may register a method of its own), like job.plugins; "
+        "repeat for several (docs/python-api.md#plug-ins)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before and after options, as the studies take them
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = cfg = None
     try:
         if args.help_config is not None:
-            return _help_config(args.help_config)
+            return _help_config(args.help_config, args.plugin)
         if args.status is not None:
             return _status(Path(args.status), args.record_death)
         from hosfl_dist.runtime.process.launch import launch_env  # torch-free: a bad config fails at once
@@ -83,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)
-        if _completed_already(cfg, launch):
-            return 0
         if world > 1 and launch is not None:
-            return _train_torchrun(cfg, launch, world)
-        return _train_in_process(cfg)
+            if not _completed_already(cfg, launch):
+                return _train_torchrun(cfg, launch, world)
+            return 0
+        summary, folder = train_here(cfg)
+        if summary is not None:
+            from hosfl_dist.runtime.record.writer import done_line
+
+            print(done_line(summary, folder), flush=True)
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before the run's stop handler was in place, or a second one (at once)
         if launch is None or launch.rank == 0:
             print(_stopped_at_once(cfg), file=sys.stderr)
@@ -118,11 +132,12 @@ def _stopped_at_once(cfg: Config | None) -> str:
 
 
 # -- the modes, in the order main tries them -----------------------------------------------------------------------
-def _help_config(section: str) -> int:
-    """``--help-config [SECTION]``: every config key (of SECTION) with its type, default and meaning."""
+def _help_config(section: str, plugins: list[str]) -> int:
+    """``--help-config [SECTION]``: every config key (of SECTION) with its type, default and meaning (and the methods
+    ``--plugin`` modules register)."""
     from hosfl_dist.cli.config_help import help_config
 
-    print(help_config(section), end="")
+    print(help_config(section, plugins), end="")
     return 0
 
 
@@ -138,9 +153,18 @@ def _status(folder: Path, record: bool) -> int:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    """The run's config, checked before torch is imported where it can be (the loggers), then against the algorithm
-    registry."""
-    cfg = load_config(args.config, args.overrides)
+    """The run's config (with ``--plugin``'s modules added to ``job.plugins``), checked: :func:`run_config`."""
+    return run_config(args.config, args.overrides, args.plugin)
+
+
+def run_config(config: str | Path | Config | None, overrides: list[str] | tuple[str, ...] = (),
+               plugins: list[str] | tuple[str, ...] = ()) -> Config:  # fmt: skip
+    """A run's config as ``python -m hosfl_dist.run`` builds it, checked before torch is imported where it can be (the
+    loggers), then (its plug-ins imported) against the algorithm registry."""
+    cfg = load_config(config, list(overrides))
+    if plugins:
+        listed = [*cfg.job.plugins, *(m for m in dict.fromkeys(plugins) if m not in cfg.job.plugins)]
+        cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, plugins=listed))
     from hosfl_dist.runtime.record.tracking import check_loggers
 
     check_loggers(cfg)  # a logger without its package: one line, before torch
@@ -254,15 +278,19 @@ def _train_torchrun(cfg: Config, launch: LaunchEnv, world: int) -> int:
     return code
 
 
-def _train_in_process(cfg: Config) -> int:
-    """The whole run in this one process."""
+def train_here(cfg: Config, callbacks: Iterable[Any] = ()) -> tuple[dict[str, Any] | None, str]:
+    """The whole run in this one process, as ``python -m hosfl_dist.run`` trains it (and :func:`hosfl_dist.train`):
+    (its summary, its folder); (None, the folder) where that folder holds it completed already (job.resume=auto). A
+    run that fails raises, after recording it."""
+    if _completed_already(cfg, None):
+        from hosfl_dist.runfolder.folder import deterministic_out_dir
+
+        return None, str(deterministic_out_dir(cfg))
     if cfg.server.ranks > 1:
         raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
     init_logging()
     from hosfl_dist.runtime.inprocess import InProcessRunner
-    from hosfl_dist.runtime.record.writer import done_line
 
-    runner = InProcessRunner(cfg).setup()
+    runner = InProcessRunner(cfg, callbacks).setup()
     summary = runner.run()
-    print(done_line(summary, runner.cfg.job.out_dir), flush=True)
-    return 0
+    return summary, runner.cfg.job.out_dir

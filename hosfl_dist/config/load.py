@@ -22,15 +22,18 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.safe_yaml import WrittenFloat, WrittenInt, load_file, load_override
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build the config tree from defaults, an optional YAML file and `key.sub=value` overrides.
+def load_config(path: str | Path | Config | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the config tree from defaults, an optional YAML file (or a tree already built) and `key.sub=value`
+    overrides.
 
     A named preset (:mod:`.preset`) is a file's top-level ``preset:`` key, its values under the file's sections, or an
     override ``preset=<name>``, its values over the file and under every ``key=value`` override wherever they stand
     (so a study's grid over presets keeps the study's own overrides)."""
     raw: dict[str, Any] = {}
     applied: list[str] = []
-    if path is not None:
+    if isinstance(path, Config):  # a tree already built (hosfl_dist.train): the overrides go on top of it
+        raw = dataclasses.asdict(path)
+    elif path is not None:
         loaded = load_file(path)  # bounded: size, alias expansion, nesting; unique keys (hosfl_dist.safe_yaml)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")

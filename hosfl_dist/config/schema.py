@@ -31,6 +31,8 @@ MAX_PERTURBATIONS = 10_000
 MIN_MU = 1e-9
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}")
 """A name that becomes one folder (job.name: runs/<job.name>/): no separator, no leading dot (., .., hidden)."""
+MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""A Python module's dotted name (job.plugins, job.callbacks)."""
 MAX_THREADS = 1024
 """Most intra-op threads of a process (job.threads, OMP_NUM_THREADS): more than any node's cores; 16,384 threads
 failed to start here (libgomp: "Thread creation failed") and 100,000 ended in a segmentation fault."""
@@ -93,6 +95,15 @@ class JobConfig:
     """Where the metrics rows and the run's summary go (rank 0 only): jsonl (metrics.jsonl / summary.json, always on),
     tensorboard (job.out_dir/tensorboard, needs the tensorboard package), wandb (offline, job.out_dir/wandb, needs
     wandb)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported before anything is built (as python -m hosfl_dist.run --plugin MODULE does), e.g. one
+    that registers a method of its own with hosfl_dist.algorithms.register: the registry, the config check, both
+    runtimes, the studies and the profiler then know it (docs/python-api.md#plug-ins). Part of the run's identity."""
+    callbacks: list[str] = field(default_factory=list)
+    """Callbacks as module:Class (a subclass of hosfl_dist.Callback, built without arguments in each process that owns
+    one of its events): on_train_start, on_round_end, on_evaluate, on_checkpoint, on_train_end
+    (docs/python-api.md#callbacks). They watch the run, so they are not part of its identity; one that raises fails
+    the run."""
     interface: str = "auto"
     """torchrun runtime: the network interface gloo and TensorPipe bind to (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).
     auto: loopback ("lo") when every rank runs on one node, otherwise what the environment sets (torch's choice
@@ -113,6 +124,13 @@ class JobConfig:
               "use auto or an interface name such as lo, eth0, ib0")  # fmt: skip
         check(not (self.resume == "auto" and self.overwrite), "overwrite", self.overwrite, "job.resume=auto keeps "
               "the folder's run; choose one of the two")  # fmt: skip
+        for module in self.plugins:
+            check(MODULE.fullmatch(module) is not None, "plugins", self.plugins,
+                  f"{module!r} is not a module name (e.g. mypkg.methods)")  # fmt: skip
+        for spec in self.callbacks:
+            module, _, cls = spec.partition(":")
+            check(MODULE.fullmatch(module) is not None and cls.isidentifier(), "callbacks", self.callbacks,
+                  f"{spec!r} is not module:Class (e.g. mypkg.watch:Collector)")  # fmt: skip
         unknown = [x for x in self.loggers if x not in LOGGERS]
         check(not unknown, "loggers", self.loggers, f"unknown logger {unknown[0] if unknown else ''!r}; choose from "
               f"{list(LOGGERS)}")  # fmt: skip

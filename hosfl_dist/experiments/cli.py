@@ -46,6 +46,9 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override for every run (repeatable; the same as a positional KEY=VALUE)",
     )
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="a module every run imports first (e.g. one that registers a method), added to the config's "
+                   "job.plugins as python -m hosfl_dist.run --plugin does (repeatable)")  # fmt: skip
     p.add_argument("--metric", default="eval_accuracy", help="metric of the table and plot (default eval_accuracy)")
     p.add_argument("--title", default="", help="title of the table and plots")
     p.add_argument("--jobs", type=int, default=1,
@@ -100,8 +103,15 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
 
 
 def user_overrides(args: argparse.Namespace) -> list[str]:
-    """--set overrides, then positional ones: the same meaning, so a later one wins as on the run's command line."""
-    return [*args.sets, *getattr(args, "overrides", [])]
+    """--set overrides, then positional ones: the same meaning, so a later one wins as on the run's command line;
+    ``--plugin`` first, as ``job.plugins`` (the config file's and then these)."""
+    given = [*args.sets, *getattr(args, "overrides", [])]
+    plugins = getattr(args, "plugin", [])
+    if not plugins:
+        return given
+    listed = load_config(args.config, given).job.plugins
+    listed = [*listed, *(m for m in dict.fromkeys(plugins) if m not in listed)]
+    return [f"job.plugins=[{', '.join(listed)}]", *given]
 
 
 def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[Any]:

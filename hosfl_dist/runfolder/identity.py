@@ -39,7 +39,7 @@ from hosfl_dist.config import Config, config_to_dict
 
 RUNTIME_ONLY = {
     "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change",
-            "allow_environment_change", "allow_unsigned"),
+            "allow_environment_change", "allow_unsigned", "callbacks"),
     "zo": ("overlap", "overlap_memory_mb", "noise_cache_mb"),
     "server": ("reshard_after_forward",),
 }
@@ -54,6 +54,7 @@ ADDED_KEYS = {
     ("clients", "over_select"): 0.0,
     ("clients", "participation"): "",
     ("server", "min_clients"): 0,
+    ("job", "plugins"): [],
 }
 """Identity keys added after runs were recorded, with the value every earlier run had: at that value a key is left
 out of the identity, so a run recorded before it existed keeps its fingerprint (and compares equal); at any other
@@ -137,6 +138,27 @@ def code_identity() -> dict[str, Any]:
     return {"version": __version__, "commit": _git_commit(), "source_sha256": _source_digest()}
 
 
+def plugin_identity(plugins: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The code of the run's plug-ins (``job.plugins``): a digest of each one's source, under ``plugins`` (nothing
+    without plug-ins, so a run without them records its code as before)."""
+    return {"plugins": {module: _module_digest(module) for module in plugins}} if plugins else {}
+
+
+def _module_digest(module: str) -> str | None:
+    """SHA-256 over a plug-in's source: its file, or every .py file of its package's folder (None: not found)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return None
+    origin = Path(spec.origin)
+    files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
+    h = hashlib.sha256()
+    for path in files:
+        h.update(str(path.relative_to(origin.parent)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def run_identity(cfg: Config) -> dict[str, Any]:
     """This run's identity (the module docstring); read after the runtime set this process's threads."""
     from hosfl_dist.runfolder.environment import environment_identity
@@ -144,7 +166,7 @@ def run_identity(cfg: Config) -> dict[str, Any]:
     return {
         "config": comparable_config(cfg),
         "inputs": input_files(cfg),
-        "code": code_identity(),
+        "code": {**code_identity(), **plugin_identity(cfg.job.plugins)},
         "environment": environment_identity(cfg),
     }
 
@@ -181,6 +203,10 @@ def identity_differences(recorded: dict[str, Any], now: dict[str, Any], code: bo
     code_a, code_b = recorded.get("code") or {}, now.get("code") or {}
     if code and code_a.get("source_sha256") != code_b.get("source_sha256"):
         out.append(f"the code ({_describe_code(code_a)} -> {_describe_code(code_b)})")
+    if code and code_a.get("plugins") != code_b.get("plugins"):
+        changed = sorted(m for m in {**(code_a.get("plugins") or {}), **(code_b.get("plugins") or {})}
+                         if (code_a.get("plugins") or {}).get(m) != (code_b.get("plugins") or {}).get(m))  # fmt: skip
+        out.append(f"the code (plug-in {', '.join(changed)})")
     return out
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm
+from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, load_plugins
 from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import TEXT_DATASETS, VISION_CUT_RANGE, VISION_MODELS, Config, check, load_config
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.runtime.callbacks import resolve
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -28,7 +29,11 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
 
 def check_config(cfg: Config) -> Config:
     """Refuse a config whose sections do not fit together or that asks its method for what it does not implement
-    (ConfigError naming the key); returns ``cfg``."""
+    (ConfigError naming the key); returns ``cfg``. The config's plug-ins are imported first: a method they register
+    is a name like the package's own; its callbacks are imported (one line if one cannot be)."""
+    load_plugins(cfg.job.plugins)
+    for spec in cfg.job.callbacks:
+        resolve(spec)
     _check_model_and_data(cfg)
     if cfg.model.name == "resnet18" and cfg.model.freeze_bn != "all":
         _check_batch_stats_server(cfg)

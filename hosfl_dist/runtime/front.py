@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from hosfl_dist.config import Config
-from hosfl_dist.errors import ConfigError, Interrupted, ProtocolError
-from hosfl_dist.runfolder.environment import environment_differences
+from hosfl_dist.errors import CallbackError, ConfigError, Interrupted, ProtocolError
 from hosfl_dist.runfolder.checkpoints import trusted_manifest
+from hosfl_dist.runfolder.environment import environment_differences
 from hosfl_dist.runfolder.folder import prepare_out_dir
 from hosfl_dist.runfolder.identity import identity_differences, run_identity
 from hosfl_dist.runfolder.lock import RunLock
+from hosfl_dist.runfolder.run import Run
 from hosfl_dist.runfolder.signing import SIGNATURE, UNSIGNED
+from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore, LoopState
 from hosfl_dist.runtime.control import (
     CheckpointPart,
@@ -79,8 +81,11 @@ class RunFront(Handler):
         layout: dict[str, Any],
         memory_role: str | None = None,
         roles: dict[str, Any] | None = None,
+        callbacks: Callbacks | None = None,
     ) -> None:
         self.cfg = cfg
+        self.callbacks = callbacks or Callbacks()
+        """The user's callbacks of the events this process owns: the start, the rows, the checkpoints, the end."""
         self.endpoint = endpoint
         self.server = endpoint.server
         self.evaluator = endpoint.evaluator
@@ -106,6 +111,8 @@ class RunFront(Handler):
         self.stopped: Stopped | None = None
         self.final: FinalReport | None = None
         self.failure = ""
+        self.callback_failed = False
+        """The failure recorded is a callback's (rank 0 ends the run with a CallbackError)."""
 
     def open(self, restarted: bool = False) -> None:
         """Lock the run's folder, make it ready, and start the record; resuming, verify the checkpoints newest first
@@ -138,6 +145,7 @@ class RunFront(Handler):
             self.identity,
             notes,
         )
+        self._fire("on_train_start", Run(self.cfg.job.out_dir))
 
     def _verified(self, candidates: list[Path]) -> tuple[Path, dict[str, Any]]:
         """The newest checkpoint every server rank verifies, with its manifest if it is signed by this key (or is
@@ -244,10 +252,13 @@ class RunFront(Handler):
 
     @handles(EvalReport)
     def _on_eval(self, msg: EvalReport) -> dict[str, Any]:
+        if self.callback_failed:  # the run is ending (torchrun): no row after the failure
+            return {}
         # between executions: the row pops the server's train loss and the evaluation server's statistics
         row = self.endpoint.locked(lambda: metrics_row(self.server, self.evaluator, msg.t, msg.processed, msg.comm))
         row = self.record.log(row)
         self.server_stats = self.endpoint.stats()
+        self._fire("on_evaluate", dict(row), handling=True)
         return {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
 
     @handles(CheckpointPart)
@@ -256,6 +267,8 @@ class RunFront(Handler):
 
     @handles(SaveCheckpoint)
     def _on_save(self, msg: SaveCheckpoint) -> str:
+        if self.callback_failed:  # the run is ending (torchrun): no checkpoint after the failure
+            return ""
         loop = LoopState(msg.t, msg.processed, self.record.wall_s)
         self.record.rounds_run(msg.t)  # participation.jsonl covers what the checkpoint holds
         workers = self.layout.get("worker_ranks", [0])
@@ -269,6 +282,7 @@ class RunFront(Handler):
             return self.store.save(self.server, loop, parts, meta, self.identity)
 
         self.saved = str(self.endpoint.locked(save))
+        self._fire("on_checkpoint", self.saved, handling=True)
         return self.saved
 
     @handles(Stopped)
@@ -320,7 +334,7 @@ class RunFront(Handler):
             raise Interrupted(f"{why}; checkpoint {self.saved}; resume it: the same command with job.resume=auto "
                               f"job.out_dir={self.cfg.job.out_dir}")  # fmt: skip
         if self.failure:
-            raise PeerFailure(self.failure)
+            raise CallbackError(self.failure) if self.callback_failed else PeerFailure(self.failure)
         final = self.final
         if final is None:
             raise RuntimeError("the run ended without the workers' final report")
@@ -340,7 +354,26 @@ class RunFront(Handler):
         if final.link:
             summary["link"] = final.link
             logger.info(describe_traffic(final.link))
-        return self.record.complete(summary)
+        summary = self.record.complete(summary)
+        try:
+            self._fire("on_train_end", dict(summary))
+        except Exception:  # the run is recorded as failed, not completed: its end's callback did not run through
+            self.record.finished = False
+            self.record_failure(self.failure)
+            raise
+        return summary
+
+    def _fire(self, event: str, *args: Any, handling: bool = False) -> None:
+        """Call the callbacks' ``event``; one that raises is the run's failure (the first, if several processes
+        fail), named in one line. In a control message's handler under torchrun (``handling``) the error is recorded,
+        not raised into RPC: rank 0's main thread ends the run with it (the workers are stopped with the job)."""
+        try:
+            self.callbacks.fire(event, *args)
+        except CallbackError as exc:
+            self.callback_failed = self.callback_failed or not self.failure
+            self.fail(str(exc))
+            if not (handling and self.engine == "torchrun"):
+                raise
 
 
 class LocalControl:

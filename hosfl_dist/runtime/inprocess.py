@@ -2,6 +2,9 @@
 
     summary = run_in_process(cfg)        # InProcessRunner(cfg).setup().run(): setup -> train -> cleanup
 
+Callbacks (``job.callbacks``, and those handed to the runner by :func:`hosfl_dist.train`) are the front's and the
+worker's alike: this process owns every event.
+
 The same parts as under torchrun, in one process: the server behind an endpoint and the run's front, one worker
 hosting every client, reaching the server through direct calls (:class:`InProcessTransport`) and the front through
 :class:`LocalControl`; :class:`~hosfl_dist.runtime.trainer.Trainer` drives the run.
@@ -10,6 +13,7 @@ hosting every client, reaching the server through direct calls (:class:`InProces
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,6 +24,7 @@ from hosfl_dist.config import Config
 from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import SplitModel, build_split_model
+from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config
@@ -43,8 +48,9 @@ logger = logging.getLogger(__name__)
 class InProcessRunner:
     """One process, one worker hosting every client; the server behind an endpoint like under torchrun."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, callbacks: Iterable[Callback] = ()) -> None:
         self.cfg = check_config(cfg)
+        self.callbacks = Callbacks.of(cfg.job.callbacks, callbacks)
         self.spec = get_algorithm(cfg.algorithm.name)
         self.meter = CommMeter()
         self.stop = StopRequest()
@@ -63,7 +69,8 @@ class InProcessRunner:
         store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
         self.servers = ServerGroup(self.server, self.evaluator, store=store)
         self.endpoint = ServerEndpoint(self.server, self.servers.execute, self.evaluator)
-        self.front = RunFront(cfg, self.endpoint, self.servers, store, "in_process", {"workers": 1})
+        self.front = RunFront(cfg, self.endpoint, self.servers, store, "in_process", {"workers": 1},
+                              callbacks=self.callbacks)
         transport, collective, self.link = client_stack(
             cfg, spec, InProcessTransport(self.endpoint), LocalCollective(self.meter), self.meter
         )
@@ -97,6 +104,7 @@ class InProcessRunner:
             evaluator=Evaluator(self.worker),
             progress=Progress(cfg),
             link=self.link,
+            callbacks=self.callbacks,
         )
         with self.stop:
             self.trainer.train()
@@ -124,6 +132,6 @@ class InProcessRunner:
             self.cleanup()
 
 
-def run_in_process(cfg: Config) -> dict[str, Any]:
+def run_in_process(cfg: Config, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
     """Set up, train and clean up one in-process run; returns its summary."""
-    return InProcessRunner(cfg).setup().run()
+    return InProcessRunner(cfg, callbacks).setup().run()

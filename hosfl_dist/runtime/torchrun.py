@@ -34,6 +34,7 @@ from hosfl_dist.data import build_data, data_info
 from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config
@@ -129,7 +130,8 @@ class TorchrunJob:
             "interface": d.interface,
         }
         endpoint = ServerEndpoint(servers.server, servers.execute, servers.evaluator)
-        self.front = RunFront(cfg, endpoint, servers, servers.store, "torchrun", layout, "server", described)
+        callbacks = Callbacks.of(cfg.job.callbacks)  # the start, the rows, the checkpoints and the end are rank 0's
+        self.front = RunFront(cfg, endpoint, servers, servers.store, "torchrun", layout, "server", described, callbacks)
         self.front.open(restarted=d.env.restart > 0)
         publish(self.front)
         self.front.wait(stop)
@@ -183,6 +185,7 @@ class TorchrunJob:
             progress=Progress(cfg) if leader else None,
             stats=stats,
             link=link,
+            callbacks=Callbacks.of(cfg.job.callbacks) if leader else None,  # the leader's: on_round_end
         )
         outcome = trainer.train()
         if not outcome.completed:  # stopped by a signal, after the checkpoint

@@ -28,6 +28,7 @@ from typing import Any
 
 from hosfl_dist.algorithms.base import WorkerBase
 from hosfl_dist.config import Config
+from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointManager
 from hosfl_dist.runtime.control import EvalReport, FinalReport, Stopped
 from hosfl_dist.runtime.peers import Peers
@@ -98,6 +99,7 @@ class Trainer:
         progress: Any = None,
         stats: Any = None,
         link: Any = None,
+        callbacks: Callbacks | None = None,
     ) -> None:
         self.cfg = cfg
         self.worker = worker
@@ -110,6 +112,8 @@ class Trainer:
         self.evaluator = evaluator
         self.progress = progress
         self.link = link
+        self.callbacks = callbacks or Callbacks()
+        """The leader's callbacks (``on_round_end``); the others' are the front's."""
         self.timer = RoundTimer(stats)
         self.round: int | None = None
         """The rounds run so far (resumed ones included), once training started."""
@@ -132,8 +136,13 @@ class Trainer:
         if start is None:  # 0 is evaluated before the first round
             self.evaluate(t, processed)
         while processed < budget:
-            processed += self.timer.run(self.worker, t)
+            began = time.perf_counter()
+            samples = self.timer.run(self.worker, t)
+            processed += samples
             t = self.round = t + 1
+            if self.callbacks and self.peers.is_leader:
+                info = {"processed": processed, "samples": samples, "seconds": time.perf_counter() - began}
+                self.callbacks.fire("on_round_end", t, info)
             self._advance(processed)
             if points and processed >= points[0]:
                 while points and processed >= points[0]:  # a round can cross several thresholds: evaluate once
