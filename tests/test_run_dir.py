@@ -129,6 +129,22 @@ def test_without_a_terminal_progress_is_a_log_line_every_tenth_or_minute(monkeyp
     assert quiet.bar is None and not quiet.lines  # job.progress=false: nothing at all
 
 
+def test_progress_counts_what_done_says_and_names_the_final_evaluation(tmp_path, caplog):
+    """A budget that is no multiple of a round's samples (250 of rounds of 24): the last progress line counts the
+    samples done: and summary.json count (264), and the final evaluation has a line of its own after it."""
+    from hosfl_dist.runtime.record import progress
+
+    caplog.set_level(logging.INFO, logger="hosfl_dist")
+    _, _, summary, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}", "job.progress=true",
+                                       "train.budget_samples=250", "job.name=p"])  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.name == progress.__name__]
+    assert summary["processed_samples"] == 264
+    counted = [line for line in lines if " samples (" in line]
+    assert counted[-1].startswith("p: 264/264 samples (100%)"), counted
+    final = lines.index("p: evaluating round 11 (final) …")
+    assert final > lines.index(counted[-1])
+
+
 def test_an_in_process_run_leaves_the_thread_count_as_it_found_it(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hosfl_dist")
     before = torch.get_num_threads()

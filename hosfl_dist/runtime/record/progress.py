@@ -50,7 +50,10 @@ class Progress:
         return max(1, round(self.total * LINE_FRACTION))
 
     def advance_to(self, processed: int) -> None:
-        processed = min(processed, self.total)
+        if processed > self.total:  # the last round completes its batches past the budget: the figure done: says
+            self.total = processed
+            if self.bar is not None:
+                self.bar.total = processed
         if self.bar is not None:
             self.bar.update(processed - self.bar.n)
         elif self.lines:
@@ -67,6 +70,15 @@ class Progress:
         self.last_time = now
         while self.next_samples <= processed:
             self.next_samples += self._step()
+
+    def evaluating(self, t: int, processed: int) -> None:
+        """An evaluation of round ``t`` begins: beside the bar, or a line (the final one, or any the minute's line
+        would be due during; an LM's takes tens of seconds)."""
+        what = f"evaluating round {t} ({'final' if processed >= self.total else f'{processed:,} samples'}) …"
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=True)
+        elif self.lines and (processed >= self.total or time.monotonic() - self.last_time >= LINE_SECONDS / 2):
+            logger.info(f"{self.name}: {what}")
 
     def show(self, row: dict[str, Any] | None) -> None:
         if self.lines:
