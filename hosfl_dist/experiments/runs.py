@@ -184,7 +184,7 @@ def launch(
         watch.ended(spec)
         world = "" if launcher == "inprocess" else f" ({spec.world.describe()})"
         say(f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s"
-            f"{said}")  # fmt: skip
+            f" (its process, set-up included){said}")  # fmt: skip
         return spec, rc, took
 
     with ThreadPoolExecutor(max_workers=jobs) as pool, watch:

@@ -63,11 +63,16 @@ def curves_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str) -
             if pts:
                 comm_ax.plot(*zip(*pts), "o-", ms=3, color=color, label=f"{name}: training traffic")
             continue
-        for j, cat in enumerate(PAPER_CATEGORIES):
-            pts = [(x, c[cat] / 1e6) for x, c in comm if c.get(cat)]
-            if pts:  # downlink dashed: z up and λ down carry the same bytes, and their lines coincide
-                style = ("o" if cat.startswith("up") else "s") + ("-" if cat.startswith("up") else "--")
-                comm_ax.plot(*zip(*pts), style, ms=3, color=f"C{j}", label=CATEGORY_LABELS[cat])
+        drawn: dict[tuple, list[str]] = {}  # the points -> the categories that carry them
+        for cat in PAPER_CATEGORIES:
+            pts = tuple((x, c[cat] / 1e6) for x, c in comm if c.get(cat))
+            if pts:  # z up and λ down carry the same bytes: one line named by both, none hidden under the other
+                drawn.setdefault(pts, []).append(cat)
+        for pts, cats in drawn.items():
+            j = PAPER_CATEGORIES.index(cats[0])
+            style = ("o" if cats[0].startswith("up") else "s") + ("-" if cats[0].startswith("up") else "--")
+            label = " = ".join(CATEGORY_LABELS[c] for c in cats)
+            comm_ax.plot(*zip(*pts), style, ms=3, color=f"C{j}", label=label)
     score_ax.set_ylabel("evaluation score (%)")
     loss_ax.set_ylabel("loss")
     comm_ax.set_ylabel("cumulative traffic (MB)")
