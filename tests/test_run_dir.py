@@ -180,6 +180,17 @@ def test_bad_job_keys_are_refused(bad):
         load_config(None, [bad])
 
 
+def test_traffic_lines_that_carry_the_same_bytes_are_one_line_named_by_both(tmp_path):
+    """z up and λ down carry the same bytes: curves.png draws one line, 'up: activations = down: gradients', so
+    neither hides under the other."""
+    from hosfl_dist.runtime.record.curves import curves_figure
+
+    _, _, _, rows = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}"])
+    fig = curves_figure({"r": rows}, "r")
+    labels = fig.axes[2].get_legend_handles_labels()[1]
+    assert "up: activations = down: gradients" in labels and "down: gradients" not in labels, labels
+
+
 def test_a_completed_run_draws_its_curves_and_the_report_draws_several(tmp_path, capsys):
     from hosfl_dist.experiments.report import main as report
 

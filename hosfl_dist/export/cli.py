@@ -103,8 +103,6 @@ def export(
                 written["base_hub"] = restored.cfg.model.source
         record = write_record(restored, tmp, written, command or _command(run_dir, out, checkpoint, fmt, copy_base))
         write_card(restored, tmp, record)
-        from hosfl_dist.export.hf import readable
-
         readable(tmp)  # safetensors writes 0600: colleagues on a shared file system read what the umask lets them
         _commit(tmp, out)
     except BaseException:
@@ -173,6 +171,18 @@ def _commit(tmp: Path, out: Path) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def readable(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes the umask says (safetensors and temporary files are written 0600):
+    files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _size(folder: Path) -> int:

@@ -241,6 +241,8 @@ def shared_base(model: PreTrainedModel, tok: Any, max_shard_size: str, say: Any)
     try:
         with say(f"writing the base model once to {folder} (the next export of this base reuses it)"):
             save_model(model, tok, tmp, max_shard_size)
+            from hosfl_dist.export.cli import readable
+
             readable(tmp)
         try:
             tmp.rename(folder)
@@ -250,15 +252,3 @@ def shared_base(model: PreTrainedModel, tok: Any, max_shard_size: str, say: Any)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)
-
-
-def readable(folder: Path) -> None:
-    """Give ``folder`` and what it holds the modes the umask says (safetensors and temporary files are written 0600):
-    files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for path in folder.rglob("*"):
-        if path.is_symlink():
-            continue
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
