@@ -180,7 +180,9 @@ def predict(
     out: list[dict[str, Any]] = []
     if spec.kind == "classification":
         ids = label_word_ids(spec, tokenizer)
-    counter = Counter(-(-len(data) // batch_size), "predict", "batches")
+    batches = -(-len(data) // batch_size)
+    logger.info(f"predicting {len(data):,} examples ({spec.name}, {spec.kind}) in {batches:,} batches of {batch_size}")
+    counter = Counter(batches, "predict", "batches")
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             idx = list(range(start, min(len(data), start + batch_size)))
@@ -296,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
 
         with Steps()(f"loading the model in {args.model}"):
             model, tokenizer = load_model(args.model, args.device)
-        logger.info(f"predicting {len(examples):,} examples of {args.data} ({spec.name}, {spec.kind})")
         rows, metrics = predict(
             model, tokenizer, spec, examples, has_gold,
             batch_size=args.batch_size or task.get("batch_size") or DEFAULT_BATCH,
