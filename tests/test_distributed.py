@@ -213,6 +213,11 @@ def test_torchrun_equals_in_process_with_overlap_and_any_arrival_order(tmp_path,
     assert rc == 0, out[-4000:]
     summary = assert_same_run(tmp_path / "run", reference, n_workers=2)
     assert summary["roles"]["hosted"] == {"worker_1": [0, 2, 4], "worker_2": [1, 3, 5]}
+    import socket  # each rank's host, and the interface bound (or who chose it where none was: torch)
+
+    roles = summary["roles"]
+    assert roles["hosts"] == {f"rank_{r}": socket.gethostname() for r in range(3)}
+    assert roles["interface"] or roles["interface_chosen_by"] == "torch (job.interface unset)"
     by_round: dict[int, list[int]] = {}
     for line in arrivals.read_text().splitlines():
         t, m = json.loads(line)

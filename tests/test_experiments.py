@@ -12,7 +12,7 @@ import pytest
 
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.experiments import compare, sweep
+from hosfl_dist.experiments import compare, runs, sweep
 from hosfl_dist.experiments.report import (
     PAPER_CATEGORIES,
     best_metric,
@@ -89,7 +89,7 @@ def finish_in_process(config, specs):
         InProcessRunner(resolve(str(config), spec)).setup().run()
 
 
-def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
+def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys, monkeypatch):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
     out = tmp_path / "cmp"
@@ -116,7 +116,16 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     argv = ["--config", str(cfg), "--grid", "zo.num_perturbations=1,3", "--out", str(sw)]
     specs, _, _ = sweep.build(sweep.parse_args(argv))
     finish_in_process(cfg, specs["zo.num_perturbations=1"])
+    capsys.readouterr()
+    monkeypatch.setattr(runs, "WATCH_S", 0.2)  # a running point's newest progress line, shown often enough to be seen
     assert sweep.main(argv) == 0
+    launched = sw / "runs" / "zo.num_perturbations=3" / "seed0"
+    said = capsys.readouterr().out
+    assert f"[start] zo.num_perturbations=3 seed 0 (1/1): log {launched / 'log.txt'}" in said  # named before it runs
+    assert "[running] zo.num_perturbations=3 seed 0: " in said and " samples (" in said
+    log = (launched / "log.txt").read_text()
+    assert " samples (100%)" in log and ": evaluating round 10 (final)" in log  # its progress, in its log file
+    assert "budget reached" in runs.last_progress(launched / "log.txt")  # what the study shows of a running point
     table = json.loads((sw / "table.json").read_text())
     assert len(table["this_invocation"]["launched"]) == 1 and len(table["this_invocation"]["reused"]) == 1
     rows = table["rows"]

@@ -22,6 +22,21 @@ EVAL = 12  # evaluation examples of the tiny LM runs: three batches of 4
 SHARED = ROOT.parent / "shared"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    """$HOSFL_CACHE of this module: the bases peft exports write once (not the user's cache)."""
+    import os
+
+    folder = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("HOSFL_CACHE")
+    os.environ["HOSFL_CACHE"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("HOSFL_CACHE", None)
+    else:
+        os.environ["HOSFL_CACHE"] = old
+
+
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory):
     return write_text_files(tmp_path_factory.mktemp("text"))
@@ -63,7 +78,7 @@ def split_scores(run_dir: Path, which: str = "latest") -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["merged", "peft"])
 def test_lm_export_loads_with_plain_transformers_and_predicts_what_the_run_evaluated(
-    tmp_path, capsys, lm_run, text_files, fmt
+    tmp_path, capsys, lm_run, text_files, fmt, cache
 ):
     run_dir, rows = lm_run
     out = tmp_path / fmt
@@ -76,7 +91,8 @@ def test_lm_export_loads_with_plain_transformers_and_predicts_what_the_run_evalu
         assert not any("lora" in k for k in load_file(str(out / "model.safetensors")))
     else:
         config = json.loads((out / "adapter_config.json").read_text())
-        assert config["base_model_name_or_path"] == str((out / "base").resolve())  # tiny source: the base is written
+        base = Path(config["base_model_name_or_path"])  # tiny source: the base is written once, in the cache
+        assert base.parent == cache / "bases" and (base / "config.json").is_file() and not (out / "base").exists()
         adapter = load_file(str(out / "adapter_model.safetensors"))
         blocks = {int(k.split(".layers.")[1].split(".")[0]) for k in adapter}
         assert blocks == {0, 1, 2, 3}  # client blocks 0-1 and server blocks 2-3 in one adapter, unsplit names
@@ -87,7 +103,7 @@ def test_lm_export_loads_with_plain_transformers_and_predicts_what_the_run_evalu
         "import sys, torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         + (f"m = AutoModelForCausalLM.from_pretrained({str(out)!r})\n" if fmt == "merged" else
            "from peft import PeftModel\n"
-           f"b = AutoModelForCausalLM.from_pretrained({str(out / 'base')!r})\n"
+           f"b = AutoModelForCausalLM.from_pretrained({str(base)!r})\n"
            f"m = PeftModel.from_pretrained(b, {str(out)!r})\n")
         + f"t = AutoTokenizer.from_pretrained({str(out)!r})\n"
         "ids = t('a fine film. It was', return_tensors='pt')\n"
@@ -111,6 +127,64 @@ def test_lm_export_loads_with_plain_transformers_and_predicts_what_the_run_evalu
     card = (out / "README.md").read_text()
     for words in ("tiny:llama", "hosfl", "## Results", "## Traffic", "fingerprint", "round-00000002"):
         assert words in card, words
+
+
+LOAD_MOVED = """
+import json, sys, torch
+from peft import AutoPeftModelForCausalLM, PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, base = sys.argv[1], sys.argv[2]
+auto = AutoPeftModelForCausalLM.from_pretrained(folder)
+plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)
+ids = AutoTokenizer.from_pretrained(folder)("a fine film. It was", return_tensors="pt")
+with torch.no_grad():
+    print(float((auto(**ids).logits - plain(**ids).logits).abs().max()))
+"""
+
+
+@pytest.mark.parametrize("copy_base", [False, True])
+def test_a_peft_export_travels(tmp_path, capsys, caplog, lm_run, text_files, cache, copy_base):
+    """Moved to another folder, a peft export loads with AutoPeftModelForCausalLM and PeftModel (its base named by its
+    source, or with --copy-base by the relative path base), predicts the run's accuracy, holds files of the modes the
+    umask says, and its record and card hold the exact prompt template and label words."""
+    import os
+
+    run_dir, rows = lm_run
+    out = tmp_path / "here" / "peft"
+    mask = os.umask(0o027)
+    try:
+        argv = [str(run_dir), "--out", str(out), "--format", "peft", *(["--copy-base"] if copy_base else [])]
+        assert export_main(argv) == 0
+    finally:
+        os.umask(mask)
+    err = capsys.readouterr().err
+    for step in ("restoring", "writing the adapter"):  # each step said as it starts and as it ends
+        assert f"{step}" in err and " s\n" in err, err
+    modes = {p: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes and all(m == (0o750 if p.is_dir() else 0o640) for p, m in modes.items()), modes
+    assert "model.safetensors" in {p.name for p in modes} or not copy_base
+
+    named = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == "base" if copy_base else Path(named).parent == cache / "bases"
+    record = json.loads((out / "hosfl_export.json").read_text())
+    assert record["base_copied"] is copy_base and record["task"]["template"] == "{sentence} It was"
+    assert record["task"]["label_words"] == [" terrible", " great"] and record["task"]["stop_strings"] == []
+    card = (out / "README.md").read_text()
+    assert '"{sentence} It was"' in card and '[" terrible", " great"]' in card
+
+    moved = tmp_path / "there" / "moved"
+    moved.parent.mkdir()
+    out.rename(moved)
+    base = moved / "base" if copy_base else Path(named)
+    # --copy-base names the base relative to the folder: AutoPeftModel is run in it
+    cwd, folder = (moved, ".") if copy_base else (tmp_path, str(moved))
+    done = subprocess.run([sys.executable, "-c", LOAD_MOVED, folder, str(base)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(last_line(done.stdout)) == 0.0  # one adapter on one base, loaded two ways
+    got = predicted(capsys, moved, text_files / "sst2.jsonl", tmp_path / "p.jsonl", "--max-examples", str(EVAL))
+    assert got["accuracy"] == rows[-1]["eval_accuracy"]
+    assert "predict: 3/3 batches (100%)" in caplog.text  # predict counts its batches (lines where no terminal)
 
 
 def test_an_earlier_checkpoint_exports_its_own_round(tmp_path, capsys, lm_run, text_files):
@@ -345,8 +419,9 @@ def test_smollm2_from_gguf_exports_and_predicts_the_runs_accuracy(tmp_path, caps
     for fmt in ("merged", "peft"):
         out = tmp_path / fmt
         assert export_main([str(tmp_path / "r"), "--out", str(out), "--format", fmt]) == 0
-        if fmt == "peft":
-            assert (out / "base" / "config.json").is_file()  # a GGUF base is written as a Hugging Face folder
+        if fmt == "peft":  # a GGUF base is written once as a Hugging Face folder, in the cache
+            base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+            assert (Path(base) / "config.json").is_file() and not (out / "base").exists()
         got = predicted(capsys, out, Path(eval_file), tmp_path / f"{fmt}.jsonl", "--max-examples", "32")
         assert got["accuracy"] == rows[-1]["eval_accuracy"], fmt
 

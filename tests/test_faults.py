@@ -368,7 +368,7 @@ def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused():
     from hosfl_dist.data import FederatedData, build_data
 
     cfg = load_config(None, [*TINY_OVERRIDES, "data.train_max_samples=30", "clients.batch_size=8"])
-    with pytest.warns(UserWarning, match=r"clients.batch_size=8 is larger than the shard of 6 of 6 client\(s\)"):
+    with pytest.warns(UserWarning, match=r"batch_size=8 is larger than the training samples of 6 of the 6 clients"):
         build_data(cfg)
     x, y = torch.zeros(4, 1), torch.zeros(4, dtype=torch.long)
     with pytest.raises(DataError, match="client 1 has no training samples"):

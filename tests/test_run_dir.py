@@ -75,7 +75,7 @@ def test_threads_auto_follows_the_environment_then_the_model_size():
         assert n == 1 and "one" in why
         cores = len(os.sched_getaffinity(0))
         n, why = set_threads(cfg, SMALL_MODEL_PARAMS, {}, load=0.1)
-        assert n == cores and f"({cores}, load 0.10)" in why  # an idle machine: every core
+        assert n == cores and f"({cores} cores less the 1-minute load average 0.10, at least 1)" in why  # idle
         assert set_threads(cfg, SMALL_MODEL_PARAMS, {}, load=cores + 3.0)[0] == 1  # a loaded one: one thread
         assert set_threads(load_config(None, ["job.threads=2"]), 10, {"OMP_NUM_THREADS": "1"})[0] == 2
     finally:
@@ -129,6 +129,22 @@ def test_without_a_terminal_progress_is_a_log_line_every_tenth_or_minute(monkeyp
     assert quiet.bar is None and not quiet.lines  # job.progress=false: nothing at all
 
 
+def test_progress_counts_what_done_says_and_names_the_final_evaluation(tmp_path, caplog):
+    """A budget that is no multiple of a round's samples (250 of rounds of 24): the last progress line counts the
+    samples done: and summary.json count (264), and the final evaluation has a line of its own after it."""
+    from hosfl_dist.runtime.record import progress
+
+    caplog.set_level(logging.INFO, logger="hosfl_dist")
+    _, _, summary, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}", "job.progress=true",
+                                       "train.budget_samples=250", "job.name=p"])  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.name == progress.__name__]
+    assert summary["processed_samples"] == 264
+    counted = [line for line in lines if " samples (" in line]
+    assert counted[-1].startswith("p: 264/264 samples (100%)"), counted
+    final = lines.index("p: evaluating round 11 (final) …")
+    assert final > lines.index(counted[-1])
+
+
 def test_an_in_process_run_leaves_the_thread_count_as_it_found_it(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hosfl_dist")
     before = torch.get_num_threads()
@@ -162,6 +178,17 @@ def test_the_emulated_link_is_announced_and_summed_up():
 def test_bad_job_keys_are_refused(bad):
     with pytest.raises(Exception, match=bad.split("=")[0]):
         load_config(None, [bad])
+
+
+def test_traffic_lines_that_carry_the_same_bytes_are_one_line_named_by_both(tmp_path):
+    """z up and λ down carry nearly the same bytes: curves.png draws one line, 'up: activations ≈ down: gradients',
+    so neither hides under the other."""
+    from hosfl_dist.runtime.record.curves import curves_figure
+
+    _, _, _, rows = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}"])
+    fig = curves_figure({"r": rows}, "r")
+    labels = fig.axes[2].get_legend_handles_labels()[1]
+    assert "up: activations ≈ down: gradients" in labels and "down: gradients" not in labels, labels
 
 
 def test_a_completed_run_draws_its_curves_and_the_report_draws_several(tmp_path, capsys):

@@ -437,3 +437,21 @@ def test_hub_rows_are_mapped_to_canonical_fields(monkeypatch):
     rows[0]["label"] = -1
     with pytest.raises(DataError, match="unlabelled"):
         load_text_split("rte", "test", "hub", None, None)
+
+
+def test_preset_prompt_templates_say_what_the_prompts_are():
+    """The template an export's card shows for a preset task, formatted with the fields as its note says, is the
+    prompt the run built (hosfl_dist/data/text.py's PROMPT_TEMPLATES against _PROMPTS)."""
+    from hosfl_dist.data.text import _PROMPTS, PROMPT_TEMPLATES
+
+    examples = {
+        "sst2": {"sentence": "  A film. ", "label": 0},
+        "rte": {"premise": "A man sleeps.", "hypothesis": "A man rests.", "label": 0},
+        "wsc": {"text": "Anna thanked Mia because She helped.", "span1_text": "Mia", "span2_text": "She", "label": 0},
+        "squad": {"title": "T", "context": "C.", "question": " Q? ", "answers": ["a"]},
+    }
+    noted = {"sst2": {"sentence": "A film."}, "wsc": {"span2_text": "she"}, "squad": {"question": "Q?"}}
+    assert set(PROMPT_TEMPLATES) == set(_PROMPTS)
+    for name, example in examples.items():
+        template, _ = PROMPT_TEMPLATES[name]
+        assert template.format(**{**example, **noted.get(name, {})}) == _PROMPTS[name](example), name

@@ -618,7 +618,10 @@ class HOSFLWorker(WorkerBase):
     def sync_all_words(self, t: int) -> str:
         if not self.per_client:
             return f"the shared client replica is at round {t} already (clients.replicas=shared)"
-        return f"bringing the {len(self.hosted)} client replicas to round {t} by replaying the history (Algorithm 3)"
+        total, n = self.cfg.clients.total, len(self.hosted)
+        which = f"the {n} client replicas" if n == total else \
+            f"this worker's {n} client replicas (of {total}: each worker brings its own)"  # fmt: skip
+        return f"bringing {which} to round {t} by replaying the history (Algorithm 3)"
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "client_round": dict(self.client_round)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 import warnings
@@ -34,6 +35,7 @@ from typing import Any
 
 from hosfl_dist.errors import ConfigError, DataError, HosflError, write_failure
 
+logger = logging.getLogger(__name__)
 RECORD = "hosfl_export.json"
 """What an export says about its task (hosfl_dist/export/card.py)."""
 DEFAULT_BATCH = 8
@@ -145,6 +147,9 @@ def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
                 base_name = json.loads(adapter.read_text()).get("base_model_name_or_path")
                 if not base_name:
                     raise PredictError(f"{adapter} names no base model (base_model_name_or_path)")
+                inside = model_dir / base_name  # --copy-base: named by the relative path base, beside the adapter
+                if not Path(base_name).is_absolute() and (inside / "config.json").is_file():
+                    base_name = str(inside)
                 base = AutoModelForCausalLM.from_pretrained(base_name, dtype="auto")
                 with warnings.catch_warnings():  # peft asks transformers a question transformers 5 deprecates
                     warnings.simplefilter("ignore", FutureWarning)
@@ -164,10 +169,12 @@ def predict(
     model: Any, tokenizer: Any, spec: Any, examples: list[dict], has_gold: bool, batch_size: int, max_length: int,
     padding_side: str, max_new_tokens: int,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """(a row per example, the metrics) — see the module docstring."""
+    """(a row per example, the metrics) — see the module docstring. The batches are counted on stderr (a bar on a
+    terminal, lines in a file)."""
     import torch
 
     from hosfl_dist.data.text import label_word_ids, tokenize_split
+    from hosfl_dist.runtime.record.progress import Counter
     from hosfl_dist.tasks.classification import classification_logits
 
     data = tokenize_split(spec, examples, tokenizer, max_length, padding_side, train=False)
@@ -175,6 +182,9 @@ def predict(
     out: list[dict[str, Any]] = []
     if spec.kind == "classification":
         ids = label_word_ids(spec, tokenizer)
+    batches = -(-len(data) // batch_size)
+    logger.info(f"predicting {len(data):,} examples ({spec.name}, {spec.kind}) in {batches:,} batches of {batch_size}")
+    counter = Counter(batches, "predict", "batches")
     with torch.no_grad():
         for start in range(0, len(data), batch_size):
             idx = list(range(start, min(len(data), start + batch_size)))
@@ -192,6 +202,8 @@ def predict(
                     out.append(item)
             else:
                 out += _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens)
+            counter.update()
+    counter.close()
     n = len(out)
     metrics: dict[str, Any] = {"examples": n}
     if has_gold and spec.kind == "classification":
@@ -254,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                    "hosfl_manifest.json (exported elsewhere or by an earlier version), if you trust whoever could "
                    "write it; a signature mismatch is refused whatever this says")  # fmt: skip
     args = p.parse_args(argv)
+    from hosfl_dist.logs import init_logging
+
+    init_logging("predict")  # its steps and batches on stderr; the metrics' JSON alone on stdout
     start = time.perf_counter()
     try:
         for flag in ("batch_size", "max_length", "max_new_tokens", "max_examples"):
@@ -290,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         task = record.get("task") or {}
         spec, columns = task_of(record, args)
         examples, has_gold = load_examples(spec, args.data, columns, args.max_examples)
-        model, tokenizer = load_model(args.model, args.device)
+        from hosfl_dist.runtime.record.progress import Steps
+
+        with Steps()(f"loading the model in {args.model}"):
+            model, tokenizer = load_model(args.model, args.device)
         rows, metrics = predict(
             model, tokenizer, spec, examples, has_gold,
             batch_size=args.batch_size or task.get("batch_size") or DEFAULT_BATCH,

@@ -153,8 +153,9 @@ def _check_shards(shards: Sequence[np.ndarray], batch_size: int) -> None:
     small = [m for m, n in enumerate(sizes) if n < batch_size]
     if small:
         warnings.warn(
-            f"clients.batch_size={batch_size} is larger than the shard of {len(small)} of {len(sizes)} client(s) "
-            f"(smallest: client {min(small, key=sizes.__getitem__)}, {min(sizes)} samples): their batches repeat "
+            f"clients.batch_size={batch_size} is larger than the training samples of {len(small)} of the "
+            f"{len(sizes)} clients (the fewest: client {min(small, key=sizes.__getitem__)}, {min(sizes)} samples): "
+            "their batches repeat "
             "samples within a step; lower clients.batch_size or clients.total, or train on more data",
             stacklevel=3,
         )

@@ -226,7 +226,8 @@ def write_table(
     unit, size = unit_for(max((r.training_total_bytes for r in rows), default=1.0))
     row_header, names = row_labels([r.variant for r in rows])
     head = [row_header, f"final {metric}{pct}", f"best {metric}{pct}", "n seeds", "processed samples"]
-    head += [f"{CATEGORY_LABELS[c]} [{unit}]" for c in PAPER_CATEGORIES] + [f"Total [{unit}]", "wall s / run"]
+    head += [f"{CATEGORY_LABELS[c]} [{unit}]" for c in PAPER_CATEGORIES]
+    head += [f"Total [{unit}]", "wall s / run (summary.json: after set-up)"]
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in zip(names, rows):
         n = len(r.seeds)

@@ -40,7 +40,8 @@ class RunSpec:
     """The processes (nodes, GPUs) its job starts with; its overrides are in ``overrides`` already."""
 
     def all_overrides(self) -> list[str]:
-        return [*self.overrides, f"job.seed={self.seed}", f"job.out_dir={self.out_dir}", "job.progress=false"]
+        # progress on: its lines (every tenth of the budget or minute, and the final evaluation) go to the log file
+        return [*self.overrides, f"job.seed={self.seed}", f"job.out_dir={self.out_dir}", "job.progress=true"]
 
 
 @dataclass
@@ -165,10 +166,12 @@ def launch(
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     env.pop("HOSFL_JOB_TOKEN", None)  # every torchrun job makes a token of its own (launch/torchrun.sh)
     start = time.perf_counter()
+    watch = Watch(len(todo))
 
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        watch.started(spec)
         log = open_log(spec.out_dir)
         if isinstance(log, str):  # a live run holds the folder: its log is not this study's to touch
             rc, said = 2, f": {log}"
@@ -178,14 +181,13 @@ def launch(
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **added}).returncode
             said = ""
         took = time.perf_counter() - t0
+        watch.ended(spec)
         world = "" if launcher == "inprocess" else f" ({spec.world.describe()})"
-        line = (f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s"
-                f"{said}\n")  # fmt: skip
-        sys.stdout.write(line)  # one write per line: runs finish in parallel threads
-        sys.stdout.flush()
+        say(f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s"
+            f" (its process, set-up included){said}")  # fmt: skip
         return spec, rc, took
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    with ThreadPoolExecutor(max_workers=jobs) as pool, watch:
         results = list(pool.map(one, todo))
     return {
         "launched": [{"run": str(s.out_dir), "wall_time_s": round(w, 1)} for s, rc, w in results if rc == 0],
@@ -196,6 +198,72 @@ def launch(
         "threads": threads,
         "launcher": launcher,
     }
+
+
+def say(line: str) -> None:
+    """One line on stdout in one write (runs start and finish in parallel threads)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+WATCH_S = 60.0
+"""How often a study says where each running point is (its log's last progress line)."""
+
+
+class Watch:
+    """A study's points on its stdout: ``[start] VARIANT seed S (i/n): log FOLDER/log.txt`` as each begins, and every
+    :data:`WATCH_S` the newest progress line of each point still running (read from its log), so that a study
+    never runs in silence until its first point ends."""
+
+    def __init__(self, total: int) -> None:
+        import threading
+
+        self.total, self.count = total, 0
+        self.running: dict[Path, tuple[RunSpec, str]] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="study-watch", daemon=True)
+
+    def __enter__(self) -> Watch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def started(self, spec: RunSpec) -> None:
+        with self.lock:
+            self.count += 1
+            self.running[spec.out_dir] = (spec, "")
+            say(f"[start] {spec.variant} seed {spec.seed} ({self.count}/{self.total}): log {spec.out_dir / 'log.txt'}")
+
+    def ended(self, spec: RunSpec) -> None:
+        with self.lock:
+            self.running.pop(spec.out_dir, None)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(WATCH_S):
+            with self.lock:
+                for folder, (spec, shown) in list(self.running.items()):
+                    line = last_progress(folder / "log.txt")
+                    if line and line != shown:
+                        self.running[folder] = (spec, line)
+                        say(f"[running] {spec.variant} seed {spec.seed}: {line}")
+
+
+def last_progress(log: Path) -> str | None:
+    """The newest progress line of a run's log (``… 1,200/4,000 samples (30%) …`` or ``evaluating round …``)."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 20_000))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if " samples (" in line or ": evaluating round " in line or "budget reached" in line:
+            return line.strip()
+    return None
 
 
 def open_log(folder: Path) -> Any:

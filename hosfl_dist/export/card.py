@@ -33,14 +33,20 @@ def task_record(restored: Restored) -> dict[str, Any] | None:
     from hosfl_dist.data.text import SENTIMENT_COLUMNS
     from hosfl_dist.data.text_fed import task_spec
 
+    from hosfl_dist.data.text import prompt_template
+    from hosfl_dist.tasks.squad_metric import DEFAULT_STOP_STRINGS
+
     spec = task_spec(cfg.data)
     columns = dict(cfg.data.columns) or (dict(SENTIMENT_COLUMNS) if cfg.data.name == "sentiment_multiemo" else {})
+    template, note = prompt_template(spec)
     return {
         "data": cfg.data.name,
         "name": spec.name,
         "kind": spec.kind,
-        "template": spec.template,
+        "template": template,
+        "template_note": note,
         "label_words": spec.label_words,
+        "stop_strings": list(DEFAULT_STOP_STRINGS) if spec.kind == "generation" else [],
         "columns": columns,
         "max_length": cfg.data.max_length,
         "padding_side": cfg.data.padding_side,
@@ -146,14 +152,20 @@ def _load_snippet(fmt: str, record: dict[str, Any]) -> list[str]:
         ]
     if fmt == "peft":
         base = record["base"]
-        where = '"DIR/base"' if base.endswith("/") else repr(base)
+        inside = base.endswith("/")
+        where = '"DIR/base"' if inside else repr(base)
+        auto = ("# or, in DIR (the base is named by the relative path base):" if inside else
+                "# or, the base named in adapter_config.json:")  # fmt: skip
         return [
-            "from peft import PeftModel",
+            "from peft import AutoPeftModelForCausalLM, PeftModel",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f"base = AutoModelForCausalLM.from_pretrained({where})",
             'model = PeftModel.from_pretrained(base, "DIR")',
+            auto,
+            'model = AutoPeftModelForCausalLM.from_pretrained("DIR")' if not inside else
+            'model = AutoPeftModelForCausalLM.from_pretrained(".")',
             'tokenizer = AutoTokenizer.from_pretrained("DIR")',
-        ]
+        ]  # fmt: skip
     return [
         "from hosfl_dist.export import load_vision",
         'model = load_vision("DIR")   # eval mode; inputs normalised as vision.json says',
@@ -213,8 +225,13 @@ def _data_rows(cfg: Any, summary: dict[str, Any], record: dict[str, Any]) -> lis
     task = record.get("task")
     if task:
         rows += [("task", f"{task['name']} ({task['kind']})"), ("label words", task["label_words"] or "-"),
-                 ("template", task["template"] or "the task's preset prompt (hosfl_dist/data/text.py)"),
+                 ("template (str.format of the fields)", json.dumps(task["template"])),
+                 ("columns (field: the file's column)", task["columns"] or "the fields' own names"),
                  ("max_length, padding side", f"{task['max_length']}, {task['padding_side']}")]  # fmt: skip
+        if task.get("template_note"):
+            rows.insert(-2, ("template note", task["template_note"]))
+        if task.get("stop_strings"):
+            rows.insert(-1, ("stop strings (the answer ends at the first)", json.dumps(task["stop_strings"])))
     rows.append(("data.eval_max_samples", cfg.data.eval_max_samples or "all"))
     for role, entry in (summary.get("inputs") or {}).items():
         if role.startswith("data"):

@@ -40,11 +40,14 @@ def export(
     force: bool = False,
     command: str = "",
     allow_unsigned: bool = False,
+    copy_base: bool = False,
 ) -> dict[str, Any]:
     """Export checkpoint ``checkpoint`` of the run in ``run_dir`` to the folder ``out``; returns hosfl_export.json's
     record. ``fmt`` None: ``merged`` for an LM, ``state_dict`` for a vision model. ``force`` replaces an ``out``
     that holds files (only once the new export is complete). ``allow_unsigned``: export a checkpoint whose manifest
-    carries no signature (a signature mismatch is refused whatever it says)."""
+    carries no signature (a signature mismatch is refused whatever it says). ``copy_base`` (peft): the base goes into
+    ``out/base``, named by that relative path, instead of being named by its source. Each step is logged as it starts
+    and ends; the files get the modes the umask says."""
     run_dir, out = run_folder(Path(run_dir)), Path(out)
     if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -64,13 +67,20 @@ def export(
         where = "holds" if other.is_relative_to(target) else "is inside"
         raise ExportError(f"--out {out} {where} the run folder {other}: export to a folder of its own")
     _check_out(out, force)
+    if copy_base and fmt not in (None, "peft"):
+        raise ExportError(f"--copy-base is for --format peft (a {fmt} export holds its weights already)")
+    from hosfl_dist.runtime.record.progress import Steps
+
+    step = Steps()
     tmp = _scratch(out)
     try:
         from hosfl_dist.runfolder.signing import check_outside, load_key
 
         key = load_key()
         check_outside(key, tmp)
-        restored = restore(run_dir, checkpoint, allow_unsigned=allow_unsigned)
+        with step(f"restoring checkpoint {checkpoint} of {run_dir} (verifying it, building the model, reading the "
+                  "frozen base weights: a GGUF base is de-quantised)"):  # fmt: skip
+            restored = restore(run_dir, checkpoint, allow_unsigned=allow_unsigned)
         lm = restored.cfg.model.name == "hf"
         fmt = fmt or ("merged" if lm else "state_dict")
         if lm and fmt == "state_dict":
@@ -79,32 +89,32 @@ def export(
             raise ExportError(f"--format {fmt}: a {restored.cfg.model.name} (vision) model exports as state_dict")
         from hosfl_dist.export.card import write_card, write_record
 
+        if copy_base and fmt != "peft":
+            raise ExportError(f"--copy-base is for --format peft (a {fmt} export holds its weights already)")
         if fmt == "merged":
             from hosfl_dist.export.hf import write_merged
 
-            written = write_merged(restored, tmp, max_shard_size)
+            written = write_merged(restored, tmp, max_shard_size, step)
         elif fmt == "peft":
             from hosfl_dist.export.hf import write_peft
 
-            written = write_peft(restored, tmp, max_shard_size)
+            written = write_peft(restored, tmp, max_shard_size, copy_base, step)
         else:
             from hosfl_dist.export.vision import write_vision
 
-            written = write_vision(restored, tmp)
+            with step("writing the state dict"):
+                written = write_vision(restored, tmp)
         if lm:
             from hosfl_dist.models.sources import is_hub_id
 
             if is_hub_id(restored.cfg.model.source):
                 written["base_hub"] = restored.cfg.model.source
-        record = write_record(restored, tmp, written, command or _command(run_dir, out, checkpoint, fmt))
+        record = write_record(restored, tmp, written, command or _command(run_dir, out, checkpoint, fmt, copy_base))
         write_card(restored, tmp, record)
-        if fmt == "peft":
-            from hosfl_dist.export.hf import fix_base_path
-
-            fix_base_path(tmp, out)
         from hosfl_dist.runfolder.exported import sign_export
 
         sign_export(tmp, key, restored.round)  # last: every file of the export, signed
+        readable(tmp)  # safetensors writes 0600: colleagues on a shared file system read what the umask lets them
         _commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,9 +131,9 @@ def run_folder(path: Path) -> Path:
     return path
 
 
-def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str) -> str:
+def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str, copy_base: bool = False) -> str:
     return shlex.join(["python", "-m", "hosfl_dist.export", str(run_dir), "--checkpoint", checkpoint, "--out",
-                       str(out), "--format", fmt])  # fmt: skip
+                       str(out), "--format", fmt, *(["--copy-base"] if copy_base else [])])  # fmt: skip
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -174,6 +184,18 @@ def _commit(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def readable(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes the umask says (safetensors and temporary files are written 0600):
+    files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -190,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder to write (new or empty)")
     p.add_argument("--format", dest="fmt", choices=FORMATS, default=None,
                    help="merged (LM default): config.json, safetensors, tokenizer, for AutoModelForCausalLM; peft: "
-                   "adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained (with the base in "
-                   "DIR/base when the run's base was no Hugging Face folder); state_dict: vision models")  # fmt: skip
+                   "adapter_config.json + adapter_model.safetensors for PeftModel.from_pretrained, naming its base by "
+                   "its source (a hub id, a local folder, or for GGUF/package/tiny bases one folder written once under "
+                   "$HOSFL_CACHE/bases); state_dict: vision models")  # fmt: skip
+    p.add_argument("--copy-base", action="store_true",
+                   help="peft: write the base model into DIR/base and name it by that relative path (the folder then "
+                   "holds everything it needs, e.g. to carry to another machine)")  # fmt: skip
     p.add_argument("--max-shard-size", default=DEFAULT_SHARD,
                    help=f"safetensors shard size of LM weights (default {DEFAULT_SHARD})")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace the files in --out once the new export is complete")
@@ -208,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "hosfl_dist.export", *(sys.argv[1:] if argv is None else argv)])
     try:
         record = export(args.run_dir, args.out, args.checkpoint, args.fmt, args.max_shard_size, args.force, command,
-                        args.allow_unsigned)
+                        args.allow_unsigned, args.copy_base)  # fmt: skip
     except KeyboardInterrupt:  # the half-written folder is gone (export's cleanup), the run was only read
         print(f"interrupted: the export of {args.run_dir} to {args.out} stopped by Ctrl-C; --out is as it was and the "
               "run untouched: run the same command again", file=sys.stderr)  # fmt: skip

@@ -10,14 +10,16 @@ whole model's name. Two outputs:
   unwrapped; the whole model saved with ``save_pretrained`` (config.json, safetensors shards, generation_config.json)
   and the tokenizer beside it;
 - ``peft``: one adapter of the whole model (adapter_config.json, adapter_model.safetensors) naming the client's and
-  the server's LoRA modules by their full names, for ``PeftModel.from_pretrained(base, DIR)``; the base is the hub
-  model or local folder the run read, or, for GGUF, package, tiny and architecture-only sources, a Hugging Face
-  folder of the frozen weights the run used, written to ``DIR/base``.
+  the server's LoRA modules by their full names, for ``PeftModel.from_pretrained(base, DIR)``. Its
+  ``base_model_name_or_path`` names the base by its source, so that the folder travels: the hub id or the local
+  folder the run read; for GGUF, package, tiny and architecture-only sources (no Hugging Face folder exists), a
+  Hugging Face folder of the frozen weights the run used, written once under ``$HOSFL_CACHE/bases/<digest>`` (the
+  digest of those weights: the next export of the same base writes nothing). ``copy_base`` writes the base into
+  ``DIR/base`` instead and names it by the relative path ``base``: the folder then holds everything it needs.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,9 @@ from hosfl_dist.models.sources import DTYPES, is_hub_id, load_tokenizer, model_c
 ADAPTER = "default"
 """The adapter name ``inject_adapter_in_model`` gives the LoRA layers."""
 BASE = "base"
-"""The folder of the base model inside a ``peft`` export whose base the run did not read from a Hugging Face folder."""
+"""The folder of the base model inside a ``peft`` export written with ``--copy-base`` (named by this relative path)."""
+BASES = "bases"
+"""The folder under ``$HOSFL_CACHE`` of the bases written for ``peft`` exports, one per digest of their weights."""
 
 
 def hf_parts(restored: Restored) -> tuple[HFClient, HFServer]:
@@ -121,13 +125,17 @@ def save_model(model: PreTrainedModel, tok: Any, out: Path, max_shard_size: str)
     tok.save_pretrained(out)
 
 
-def write_merged(restored: Restored, out: Path, max_shard_size: str) -> dict[str, Any]:
+def write_merged(restored: Restored, out: Path, max_shard_size: str, step: Any = None) -> dict[str, Any]:
     """The unsplit model with both sides' LoRA merged in (see the module docstring)."""
+    say = step or _quiet
     client, server = hf_parts(restored)
     adapters = len(lora_layers(client)) + len(lora_layers(server))
-    fold_lora(client, merge=True)
-    fold_lora(server, merge=True)
-    save_model(join(restored, client, server), tokenizer_of(restored), out, max_shard_size)
+    with say(f"merging {adapters} LoRA layers into their weights"):
+        fold_lora(client, merge=True)
+        fold_lora(server, merge=True)
+        whole = join(restored, client, server)
+    with say(f"writing the model (safetensors shards of at most {max_shard_size}) and the tokenizer"):
+        save_model(whole, tokenizer_of(restored), out, max_shard_size)
     return {"format": "merged", "lora_layers_merged": adapters}
 
 
@@ -143,11 +151,14 @@ def base_of(restored: Restored) -> str | None:
     return str(Path(source.path).resolve())
 
 
-def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, Any]:
-    """One adapter over the unsplit model, client and server LoRA together (see the module docstring)."""
+def write_peft(restored: Restored, out: Path, max_shard_size: str, copy_base: bool = False,
+               step: Any = None) -> dict[str, Any]:
+    """One adapter over the unsplit model, client and server LoRA together (see the module docstring); ``step`` (a
+    :class:`~hosfl_dist.logs.Steps`) says what takes long."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
+    say = step or _quiet
     client, server = hf_parts(restored)
     model, skel_c, skel_s = skeleton(restored)
     tensors: dict[str, torch.Tensor] = {}
@@ -164,13 +175,19 @@ def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, 
         raise ExportError("the run trained no LoRA adapter (lora.client_targets and lora.server_targets are empty): "
                           "export --format merged")  # fmt: skip
     del model, skel_c, skel_s
-    base = base_of(restored)
+    source = base_of(restored)
     tok = tokenizer_of(restored)
-    if base is None:  # the frozen weights the run used, as a Hugging Face folder
+    base = source
+    if source is None or copy_base:  # the frozen weights the run used, as a Hugging Face folder
         fold_lora(client, merge=False)
         fold_lora(server, merge=False)
-        save_model(join(restored, client, server), tok, out / BASE, max_shard_size)
-        base = str((out / BASE).resolve())
+        whole = join(restored, client, server)
+        if copy_base:
+            with say(f"writing the base model into {out.name}/{BASE} (--copy-base)"):
+                save_model(whole, tok, out / BASE, max_shard_size)
+            base = BASE
+        else:
+            base = shared_base(whole, tok, max_shard_size, say)
     lora = restored.cfg.lora
     config = LoraConfig(
         r=lora.r,
@@ -180,24 +197,58 @@ def write_peft(restored: Restored, out: Path, max_shard_size: str) -> dict[str, 
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
     )
-    config.save_pretrained(str(out))
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(out)
-    return {"format": "peft", "base": _shown_base(base, out), "lora_modules": len(targets)}
+    with say("writing the adapter and the tokenizer"):
+        config.save_pretrained(str(out))
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(out)
+    shown = f"{BASE}/" if base == BASE else base
+    return {"format": "peft", "base": shown, "base_source": source, "base_copied": copy_base,
+            "lora_modules": len(targets)}  # fmt: skip
 
 
-def _shown_base(base: str, out: Path) -> str:
-    """The base as the model card names it: ``base/`` for the folder written beside the adapter."""
-    inside = os.path.join(str(out.resolve()), BASE)
-    return f"{BASE}/" if base == inside else base
+def _quiet(what: str) -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
-def fix_base_path(out: Path, final: Path) -> None:
-    """Point a ``peft`` export's adapter_config.json at ``final/base`` once the folder is in its place (it is written
-    in a temporary folder first)."""
-    path = out / "adapter_config.json"
-    config = json.loads(path.read_text())
-    written = str((out / BASE).resolve())
-    if config.get("base_model_name_or_path") == written:
-        config["base_model_name_or_path"] = str((final / BASE).resolve())
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def weights_digest(model: PreTrainedModel) -> str:
+    """BLAKE2b of a model's config and state dict (names, dtypes, shapes, bytes): which base a folder holds."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def shared_base(model: PreTrainedModel, tok: Any, max_shard_size: str, say: Any) -> str:
+    """The absolute path of ``$HOSFL_CACHE/bases/<digest>``, the base as a Hugging Face folder, written there unless
+    an earlier export wrote it (into a hidden folder renamed into place, so a folder there is complete)."""
+    import shutil
+
+    from hosfl_dist.models.sources import cache_path
+
+    with say("hashing the base model's weights"):
+        digest = weights_digest(model)
+    folder = Path(cache_path(BASES, digest))
+    if (folder / "config.json").is_file():
+        return str(folder)
+    tmp = folder.with_name(f".{digest}.partial-{os.getpid()}")
+    try:
+        with say(f"writing the base model once to {folder} (the next export of this base reuses it)"):
+            save_model(model, tok, tmp, max_shard_size)
+            from hosfl_dist.export.cli import readable
+
+            readable(tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another export wrote it meanwhile
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)

@@ -347,8 +347,10 @@ class RunFront(Handler):
         if problem is not None:
             raise ProtocolError(f"end-of-run report refused: {problem}")
         summary = self.record.completed_summary(final.rounds, final.processed, final.comm, final.client_digests, digest)
-        if self.roles is not None:
-            summary["roles"] = self.roles
+        if self.roles is not None:  # with each rank's host, and who chose the interface where job.interface is unset
+            hosts = {f"rank_{e['rank']}": e["host"] for e in memory + final.memory if "host" in e}
+            chosen = {} if self.roles.get("interface") else {"interface_chosen_by": "torch (job.interface unset)"}
+            summary["roles"] = {**self.roles, **chosen, "hosts": hosts}
         summary["memory"] = memory + final.memory
         summary["transport"] = {"workers": final.transport, "server": self.server_stats or self.endpoint.stats()}
         if final.link:

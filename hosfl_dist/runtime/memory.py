@@ -38,14 +38,17 @@ def rss_bytes() -> tuple[int | None, int | None]:
 
 
 def process_memory(rank: int, role: str, *modules: Any) -> dict[str, Any]:
-    """One entry of summary.json's ``memory``: this process's role, the bytes of the model parameters it
+    """One entry of summary.json's ``memory``: this process's role and host, the bytes of the model parameters it
     materialised (its FSDP shard on a server rank; meta tensors count nothing), its peak RSS, and on GPU its peak
     CUDA allocation."""
     from hosfl_dist.models.materialize import param_bytes
 
+    import socket
+
     entry: dict[str, Any] = {
         "rank": rank,
         "role": role,
+        "host": socket.gethostname(),
         "param_bytes": param_bytes(*modules),
         "peak_rss_bytes": rss_bytes()[1],
     }

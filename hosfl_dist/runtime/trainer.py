@@ -169,6 +169,8 @@ class Trainer:
         key = f"evaluated/{t}"
         if self.peers.is_leader:
             self.worker.transport.flush()  # the last round is closed on the server (its error, if any, here)
+            if self.progress is not None:  # an LM's evaluation takes a while: not after a silent 100 %
+                self.progress.evaluating(t, processed)
             self.evaluator.evaluate(t)
             self.peers.post(key)
         else:

@@ -196,7 +196,9 @@ def set_threads(
         elif load is None:
             n, why = cores, f"{size}, every core (this system has no load average)"
         else:
-            n, why = free_cores(cores, load), f"{size}, the cores other work leaves free ({cores}, load {load:.2f})"
+            n = free_cores(cores, load)
+            why = (f"{size}, the cores other work leaves free ({cores} cores less the 1-minute load average "
+                   f"{load:.2f}, at least 1)")  # fmt: skip
     torch.set_num_threads(n)
     return n, why
 

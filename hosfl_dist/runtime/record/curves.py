@@ -34,6 +34,16 @@ def _points(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], l
     return [float(x) for x, _ in pts], [float(y) for _, y in pts]
 
 
+COINCIDE = 0.05
+"""Two traffic lines within this fraction of each other at every point are drawn as one (on the log axis the one
+would hide the other): z up and λ down differ by the labels and masks sent with z."""
+
+
+def _coincide(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
+    return len(a) == len(b) and all(xa == xb and abs(ya - yb) <= COINCIDE * max(ya, yb) for (xa, ya), (xb, yb) in
+                                    zip(a, b))  # fmt: skip
+
+
 def curves_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str) -> Figure:
     """The figure of one or several runs (label -> metrics rows)."""
     import matplotlib
@@ -63,11 +73,22 @@ def curves_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str) -
             if pts:
                 comm_ax.plot(*zip(*pts), "o-", ms=3, color=color, label=f"{name}: training traffic")
             continue
-        for j, cat in enumerate(PAPER_CATEGORIES):
+        drawn: list[tuple[list[tuple[float, float]], list[str]]] = []  # a line's points, the categories on it
+        for cat in PAPER_CATEGORIES:
             pts = [(x, c[cat] / 1e6) for x, c in comm if c.get(cat)]
-            if pts:  # downlink dashed: z up and λ down carry the same bytes, and their lines coincide
-                style = ("o" if cat.startswith("up") else "s") + ("-" if cat.startswith("up") else "--")
-                comm_ax.plot(*zip(*pts), style, ms=3, color=f"C{j}", label=CATEGORY_LABELS[cat])
+            if not pts:
+                continue
+            # z up and λ down carry (nearly) the same bytes: one line named by both, none hidden under the other
+            same = next((cats for line, cats in drawn if _coincide(line, pts)), None)
+            if same is not None:
+                same.append(cat)
+            else:
+                drawn.append((pts, [cat]))
+        for pts, cats in drawn:
+            j = PAPER_CATEGORIES.index(cats[0])
+            style = ("o" if cats[0].startswith("up") else "s") + ("-" if cats[0].startswith("up") else "--")
+            label = " ≈ ".join(CATEGORY_LABELS[c] for c in cats)
+            comm_ax.plot(*zip(*pts), style, ms=3, color=f"C{j}", label=label)
     score_ax.set_ylabel("evaluation score (%)")
     loss_ax.set_ylabel("loss")
     comm_ax.set_ylabel("cumulative traffic (MB)")

@@ -50,7 +50,10 @@ class Progress:
         return max(1, round(self.total * LINE_FRACTION))
 
     def advance_to(self, processed: int) -> None:
-        processed = min(processed, self.total)
+        if processed > self.total:  # the last round completes its batches past the budget: the figure done: says
+            self.total = processed
+            if self.bar is not None:
+                self.bar.total = processed
         if self.bar is not None:
             self.bar.update(processed - self.bar.n)
         elif self.lines:
@@ -67,6 +70,15 @@ class Progress:
         self.last_time = now
         while self.next_samples <= processed:
             self.next_samples += self._step()
+
+    def evaluating(self, t: int, processed: int) -> None:
+        """An evaluation of round ``t`` begins: beside the bar, or a line (the final one, or any the minute's line
+        would be due during; an LM's takes tens of seconds)."""
+        what = f"evaluating round {t} ({'final' if processed >= self.total else f'{processed:,} samples'}) …"
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=True)
+        elif self.lines and (processed >= self.total or time.monotonic() - self.last_time >= LINE_SECONDS / 2):
+            logger.info(f"{self.name}: {what}")
 
     def show(self, row: dict[str, Any] | None) -> None:
         if self.lines:
@@ -95,3 +107,64 @@ def show_eval(bar: Any, row: dict[str, Any] | None) -> None:
     if bar is None or not row:
         return
     bar.set_postfix_str(eval_text(row), refresh=True)
+
+
+class Counter:
+    """A count of ``unit`` toward ``total`` for a command that is not a run (predict's batches): a tqdm bar where
+    stderr is a terminal, else an INFO line every :data:`LINE_FRACTION` of ``total`` or :data:`LINE_SECONDS`, and
+    one at the end, so a log file shows it too."""
+
+    def __init__(self, total: int, name: str, unit: str, terminal: bool | None = None) -> None:
+        self.total, self.name, self.unit, self.done = max(0, total), name, unit, 0
+        self.start = self.last_time = time.monotonic()
+        self.bar: Any = None
+        if terminal if terminal is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit=unit, desc=name, dynamic_ncols=True)
+        self.next = max(1, round(self.total * LINE_FRACTION))
+        self.logged = 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        if self.done >= self.next or now - self.last_time >= LINE_SECONDS:
+            self._line(now)
+            while self.next <= self.done:
+                self.next += max(1, round(self.total * LINE_FRACTION))
+
+    def _line(self, now: float) -> None:
+        share = f" ({self.done / self.total:.0%})" if self.total else ""
+        logger.info(f"{self.name}: {self.done:,}/{self.total:,} {self.unit}{share}, {now - self.start:.0f} s")
+        self.last_time, self.logged = now, self.done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.done != self.logged:
+            self._line(time.monotonic())
+
+
+class Steps:
+    """The steps of a long command on stderr, on a terminal and in a file alike: ``with steps("restoring the
+    checkpoint"):`` logs ``restoring the checkpoint …`` as it starts and ``restoring the checkpoint: 12.3 s`` as it
+    ends, so no step runs in silence."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, what: str) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def step() -> Any:
+            t0 = time.monotonic()
+            logger.info(f"{what} …")
+            yield
+            logger.info(f"{what}: {time.monotonic() - t0:.1f} s")
+
+        return step()

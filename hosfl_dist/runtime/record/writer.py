@@ -286,7 +286,7 @@ def done_line(summary: dict[str, Any], folder: str | Path) -> str:
     )
     curves = "curves.png: the curves; " if (Path(folder) / "curves.png").is_file() else ""
     return (
-        f"done: {summary['rounds']} rounds, {summary['processed_samples']} samples, "
+        f"done: {summary['rounds']} rounds, {summary['processed_samples']:,} samples, "
         f"eval_accuracy={_fraction(last.get('eval_accuracy'))}{best}, wall {summary['wall_time_s']} s -> {folder}\n"
         f"      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; {curves}several runs' "
         "curves: python -m hosfl_dist.experiments.report DIR...; the model: python -m hosfl_dist.export "
