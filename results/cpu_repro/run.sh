@@ -7,7 +7,7 @@ set -euo pipefail
 PY=${PYTHON:-python}
 for part in iid dirichlet; do
   "$PY" -m hosfl_dist.experiments.compare --config "configs/repro/cifar10_${part}.yaml" \
-    --methods hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed --seeds 0,1,2 --jobs 2 --threads 1 \
+    --methods hosfl,sfl,fsl_sage,zo_sfl,mu_splitfed,frozen_client --seeds 0,1,2 --jobs 2 --threads 1 \
     --title "CPU repro: CIFAR-10 (8k offline images), small CNN, ${part}, 40k samples" \
     --out "results/cpu_repro/${part}"
 done
@@ -22,3 +22,9 @@ done
   --set data.augment=false \
   --title "Paper geometry (ResNet-18 cut 2, 500 samples/client, K=10): traffic of 5,120 samples" \
   --out results/cpu_repro/paper_geometry_traffic
+
+# The ResNet-18 setting of the authors' code with the fixed baselines (issue 34; README: resnet18_code/)
+"$PY" -m hosfl_dist.experiments.compare --config configs/repro/resnet18_cifar10_code.yaml \
+  --methods hosfl,sfl,frozen_client,fsl_sage,zo_sfl,mu_splitfed --seeds 0,1,2 --no-paper-defaults --jobs 2 --threads 1 \
+  --title "ResNet-18 from scratch, cut 2, the authors' code's settings (AdamW 1e-3/1e-4, freeze_bn=code), M=100, K=10, 19.2k samples" \
+  --out results/cpu_repro/resnet18_code
