@@ -189,6 +189,10 @@ def launch(
 
     with ThreadPoolExecutor(max_workers=jobs) as pool, watch:
         results = list(pool.map(one, todo))
+    if any(rc in CTRL_C for _, rc, _ in results):
+        # the terminal's Ctrl-C reached the runs (each checkpointed and stopped): the study was interrupted too, even
+        # where the signal woke one of its threads rather than the one that waits for them
+        raise KeyboardInterrupt
     return {
         "launched": [{"run": str(s.out_dir), "wall_time_s": round(w, 1)} for s, rc, w in results if rc == 0],
         "reused": [str(s.out_dir) for s in reused],
@@ -206,6 +210,8 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+CTRL_C = (130, -2)
+"""A run's exit code after Ctrl-C: the command's own (128 + SIGINT), or the signal's where it had no handler yet."""
 WATCH_S = 60.0
 """How often a study says where each running point is (its log's last progress line)."""
 
