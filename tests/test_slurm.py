@@ -271,7 +271,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_identically(
     assert _job_field(slurm_env, job_id, "ExitCode") == "0:0", text
     assert _job_field(slurm_env, job_id, "Restarts") == "1", text
     assert re.search(r"hosfl\.sbatch: \[[\d:]+\] SIGTERM from Slurm", text), text
-    stopped = re.search(r"\[server\] interrupted: SIGTERM after round (\d+); checkpoint (\S+)", text)
+    stopped = re.search(r"\[server\] interrupted: SIGTERM after round (\d+); checkpoint ([^\s;]+)", text)
     assert stopped, text
     t, checkpoint = int(stopped.group(1)), stopped.group(2)
     assert 1 <= t < 10 and checkpoint == str(out_dir / "checkpoints" / f"round-{t:08d}"), text
