@@ -216,16 +216,30 @@ def trusted_manifest(folder: Path, key: Key, allow_unsigned: bool, accept: str) 
     manifest = read_manifest(folder)
     if manifest is None or manifest.get("digest") != manifest_digest(manifest):
         raise ConfigError(f"{folder}: {MANIFEST} changed while it was read")
+    return manifest, accepted_signature(folder, manifest, key, allow_unsigned, accept)
+
+
+def accepted_signature(
+    folder: Path,
+    manifest: dict[str, Any],
+    key: Key,
+    allow_unsigned: bool,
+    accept: str,
+    what: str = "its manifest",
+    forged: str = "its files or identity",
+) -> str:
+    """The signature's state of an intact manifest (a checkpoint's, or an export's: ``what`` names it, ``forged``
+    what a forgery could change) if the reader takes it: :data:`~.signing.SIGNED`, or :data:`~.signing.UNSIGNED`
+    where ``allow_unsigned``; ConfigError in one line otherwise."""
     state, detail = signature_state(manifest, key)
     if state == MISMATCH:
-        raise ConfigError(f"{folder}: {MISMATCH} ({detail}): the manifest was not signed by this key, so its files or "
-                          "identity may be forged; refused (if you trust it and hold the key that signed it, point "
-                          "HOSFL_KEY_FILE at that key)")  # fmt: skip
+        raise ConfigError(f"{folder}: {MISMATCH} ({detail}): {what} was not signed by this key, so {forged} may be "
+                          "forged; refused (if you trust it and hold the key that signed it, point HOSFL_KEY_FILE at "
+                          "that key)")  # fmt: skip
     if state == UNSIGNED and not allow_unsigned:
-        raise ConfigError(f"{folder}: {UNSIGNED} (its manifest carries no signature: written by hand, by another "
-                          f"tool, or stripped); refused ({accept} accepts it, if you trust whoever could write that "
-                          "folder)")  # fmt: skip
-    return manifest, state
+        raise ConfigError(f"{folder}: {UNSIGNED} ({what} carries no signature: written by hand, by another tool, or "
+                          f"stripped); refused ({accept} accepts it, if you trust whoever could write that folder)")
+    return state
 
 
 def commit(partial: Path, final: Path) -> None:

@@ -12,8 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from hosfl_dist.errors import ConfigError
-from hosfl_dist.runfolder.checkpoints import files_problem, list_files, manifest_digest, read_manifest, write_signed
-from hosfl_dist.runfolder.signing import MISMATCH, UNSIGNED, Key, signature_state
+from hosfl_dist.runfolder.checkpoints import (
+    accepted_signature,
+    files_problem,
+    list_files,
+    manifest_digest,
+    read_manifest,
+    write_signed,
+)
+from hosfl_dist.runfolder.signing import UNSIGNED, Key
 
 EXPORT_MANIFEST = "hosfl_manifest.json"
 EXPORT_FORMAT = 1
@@ -39,13 +46,7 @@ def verify_export(folder: Path, key: Key, allow_unsigned: bool, accept: str = "-
         raise ConfigError(f"{folder}: {EXPORT_MANIFEST} unreadable")
     if manifest.get("digest") != manifest_digest(manifest):
         raise ConfigError(f"{folder}: {EXPORT_MANIFEST} altered")
-    state, detail = signature_state(manifest, key)
-    if state == MISMATCH:
-        raise ConfigError(f"{folder}: {MISMATCH} ({detail}): its files may be forged; refused (if you trust it and "
-                          "hold the key that signed it, point HOSFL_KEY_FILE at that key)")  # fmt: skip
-    if state == UNSIGNED and not allow_unsigned:
-        raise ConfigError(f"{folder}: {UNSIGNED} ({EXPORT_MANIFEST} carries no signature); refused ({accept} reads "
-                          "it, if you trust whoever could write that folder)")  # fmt: skip
+    state = accepted_signature(folder, manifest, key, allow_unsigned, accept, EXPORT_MANIFEST, "its files")
     problem = files_problem(folder, manifest["files"])
     if problem is not None:
         raise ConfigError(f"{folder} failed verification ({problem})")
