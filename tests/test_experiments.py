@@ -89,7 +89,7 @@ def finish_in_process(config, specs):
         InProcessRunner(resolve(str(config), spec)).setup().run()
 
 
-def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys, monkeypatch):
+def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY)
     out = tmp_path / "cmp"
@@ -117,12 +117,10 @@ def test_compare_writes_the_report_and_reuses_finished_runs(tmp_path, capsys, mo
     specs, _, _ = sweep.build(sweep.parse_args(argv))
     finish_in_process(cfg, specs["zo.num_perturbations=1"])
     capsys.readouterr()
-    monkeypatch.setattr(runs, "WATCH_S", 0.2)  # a running point's newest progress line, shown often enough to be seen
     assert sweep.main(argv) == 0
     launched = sw / "runs" / "zo.num_perturbations=3" / "seed0"
     said = capsys.readouterr().out
     assert f"[start] zo.num_perturbations=3 seed 0 (1/1): log {launched / 'log.txt'}" in said  # named before it runs
-    assert "[running] zo.num_perturbations=3 seed 0: " in said and " samples (" in said
     log = (launched / "log.txt").read_text()
     assert " samples (100%)" in log and ": evaluating round 10 (final)" in log  # its progress, in its log file
     assert "budget reached" in runs.last_progress(launched / "log.txt")  # what the study shows of a running point
@@ -149,6 +147,47 @@ def fake_run(seed: int, accs: list[float], with_best: bool = False, variant: str
     comm = {c: 1000.0 * (k + 1) for k, c in enumerate(PAPER_CATEGORIES)}
     summary = {"comm": {"bytes": comm}, "processed_samples": 100 * len(accs), "wall_time_s": 1.0}
     return RunData(RunSpec(variant, seed, [], Path(f"runs/{variant}/seed{seed}")), rows, summary)
+
+
+def test_a_running_point_shows_its_newest_progress_line_once(tmp_path, monkeypatch):
+    """The watcher says a running point's newest progress line, each new line once, and nothing after it ended (driven
+    by the log's content, not by how long a run takes: a tiny run may end before the first look)."""
+    said: list[str] = []
+    monkeypatch.setattr(runs, "say", said.append)
+    monkeypatch.setattr(runs, "WATCH_S", 0.01)
+    spec = RunSpec("P=3", 0, [], tmp_path)
+    log = tmp_path / "log.txt"
+
+    def wait_for(n: int) -> None:
+        for _ in range(6000):  # up to a minute on a loaded machine; returns as soon as the line is there
+            if len(said) >= n:
+                return
+            stop.wait(0.01)
+        raise AssertionError(f"the watcher said {said}")
+
+    def write(text: str) -> None:  # whole, as the watcher may look at any moment
+        (tmp_path / "log.new").write_text(text)
+        (tmp_path / "log.new").replace(log)
+
+    import threading
+
+    stop = threading.Event()
+    with runs.Watch(1) as watch:
+        watch.started(spec)
+        wait_for(1)
+        assert said == [f"[start] P=3 seed 0 (1/1): log {log}"]
+        write("building\nhosfl: 24/240 samples (10%), 0 s\n")
+        wait_for(2)
+        stop.wait(0.1)  # several more looks at the same line: said once
+        write(log.read_text() + "hosfl: 48/240 samples (20%), 0 s\nnot progress\n")
+        wait_for(3)
+        watch.ended(spec)
+        write(log.read_text() + "hosfl: evaluating round 10 (final) …\n")
+        stop.wait(0.1)
+    assert said[1:] == [
+        "[running] P=3 seed 0: hosfl: 24/240 samples (10%), 0 s",
+        "[running] P=3 seed 0: hosfl: 48/240 samples (20%), 0 s",
+    ]
 
 
 def test_best_evaluation_comes_from_the_rows_or_is_the_maximum_over_them():
