@@ -97,8 +97,24 @@ class ParticipationPlan:
         self.emulated = bool(self.dropout or self.size != self.per_round or self.recorded is not None)
         """Whether a round can differ from "the K sampled clients all count and deliver"."""
         self._cache: dict[int, Participation] = {}
+        self.live: dict[int, Participation] | None = None
+        """Elastic runs (``--serve``): each round as the server decided it from who answered in time
+        (:meth:`decide`), instead of a draw; a round not decided yet is not known."""
+
+    def go_live(self) -> None:
+        """From now on rounds are what :meth:`decide` says (the server of an elastic run)."""
+        self.live, self.emulated = {}, True
+
+    def decide(self, p: Participation) -> None:
+        """Round ``p.round`` as it happened (decided again when its scalars are in: the drops after uploads)."""
+        assert self.live is not None
+        self.live[p.round] = p
 
     def round(self, t: int) -> Participation:
+        if self.live is not None:
+            if t not in self.live:
+                raise KeyError(f"round {t} has not been decided yet")
+            return self.live[t]
         got = self._cache.get(t)
         if got is None:
             if len(self._cache) > 64:  # rounds are asked for in order: keep the recent ones
@@ -110,6 +126,8 @@ class ParticipationPlan:
         """Whether round t is skipped (a round past the end of a replayed record is not known to be: running it is
         refused, looking ahead at it is not)."""
         if self.recorded is not None and t >= len(self.recorded):
+            return False
+        if self.live is not None and t not in self.live:
             return False
         return self.round(t).skipped
 

@@ -69,6 +69,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="import MODULE before anything is built (it may register a method of its own), like job.plugins; "
         "repeat for several (docs/python-api.md#plug-ins)",
     )
+    p.add_argument(
+        "--serve",
+        nargs="?",
+        const="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="serve an elastic run (HO-SFL): client workers join and leave it while it runs (--join); writes the join "
+        "address into the run folder (default 127.0.0.1 and a free port; docs/participation.md#elastic-runs)",
+    )
+    p.add_argument(
+        "--join",
+        metavar="RUN_DIR",
+        help="join the elastic run served in RUN_DIR as a client worker, until the run ends (its config is the run's)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. zo.num_perturbations=8 job.seed=3")
     return p.parse_intermixed_args(argv)  # overrides before and after options, as the studies take them
 
@@ -81,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
             return _help_config(args.help_config, args.plugin)
         if args.status is not None:
             return _status(Path(args.status), args.record_death)
+        if args.join is not None:
+            if args.config or args.overrides or args.serve is not None:
+                raise ConfigError("invalid value for --join: a worker takes the run's own config (give --join "
+                                  "RUN_DIR alone)")  # fmt: skip
+            from hosfl_dist.runtime.elastic.worker import run_join
+
+            return run_join(args.join)
         from hosfl_dist.runtime.process.launch import launch_env  # torch-free: a bad config fails at once
 
         launch = launch_env()  # None without torchrun
@@ -92,6 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)
+        if args.serve is not None:
+            if launch is not None:
+                raise ConfigError("invalid value for --serve: an elastic server runs alone, not under torchrun")
+            from hosfl_dist.runtime.elastic.serve import run_serve
+            from hosfl_dist.runtime.record.writer import done_line
+
+            summary, folder = run_serve(cfg, args.serve)
+            print(done_line(summary, folder), flush=True)
+            return 0
         if world > 1 and launch is not None:
             if not _completed_already(cfg, launch):
                 return _train_torchrun(cfg, launch, world)

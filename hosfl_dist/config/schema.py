@@ -410,6 +410,13 @@ class ServerConfig:
     min_clients: int = 0
     """A round steps only with at least this many uploads; fewer is a skipped round (recorded in participation.jsonl
     and summary.json, nothing stepped). 0 = clients.per_round (K)."""
+    round_timeout_s: float = 0.0
+    """Elastic runs (``--serve``): after a round's first upload (and again after its first scalars) the server waits
+    at most this long for the others, then steps with what arrived (at least ``server.min_clients``) and answers the
+    late ones "not this round". 0 = wait for every client of a live worker (docs/participation.md)."""
+    worker_timeout_s: float = 30.0
+    """Elastic runs (``--serve``): a client worker silent for this long (no call, no heartbeat) is lost: its round's
+    clients count as dropped and its logical clients move to the workers still there."""
     micro_batch_tokens: int = 0
     """Largest number of tokens (samples for vision models) one server forward/backward holds: a round's activations
     are processed in micro-batches of whole samples and their gradients accumulated (same mean). 0 = the whole
@@ -429,6 +436,10 @@ class ServerConfig:
                   "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
         check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
         check(self.min_clients >= 0, "min_clients", self.min_clients, "must be >= 0 (0 = clients.per_round)")
+        check(math.isfinite(self.round_timeout_s) and 0 <= self.round_timeout_s <= 86400, "round_timeout_s",
+              self.round_timeout_s, "must be between 0 (wait for all) and a day")  # fmt: skip
+        check(math.isfinite(self.worker_timeout_s) and 1 <= self.worker_timeout_s <= 86400, "worker_timeout_s",
+              self.worker_timeout_s, "must be between 1 s and a day")  # fmt: skip
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:

@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hosfl_dist.algorithms.participation import ParticipationPlan, add
@@ -206,6 +207,8 @@ class ParticipationRecord:
         self.written = 0
         self._file = open(folder / "participation.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
         self.reported = 0
+        self.workers: Callable[[], dict[str, int]] | None = None
+        """Elastic runs: the workers lost and joined so far (0 and 0 otherwise)."""
         if resumed_at is not None:
             self.through(rows[-1]["round"] if rows else 0)
             self.reported = self.counts["delivered"]  # the kept rows' participants
@@ -231,7 +234,8 @@ class ParticipationRecord:
     def totals_through(self, rounds: int) -> dict[str, int]:
         """summary.json's ``participation`` over the rounds before ``rounds``."""
         self.through(rounds)
-        return {**self.counts, "workers_lost": 0, "workers_joined": 0}
+        workers = self.workers() if self.workers is not None else {"workers_lost": 0, "workers_joined": 0}
+        return {**self.counts, **workers}
 
     def close(self) -> None:
         self._file.close()

@@ -1,0 +1,144 @@
+"""``python -m hosfl_dist.run --config X --serve [HOST:PORT]``: the server of an elastic run, which client workers
+join and leave while it runs (``--join RUN_DIR``; see :mod:`hosfl_dist.runtime.elastic`).
+
+The process holds what rank 0 holds under torchrun (θs behind the endpoint, the run's front and record) and, for
+the metrics rows, an evaluation worker of its own (θc of round t from the server's history, the held-out split), so
+that evaluation does not depend on which workers are there. It writes ``join.json`` (address and token, readable by
+its owner only) into the run folder while it serves, and removes it at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.algorithms import get_algorithm
+from hosfl_dist.config import Config
+from hosfl_dist.data import build_data
+from hosfl_dist.errors import ConfigError
+from hosfl_dist.evaluation.client import Evaluator
+from hosfl_dist.models import build_split_model
+from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
+from hosfl_dist.runtime.build import client_stack, server_side
+from hosfl_dist.runtime.checkpoint import CheckpointStore
+from hosfl_dist.runtime.checks import check_config
+from hosfl_dist.runtime.control import EvalReport, FinalReport
+from hosfl_dist.runtime.elastic import entry
+from hosfl_dist.runtime.elastic.coordinator import Coordinator
+from hosfl_dist.runtime.elastic.membership import free_port, leave_rpc, serve_rpc
+from hosfl_dist.runtime.elastic.worker import JOIN_FILE
+from hosfl_dist.runtime.front import RunFront
+from hosfl_dist.runtime.memory import process_memory
+from hosfl_dist.runtime.process.host import check_devices, set_threads
+from hosfl_dist.runtime.process.signals import StopRequest
+from hosfl_dist.runtime.record.progress import Progress
+from hosfl_dist.runtime.rpc import expect_token
+from hosfl_dist.runtime.server_group import ServerGroup
+from hosfl_dist.runtime.trainer import eval_points
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
+from hosfl_dist.transport.wire import CommMeter
+
+logger = logging.getLogger(__name__)
+
+ELASTIC_METHODS = ("hosfl",)
+
+
+def check_elastic(cfg: Config) -> None:
+    """What an elastic run refuses, in one line each, before anything is built."""
+    if cfg.algorithm.name not in ELASTIC_METHODS:
+        raise ConfigError(f"invalid value for algorithm.name: {cfg.algorithm.name!r} with --serve (elastic runs "
+                          f"support {', '.join(ELASTIC_METHODS)}; the baselines run with dropout emulated: "
+                          "clients.dropout)")  # fmt: skip
+    if cfg.clients.dropout or cfg.clients.participation:
+        key = "clients.dropout" if cfg.clients.dropout else "clients.participation"
+        raise ConfigError(f"invalid value for {key}: it emulates who takes part; with --serve the workers that "
+                          "answer decide it (set it to its default)")  # fmt: skip
+    if cfg.server.ranks != 1:
+        raise ConfigError("invalid value for server.ranks: --serve runs the server in one process (server.ranks=1)")
+    if cfg.checkpoint.interval_samples:
+        raise ConfigError("invalid value for checkpoint.interval_samples: elastic runs write no checkpoints yet "
+                          "(checkpoint.interval_samples=0)")  # fmt: skip
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"invalid value for --serve: {text!r} (HOST:PORT, e.g. 127.0.0.1:29600; port 0 picks one)")
+    return host, int(port)
+
+
+def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
+    """Serve an elastic run until its budget; returns its summary and folder."""
+    host, port = parse_address(address)
+    cfg = check_config(cfg)
+    check_elastic(cfg)
+    check_devices(cfg)
+    if not chosen(cfg):
+        cfg = resolve_out_dir(cfg)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
+    spec = get_algorithm(cfg.algorithm.name)
+    data = build_data(cfg, clients=[], evaluation=True)
+    split = build_split_model(cfg, data.info, spec.zeroth_order_client)
+    server, evaluator = server_side(cfg, spec, split)
+    store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
+    servers = ServerGroup(server, evaluator, store=store)
+    endpoint = ServerEndpoint(server, servers.execute, evaluator)
+    meter = CommMeter()
+    layout = {"workers": "elastic"}
+    front = RunFront(cfg, endpoint, servers, store, "elastic", layout, "server", {"server": "elastic, --serve"})
+    transport, collective, _ = client_stack(cfg, spec, InProcessTransport(endpoint), LocalCollective(meter), meter)
+    evaluating = spec.worker(cfg, split, data, [], transport, collective)
+    threads, why = set_threads(cfg, sum(p.numel() for m in (split.client, split.server) for p in m.parameters()))
+    front.open()
+    logger.info(f"threads: {threads} intra-op ({why})")
+    progress = Progress(cfg)
+    join_path = Path(cfg.job.out_dir) / JOIN_FILE
+    try:
+        port = port or free_port(host)
+        token = secrets.token_hex(32)
+        expect_token(token)
+        serve_rpc(host, port, cfg.server.rpc_timeout_s)
+        fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"host": host, "port": port, "token": token, "pid": os.getpid()}, fh)
+
+        def evaluate(t: int, processed: int) -> None:
+            progress.advance_to(processed)
+            Evaluator(evaluating).evaluate(t)
+            shown = front.handle(EvalReport(t, processed, meter.snapshot()))
+            progress.show(shown)
+
+        with StopRequest() as stop:
+            coordinator = Coordinator(cfg, endpoint, meter, evaluate, stop)
+            front.record.participation.plan = server.round_plan.participation
+            front.record.participation.workers = coordinator.totals
+            entry.publish(coordinator)
+            c = cfg.clients
+            logger.info(f"{cfg.job.name}: {cfg.algorithm.name}, elastic: serving at {host}:{port}, {c.total} clients "
+                        f"({c.per_round} per round), budget {cfg.train.budget_samples} samples; workers join with "
+                        f"python -m hosfl_dist.run --join {cfg.job.out_dir}")  # fmt: skip
+            budget = cfg.train.budget_samples
+            rounds, processed = coordinator.run(budget, eval_points(budget, cfg.train.eval_every_samples))
+            progress.close()
+            digests = coordinator.finish(rounds)
+            evaluating_digest = evaluating.client_digest()
+            front.handle(FinalReport(rounds=rounds, processed=processed, comm=meter.snapshot(),
+                                     client_digests={**digests, "server_evaluation": evaluating_digest},
+                                     transport={}, memory=[process_memory(0, "server", split.client, split.server)]))  # fmt: skip
+        return front.conclude(), cfg.job.out_dir
+    except BaseException as exc:
+        if front.record is not None and not front.record.finished:
+            front.record_failure(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        progress.close()
+        join_path.unlink(missing_ok=True)
+        front.close()
+        leave_rpc()

@@ -1,0 +1,193 @@
+"""A client worker that joins an elastic run (``python -m hosfl_dist.run --join RUN_DIR``) and leaves when it ends.
+
+It reads the run's config and join address from the run folder, joins the server's dynamic RPC group
+(:mod:`.membership`) and serves whichever logical clients the server gives it each round, with one replica of θc:
+
+    join      θc at the start of the server's history, replayed to its end (Algorithm 3)
+    round t   the clients it serves in t, the seeds, the rows to replay to θc^t, the data-stream positions of the
+              clients it did not hold; each client draws its batch and uploads z (one message), then, for those the
+              round counts, sends its P scalars (one message); a late client's batch is put back
+    end       its replica brought to the last round; its digest, which the server checks against its own replay
+
+A heartbeat every quarter of ``server.worker_timeout_s`` keeps it a member while a round's compute runs; a worker
+the server has given up on (stopped past the timeout, then continued) joins again as a new member.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from hosfl_dist.algorithms import get_algorithm
+from hosfl_dist.algorithms.hosfl import Replica, _load_replica
+from hosfl_dist.config import Config, load_config
+from hosfl_dist.core.zo import Projector
+from hosfl_dist.data import build_data
+from hosfl_dist.errors import ConfigError, NonFiniteError
+from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.elastic import entry
+from hosfl_dist.runtime.elastic.membership import SERVER_NAME, join_rpc, leave_rpc
+from hosfl_dist.runtime.memory import process_memory
+from hosfl_dist.runtime.process.host import set_threads
+from hosfl_dist.runtime.rpc import from_wire, to_wire
+from hosfl_dist.transport.inprocess import LocalCollective
+from hosfl_dist.transport.wire import CommMeter
+
+logger = logging.getLogger(__name__)
+
+JOIN_FILE = "join.json"
+
+
+def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
+    """The run's join address and token (``join.json``, written by ``--serve``) and its config."""
+    path = run_dir / JOIN_FILE
+    try:
+        join = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (no {JOIN_FILE}: not a run started with "
+                          "--serve, or one that has ended)") from None  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"invalid value for --join: {str(path)!r} cannot be read ({exc})") from None
+    if not isinstance(join, dict) or not {"host", "port", "token"} <= set(join):
+        raise ConfigError(f"invalid value for --join: {str(path)!r} is not a join file of this version")
+    cfg = load_config(run_dir / "config.yaml")
+    return join, cfg
+
+
+class ElasticWorker:
+    """One client worker of an elastic run (see the module docstring)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.join_info, cfg = read_join(run_dir)
+        self.cfg = cfg
+        self.token = self.join_info["token"]
+        self.timeout = cfg.server.rpc_timeout_s
+        spec = get_algorithm(cfg.algorithm.name)
+        self.data = build_data(cfg, clients=range(cfg.clients.total), evaluation=False)
+        split = build_split_model(cfg, self.data.info, spec.zeroth_order_client, parts=spec.worker_parts)
+        split.keep(spec.worker_parts)
+        self.split = split
+        threads, why = set_threads(cfg, sum(p.numel() for p in split.client.parameters()))
+        logger.info(f"threads: {threads} intra-op ({why})")
+        # the method's worker, for its forwards, projections and replays (it talks to no one itself)
+        self.zo = spec.worker(cfg, split, self.data, [], _NoTransport(), _Follower(CommMeter()))
+        self.replica = self.zo._new_replica()
+        self.name = ""
+        self.stopped = threading.Event()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        got = rpc.rpc_sync(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)), timeout=self.timeout)
+        return from_wire(got)
+
+    def _beat(self) -> None:
+        every = max(0.2, self.cfg.server.worker_timeout_s / 4)
+        while not self.stopped.wait(every):
+            try:
+                rpc.rpc_sync(SERVER_NAME, entry.beat, args=(self.token, self.name), timeout=self.timeout)
+            except Exception:  # noqa: BLE001 - the server's answer to the next call says what happened
+                if self.stopped.is_set():
+                    return
+
+    def run(self) -> int:
+        """Join, serve rounds until the run ends; returns the rounds this worker took part in."""
+        host, port = self.join_info["host"], int(self.join_info["port"])
+        _, self.name = join_rpc(host, port, self.timeout)
+        beat = threading.Thread(target=self._beat, name="hosfl-heartbeat", daemon=True)
+        try:
+            self._join()
+            beat.start()
+            return self._rounds()
+        finally:
+            self.stopped.set()
+            leave_rpc()
+
+    def _join(self) -> None:
+        state = self._call(entry.join)
+        if state.get("end"):
+            return
+        rep = self.replica
+        _load_replica(rep, state)
+        rep.round = state["round"]
+        self.zo.replay(rep, state["hist_seeds"], state["hist_scalars"])
+        logger.info(f"{self.name} joined {self.run_dir} at round {rep.round} (θc by replaying "
+                    f"{len(state['hist_seeds'])} round(s) of the server's history)")  # fmt: skip
+
+    def _rounds(self) -> int:
+        t, took_part = 0, 0
+        while True:
+            task = self._call(entry.next_round, t, self.replica.round)
+            if task.get("lost"):  # the server gave up on this worker (stopped too long): join again
+                logger.warning(f"{self.name}: the server counted this worker as lost; joining again")
+                self._join()
+                continue
+            self.zo.replay(self.replica, task["hist_seeds"], task["hist_scalars"])
+            t = task["t"]
+            if task.get("end"):
+                digest = self.replica.digest()
+                self._call(entry.final, digest, process_memory(0, "worker", self.split.client, None))
+                logger.info(f"{self.name}: the run ended after round {t}; θc {digest[:12]}")
+                return took_part
+            if task["clients"]:
+                took_part += 1
+                self._serve(t, task)
+            t += 1
+
+    def _serve(self, t: int, task: dict[str, Any]) -> None:
+        zo, rep = self.zo, self.replica
+        for m, state in task["data"].items():
+            self.data.load_state_dict({m: state})
+        zo.bind(rep.params)
+        before, jobs, uploads = {}, {}, []
+        for m in task["clients"]:
+            before[m] = self.data.state_dict([m])
+            x, y = self.data.next_batch(m)
+            act = zo.zo_forward(x)
+            uploads.append({"client": m, "act": zo.precision.upload(act), "labels": y,
+                            "data": self.data.state_dict([m])[m]})  # fmt: skip
+            jobs[m] = (x, act["z"])
+        answers = self._call(entry.upload, t, uploads)
+        del uploads
+        seeds = task["seeds"].tolist()
+        rows = {}
+        for m in task["clients"]:
+            answer = answers[m]
+            if answer.get("late"):  # not this round: the batch was not used, put it back
+                self.data.load_state_dict(before[m])
+                continue
+            if answer.get("skip"):
+                continue
+            x, z = jobs.pop(m)
+            proj = Projector(answer["lam"].to(z.device), z)
+            v = zo.zo_scalars(x, seeds, proj, None)
+            if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
+            rows[m] = v
+        if rows:
+            self._call(entry.scalars, t, rows)
+
+
+class _NoTransport:
+    """The method's worker is used for its compute only: a call to the server from it is a bug."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the elastic worker's compute called its transport ({name})")
+
+
+class _Follower(LocalCollective):
+    is_leader = False
+
+
+def run_join(run_dir: str) -> int:
+    """``--join RUN_DIR``: one client worker, until the run ends."""
+    worker = ElasticWorker(Path(run_dir))
+    rounds = worker.run()
+    logger.info(f"{worker.name}: took part in {rounds} round(s); pid {os.getpid()} leaves")
+    return 0
