@@ -129,9 +129,10 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
             progress.close()
             digests = coordinator.finish(rounds)
             evaluating_digest = evaluating.client_digest()
-            front.handle(FinalReport(rounds=rounds, processed=processed, comm=meter.snapshot(),
-                                     client_digests={**digests, "server_evaluation": evaluating_digest},
-                                     transport={}, memory=[process_memory(0, "server", split.client, split.server)]))  # fmt: skip
+            memory = [process_memory(0, "server", split.client, split.server)]
+            digests = {**digests, "server_evaluation": evaluating_digest}
+            report = FinalReport(rounds, processed, meter.snapshot(), digests, transport={}, memory=memory)
+            front.handle(report)
         return front.conclude(), cfg.job.out_dir
     except BaseException as exc:
         if front.record is not None and not front.record.finished:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from hosfl_dist.algorithms import get_algorithm
-from hosfl_dist.algorithms.hosfl import Replica, _load_replica
+from hosfl_dist.algorithms.hosfl import _load_replica
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.core.zo import Projector
 from hosfl_dist.data import build_data
