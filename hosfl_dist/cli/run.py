@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "RUN_DIR alone)")  # fmt: skip
             from hosfl_dist.runtime.elastic.worker import run_join
 
+            init_logging("worker")
             return run_join(args.join)
         from hosfl_dist.runtime.process.launch import launch_env  # torch-free: a bad config fails at once
 
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             from hosfl_dist.runtime.elastic.serve import run_serve
             from hosfl_dist.runtime.record.writer import done_line
 
+            init_logging("server")
             summary, folder = run_serve(cfg, args.serve)
             print(done_line(summary, folder), flush=True)
             return 0

@@ -102,23 +102,27 @@ class ElasticWorker:
         _, self.name = join_rpc(host, port, self.timeout)
         beat = threading.Thread(target=self._beat, name="hosfl-heartbeat", daemon=True)
         try:
-            self._join()
+            if not self._join():
+                logger.info(f"{self.name}: the run in {self.run_dir} has ended already")
+                return 0
             beat.start()
             return self._rounds()
         finally:
             self.stopped.set()
             leave_rpc()
 
-    def _join(self) -> None:
+    def _join(self) -> bool:
+        """Join the run (again, after the server gave up on this worker); False: the run has ended."""
         state = self._call(entry.join)
         if state.get("end"):
-            return
+            return False
         rep = self.replica
         _load_replica(rep, state)
         rep.round = state["round"]
         self.zo.replay(rep, state["hist_seeds"], state["hist_scalars"])
         logger.info(f"{self.name} joined {self.run_dir} at round {rep.round} (θc by replaying "
                     f"{len(state['hist_seeds'])} round(s) of the server's history)")  # fmt: skip
+        return True
 
     def _rounds(self) -> int:
         t, took_part = 0, 0
@@ -126,7 +130,8 @@ class ElasticWorker:
             task = self._call(entry.next_round, t, self.replica.round)
             if task.get("lost"):  # the server gave up on this worker (stopped too long): join again
                 logger.warning(f"{self.name}: the server counted this worker as lost; joining again")
-                self._join()
+                if not self._join():
+                    return took_part
                 continue
             self.zo.replay(self.replica, task["hist_seeds"], task["hist_scalars"])
             t = task["t"]
