@@ -71,11 +71,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--serve",
-        nargs="?",
-        const="127.0.0.1:0",
-        metavar="HOST:PORT",
+        action="store_true",
         help="serve an elastic run (HO-SFL): client workers join and leave it while it runs (--join); writes the join "
-        "address into the run folder (default 127.0.0.1 and a free port; docs/participation.md#elastic-runs)",
+        "address into the run folder (docs/participation.md#elastic-runs)",
+    )
+    p.add_argument(
+        "--address",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="with --serve: where workers reach the server (default 127.0.0.1 and a free port; 0.0.0.0:PORT for "
+        "workers on other machines)",
     )
     p.add_argument(
         "--join",
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.status is not None:
             return _status(Path(args.status), args.record_death)
         if args.join is not None:
-            if args.config or args.overrides or args.serve is not None:
+            if args.config or args.overrides or args.serve:
                 raise ConfigError("invalid value for --join: a worker takes the run's own config (give --join "
                                   "RUN_DIR alone)")  # fmt: skip
             from hosfl_dist.runtime.elastic.worker import run_join
@@ -113,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)
-        if args.serve is not None:
+        if args.serve:
             if launch is not None:
                 raise ConfigError("invalid value for --serve: an elastic server runs alone, not under torchrun")
             from hosfl_dist.runtime.elastic.serve import run_serve
             from hosfl_dist.runtime.record.writer import done_line
 
             init_logging("server")
-            summary, folder = run_serve(cfg, args.serve)
+            summary, folder = run_serve(cfg, args.address)
             print(done_line(summary, folder), flush=True)
             return 0
         if world > 1 and launch is not None:

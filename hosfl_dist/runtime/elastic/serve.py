@@ -1,4 +1,4 @@
-"""``python -m hosfl_dist.run --config X --serve [HOST:PORT]``: the server of an elastic run, which client workers
+"""``python -m hosfl_dist.run --config X --serve [--address HOST:PORT]``: the server of an elastic run, which client workers
 join and leave while it runs (``--join RUN_DIR``; see :mod:`hosfl_dist.runtime.elastic`).
 
 The process holds what rank 0 holds under torchrun (θs behind the endpoint, the run's front and record) and, for
@@ -68,7 +68,7 @@ def check_elastic(cfg: Config) -> None:
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"invalid value for --serve: {text!r} (HOST:PORT, e.g. 127.0.0.1:29600; port 0 picks one)")
+        raise ConfigError(f"invalid value for --address: {text!r} (HOST:PORT, e.g. 127.0.0.1:29600; port 0 picks one)")
     return host, int(port)
 
 

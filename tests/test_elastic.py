@@ -1,0 +1,191 @@
+"""Elastic runs (docs/participation.md#elastic-runs): a ``--serve`` server that ``--join`` workers join and leave
+while it runs; rounds decided by who answers in time; a lost worker's clients moving to the others; and the record
+of it all replaying in one process to the same digests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hosfl_dist.algorithms.participation import ParticipationPlan
+from hosfl_dist.config import load_config
+from hosfl_dist.run import main
+from tiny import ROOT, TINY_OVERRIDES, run_in_process
+
+ELASTIC = [*TINY_OVERRIDES, "server.worker_timeout_s=4"]
+DEADLINE_S = 240
+
+
+class Job:
+    """A server and its workers as processes, each with its own log; everything still alive is killed at the end."""
+
+    def __init__(self, tmp: Path, overrides: list[str]) -> None:
+        self.tmp, self.run_dir = tmp, tmp / "run"
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.server = self._start("server", ["--serve", *overrides, f"job.out_dir={self.run_dir}"])
+        self.wait_for(lambda: (self.run_dir / "join.json").exists(), "join.json")
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "hosfl_dist.run", *args], stdout=fh, stderr=subprocess.STDOUT,
+                                    env=env, cwd=self.tmp)  # fmt: skip
+        self.procs.append(proc)
+        self.logs.append(log)
+        return proc
+
+    def join(self) -> subprocess.Popen:
+        return self._start(f"worker{len(self.procs)}", ["--join", str(self.run_dir)])
+
+    def said(self) -> str:
+        return self.logs[0].read_text()
+
+    def wait_for(self, cond, what: str) -> None:
+        end = time.monotonic() + DEADLINE_S
+        while not cond():
+            if self.server.poll() is not None and not cond():
+                raise AssertionError(f"the server ended ({self.server.returncode}) before {what}:\n{self.said()[-3000:]}")
+            if time.monotonic() > end:
+                raise AssertionError(f"no {what} within {DEADLINE_S} s:\n{self.said()[-3000:]}")
+            time.sleep(0.05)
+
+    def joined(self, n: int) -> None:
+        self.wait_for(lambda: self.said().count(" joined at round ") >= n, f"{n} joins")
+
+    def rounds_done(self) -> int:
+        """The rounds the server has started (from its newest 'joined/lost at round' or progress line)."""
+        import re
+
+        found = re.findall(r"at round (\d+)", self.said())
+        return int(found[-1]) if found else 0
+
+    def finish(self) -> int:
+        try:
+            code = self.server.wait(DEADLINE_S)
+            for p in self.procs[1:]:
+                p.wait(30)
+            return code
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def replay_digests(tmp: Path, run_dir: Path, overrides: list[str]) -> tuple[dict, str]:
+    """The in-process replay of an elastic run's participation.jsonl: its client digest and θs digest."""
+    _, _, s, _ = run_in_process([*overrides, f"clients.participation={run_dir / 'participation.jsonl'}",
+                                 f"job.out_dir={tmp / 'replay'}"])  # fmt: skip
+    return s["client_digests"], s["server_digest"]
+
+
+def check_replays(tmp: Path, job: Job, overrides: list[str]) -> dict:
+    s = job.summary()
+    assert s["status"] == "completed", s.get("error")
+    digests = set(s["client_digests"].values())
+    assert len(digests) == 1  # every worker at the end, and the server's evaluation replica, at the same θc
+    clients, server = replay_digests(tmp, job.run_dir, overrides)
+    assert set(clients.values()) == digests and server == s["server_digest"]
+    assert not (job.run_dir / "join.json").exists()  # removed when the run ended
+    return s
+
+
+def test_two_workers_train_and_the_record_replays_in_one_process(tmp_path):
+    job = Job(tmp_path, ELASTIC)
+    job.join(), job.join()
+    assert job.finish() == 0, job.said()
+    s = check_replays(tmp_path, job, ELASTIC)
+    assert s["participation"]["workers_joined"] == 2 and s["participation"]["workers_lost"] == 0
+    assert s["participation"]["delivered"] == s["participation"]["sampled"] == 30  # 10 rounds of 3
+    rows = [json.loads(x) for x in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 5, 10] and sum(r["participants"] for r in rows) == 30
+    replayed = json.loads((tmp_path / "replay" / "summary.json").read_text())["comm"]["bytes"]
+    for what in ("uplink_activations", "downlink_gradients", "uplink_scalars"):  # the same bytes, counted as sent
+        assert s["comm"]["bytes"][what] == replayed[what] > 0, what
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_replaced_and_a_late_one_takes_clients(tmp_path):
+    """Three workers, one SIGKILLed mid-run, a fourth joining later: the run completes with workers_lost 1 and
+    workers_joined 4, the lost worker's clients count as dropped in its round, and the record replays."""
+    overrides = [*ELASTIC, "train.budget_samples=4800", "train.eval_every_samples=1200", "server.min_clients=1"]
+    job = Job(tmp_path, overrides)
+    workers = [job.join() for _ in range(3)]
+    job.joined(3)
+    start = job.rounds_done()
+    job.wait_for(lambda: job.said().count("samples (") >= 1 or job.rounds_done() > start, "progress")
+    workers[1].send_signal(signal.SIGKILL)
+    job.wait_for(lambda: " lost at round " in job.said(), "the loss noticed")
+    job.join()
+    job.joined(4)
+    assert job.finish() == 0, job.said()
+    s = check_replays(tmp_path, job, overrides)
+    assert s["participation"]["workers_lost"] == 1 and s["participation"]["workers_joined"] == 4
+    assert len(s["client_digests"]) == 4  # three live workers and the server's evaluation replica
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_left_behind_then_catches_up(tmp_path):
+    """A worker SIGSTOPped past server.round_timeout_s (but not server.worker_timeout_s): the rounds go on without its
+    clients, it continues, catches up by replay and ends at the same θc; the record replays to the same digests."""
+    overrides = [*TINY_OVERRIDES, "train.budget_samples=4800", "train.eval_every_samples=1200",
+                 "server.min_clients=1", "server.round_timeout_s=0.5", "server.worker_timeout_s=60"]  # fmt: skip
+    job = Job(tmp_path, overrides)
+    workers = [job.join() for _ in range(3)]
+    job.joined(3)
+    workers[0].send_signal(signal.SIGSTOP)
+    time.sleep(3)
+    workers[0].send_signal(signal.SIGCONT)
+    assert job.finish() == 0, job.said()
+    s = check_replays(tmp_path, job, overrides)
+    p = s["participation"]
+    assert p["workers_lost"] == 0 and p["workers_joined"] == 3 and len(s["client_digests"]) == 4
+    assert p["dropped"] + p["late"] > 0  # the stopped worker's clients, in the rounds it missed
+
+
+def test_participation_decided_live_is_the_plan_of_every_part(tmp_path):
+    plan = ParticipationPlan(load_config(None, TINY_OVERRIDES))
+    plan.go_live()
+    assert plan.emulated and not plan.skipped(0)
+    with pytest.raises(KeyError):
+        plan.round(0)
+    decided = plan.settle(0, plan.sampled(0), plan.sampled(0)[:1], {m: "before_upload" for m in plan.sampled(0)[1:]})
+    plan.decide(decided)
+    assert plan.round(0) is decided and plan.skipped(0)  # one upload against min_clients = K = 3
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["algorithm.name=sfl"], "algorithm.name: 'sfl' with --serve"),
+        (["clients.dropout=0.2"], "clients.dropout: it emulates"),
+        (["server.round_timeout_s=-1"], "server.round_timeout_s"),
+        (["server.worker_timeout_s=0"], "server.worker_timeout_s"),
+        (["checkpoint.interval_samples=120"], "checkpoint.interval_samples: elastic runs"),
+    ],
+)
+def test_what_an_elastic_server_refuses_is_one_line(tmp_path, capsys, args, expected):
+    assert main(["--serve", *TINY_OVERRIDES, *args, f"job.out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_a_bad_serve_address_or_join_folder_is_one_line(tmp_path, capsys):
+    assert main(["--serve", "--address", "nohost", *TINY_OVERRIDES, f"job.out_dir={tmp_path / 'r'}"]) == 2
+    assert "--address: 'nohost' (HOST:PORT" in capsys.readouterr().err
+    assert main(["--join", str(tmp_path)]) == 2
+    assert "no join.json" in capsys.readouterr().err
+    assert main(["--join", str(tmp_path), "--config", "x.yaml"]) == 2
+    assert "a worker takes the run's own config" in capsys.readouterr().err
