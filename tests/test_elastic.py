@@ -37,8 +37,8 @@ class Job:
         log = self.tmp / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         with open(log, "w") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "hosfl_dist.run", *args], stdout=fh, stderr=subprocess.STDOUT,
-                                    env=env, cwd=self.tmp)  # fmt: skip
+            command = [sys.executable, "-m", "hosfl_dist.run", *args]
+            proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=self.tmp)
         self.procs.append(proc)
         self.logs.append(log)
         return proc
@@ -53,7 +53,9 @@ class Job:
         end = time.monotonic() + DEADLINE_S
         while not cond():
             if self.server.poll() is not None and not cond():
-                raise AssertionError(f"the server ended ({self.server.returncode}) before {what}:\n{self.said()[-3000:]}")
+                raise AssertionError(
+                    f"the server ended ({self.server.returncode}) before {what}:\n{self.said()[-3000:]}"
+                )
             if time.monotonic() > end:
                 raise AssertionError(f"no {what} within {DEADLINE_S} s:\n{self.said()[-3000:]}")
             time.sleep(0.05)
@@ -105,6 +107,12 @@ def check_replays(tmp: Path, job: Job, overrides: list[str]) -> dict:
 def test_two_workers_train_and_the_record_replays_in_one_process(tmp_path):
     job = Job(tmp_path, ELASTIC)
     job.join(), job.join()
+    job.joined(2)
+    status = subprocess.run([sys.executable, "-m", "hosfl_dist.run", "--status", str(job.run_dir)], text=True,
+                            capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout  # fmt: skip
+    assert ": running (" in status or ": completed" in status, status  # (a tiny run may be over already)
+    if ": running (" in status:
+        assert "; elastic: 2 live worker(s): worker" in status and "2 joined, 0 lost" in status, status
     assert job.finish() == 0, job.said()
     s = check_replays(tmp_path, job, ELASTIC)
     assert s["participation"]["workers_joined"] == 2 and s["participation"]["workers_lost"] == 0

@@ -179,7 +179,7 @@ def describe_status(folder: Path) -> str:
         return f"{folder}: holds no run" if not holds_run(folder) else f"{folder}: a run without summary.json"
     summary = recorded_summary(folder) or {}
     if status == "running":
-        return f"{folder}: running ({lock_holder(folder)})"
+        return f"{folder}: running ({lock_holder(folder)})" + _live_workers(folder)
     if status == "completed":
         final = summary.get("final") or {}
         return (f"{folder}: completed, {summary.get('rounds')} rounds, {summary.get('processed_samples')} samples, "
@@ -190,6 +190,19 @@ def describe_status(folder: Path) -> str:
     if status == "interrupted":
         return f"{folder}: interrupted: {summary.get('error')}; resume from {summary.get('checkpoint')}"
     return f"{folder}: {status}" + (f": {summary['error']}" if summary.get("error") else "")
+
+
+def _live_workers(folder: Path) -> str:
+    """An elastic run's live workers (its ``workers.json``), as the end of its status line."""
+    try:
+        record = json.loads((folder / "workers.json").read_text())
+        workers = record["workers"]
+        shown = [f"{name} (pid {w.get('pid', '?')} on {w.get('host', '?')}, {len(w['clients'])} clients, heard "
+                 f"{w['last_heard_s']:g} s before round {record['round']})" for name, w in workers.items()]  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    lost, joined = record.get("workers_lost", 0), record.get("workers_joined", 0)
+    return f"; elastic: {len(shown)} live worker(s): {', '.join(shown) or 'none'}; {joined} joined, {lost} lost"
 
 
 def record_death(folder: Path) -> bool:

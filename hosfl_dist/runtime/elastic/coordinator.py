@@ -24,12 +24,14 @@ batch it drew, a moved client's data stream moves with it, and every replica is 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,6 +77,7 @@ class Member:
     joined_at: int = 0
     digest: str | None = None
     memory: dict[str, Any] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,19 +135,24 @@ class Coordinator:
         self.joined = 0
         self.next_key = WORKER_KEY_BASE
         self.failure: str | None = None
+        self.folder = Path(cfg.job.out_dir)
+        self.written = 0.0
 
     # -- calls from workers (RPC threads) -----------------------------------------------------------------------------
-    def join(self, name: str) -> dict[str, Any]:
-        """A worker joins: it gets θc at the history's start (the server's base replica) and the rows after it."""
+    def join(self, name: str, info: dict[str, Any]) -> dict[str, Any]:
+        """A worker joins: it gets θc at the history's start (the server's base replica) and the rows after it.
+        ``info``: where it runs (host, pid), for ``--status``."""
         with self.cond:
             if self.ended:
                 return {"end": True}
             self.next_key -= 1
             member = Member(name, self.next_key, time.monotonic(), joined_at=self.t)
+            member.info = {k: info[k] for k in ("host", "pid") if k in info}
             self.members[name] = member
             self.joined += 1
             state = self.endpoint.locked(lambda: self._base_state(member.key))
             self._rebalance()
+            self._write_members()
             logger.info(f"{name} joined at round {self.t}: {len(self.members)} worker(s), clients "
                         f"{self._describe_owners()}")  # fmt: skip
             self.cond.notify_all()
@@ -258,6 +266,7 @@ class Coordinator:
         for m in member.clients:
             self.owner.pop(m, None)
         self._rebalance()
+        self._write_members()
         logger.warning(f"{name} lost at round {self.t} ({why}): {len(self.members)} worker(s) left, clients "
                        f"{self._describe_owners()}")  # fmt: skip
 
@@ -281,6 +290,27 @@ class Coordinator:
             name = min(names, key=lambda n: (len(self.members[n].clients), names.index(n)))
             self.members[name].clients.add(m)
             self.owner[m] = name
+
+    def _write_members(self) -> None:
+        """``workers.json`` in the run folder: the live workers and their clients (``--status`` reads it)."""
+        now = time.monotonic()
+        members = {
+            name: {
+                **m.info,
+                "joined_at_round": m.joined_at,
+                "clients": sorted(m.clients),
+                "last_heard_s": round(now - m.seen, 1),
+            }  # fmt: skip
+            for name, m in sorted(self.members.items())
+        }
+        record = {"round": self.t, "workers": members, **self.totals()}
+        self.written = now
+        tmp = self.folder / "workers.json.tmp"
+        try:
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.replace(self.folder / "workers.json")
+        except OSError as exc:  # a status file: never the run's failure
+            logger.warning(f"could not write {self.folder / 'workers.json'}: {exc}")
 
     def _describe_owners(self) -> str:
         return "; ".join(f"{n}: {len(m.clients)}" for n, m in sorted(self.members.items())) or "none"
@@ -359,6 +389,8 @@ class Coordinator:
     def _round(self) -> int:
         """Round ``self.t`` (holding ``cond``, which every wait lets go)."""
         t = self.t
+        if time.monotonic() - self.written > 1.0:  # --status's view, at most once a second
+            self._write_members()
         sampled = self.plan.sampled(t)
         r = self.current = OpenRound(t, sampled, {m: self.owner[m] for m in sampled if m in self.owner})
         self._answer_waiting()

@@ -36,9 +36,9 @@ def _answer(fn: Any) -> Future:
 
 
 @rpc.functions.async_execution
-def join(token: str, name: str) -> Future:
+def join(token: str, name: str, info: dict[str, Any]) -> Future:
     c, refused = _coordinator(token, "join")
-    return refused or _answer(lambda: c.join(name))
+    return refused or _answer(lambda: c.join(name, dict(info) if isinstance(info, dict) else {}))
 
 
 @rpc.functions.async_execution

@@ -1,5 +1,5 @@
-"""``python -m hosfl_dist.run --config X --serve [--address HOST:PORT]``: the server of an elastic run, which client workers
-join and leave while it runs (``--join RUN_DIR``; see :mod:`hosfl_dist.runtime.elastic`).
+"""``python -m hosfl_dist.run --config X --serve [--address HOST:PORT]``: the server of an elastic run, which client
+workers join and leave while it runs (``--join RUN_DIR``; see :mod:`hosfl_dist.runtime.elastic`).
 
 The process holds what rank 0 holds under torchrun (θs behind the endpoint, the run's front and record) and, for
 the metrics rows, an evaluation worker of its own (θc of round t from the server's history, the held-out split), so
@@ -141,5 +141,6 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
     finally:
         progress.close()
         join_path.unlink(missing_ok=True)
+        (Path(cfg.job.out_dir) / "workers.json").unlink(missing_ok=True)  # its live workers: none now
         front.close()
         leave_rpc()

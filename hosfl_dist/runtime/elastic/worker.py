@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class ElasticWorker:
 
     def _join(self) -> bool:
         """Join the run (again, after the server gave up on this worker); False: the run has ended."""
-        state = self._call(entry.join)
+        state = self._call(entry.join, {"host": socket.gethostname(), "pid": os.getpid()})
         if state.get("end"):
             return False
         rep = self.replica
