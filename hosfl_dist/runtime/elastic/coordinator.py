@@ -40,7 +40,7 @@ from torch.futures import Future
 
 from hosfl_dist.algorithms.hosfl import mean_over_clients
 from hosfl_dist.algorithms.participation import BEFORE_UPLOAD, AFTER_UPLOAD, Participation
-from hosfl_dist.errors import ProtocolError
+from hosfl_dist.errors import Interrupted, ProtocolError
 from hosfl_dist.transport.wire import (
     DOWNLINK_GRADIENTS,
     DOWNLINK_SCALARS_SEEDS,
@@ -361,7 +361,8 @@ class Coordinator:
             if end is not None and time.monotonic() >= end:
                 return
             if self.stop is not None and self.stop.signal is not None:
-                raise KeyboardInterrupt(self.stop.signal)
+                raise Interrupted(f"{self.stop.signal}: the elastic run stopped in round {self.t} (elastic runs write "
+                                  "no checkpoints yet: it cannot be resumed)")  # fmt: skip
             self.cond.wait(POLL_S)
 
     def run(self, budget: int, eval_points: list[int]) -> tuple[int, int]:

@@ -69,3 +69,9 @@ def scalars(token: str, name: str, t: int, rows: dict[int, Any]) -> Future:
 def final(token: str, name: str, digest: str, memory: dict[str, Any]) -> Future:
     c, refused = _coordinator(token, "final")
     return refused or _answer(lambda: c.final(name, str(digest), from_wire(memory)))
+
+
+@rpc.functions.async_execution
+def leave(token: str, name: str) -> Future:
+    c, refused = _coordinator(token, "leave")
+    return refused or _answer(lambda: c.leave(name))

@@ -19,7 +19,7 @@ from typing import Any
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
@@ -134,6 +134,10 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
             report = FinalReport(rounds, processed, meter.snapshot(), digests, transport={}, memory=memory)
             front.handle(report)
         return front.conclude(), cfg.job.out_dir
+    except Interrupted as exc:
+        if front.record is not None and not front.record.finished:
+            front.record.interrupt(str(exc), server.rounds_done, None)
+        raise
     except BaseException as exc:
         if front.record is not None and not front.record.finished:
             front.record_failure(f"{type(exc).__name__}: {exc}")

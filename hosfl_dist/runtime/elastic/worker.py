@@ -15,9 +15,11 @@ the server has given up on (stopped past the timeout, then continued) joins agai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -31,10 +33,11 @@ from hosfl_dist.algorithms.hosfl import _load_replica
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.core.zo import Projector
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import ConfigError, NonFiniteError
+from hosfl_dist.errors import ConfigError, HosflError, NonFiniteError, ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.elastic import entry
 from hosfl_dist.runtime.elastic.membership import SERVER_NAME, join_rpc, leave_rpc
+from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads
 from hosfl_dist.runtime.rpc import from_wire, to_wire
@@ -68,7 +71,7 @@ class ElasticWorker:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.join_info, cfg = read_join(run_dir)
-        self.cfg = cfg
+        self.cfg = cfg = check_config(cfg)  # the run's plug-ins imported, as the server did
         self.token = self.join_info["token"]
         self.timeout = cfg.server.rpc_timeout_s
         spec = get_algorithm(cfg.algorithm.name)
@@ -84,8 +87,16 @@ class ElasticWorker:
         self.name = ""
         self.stopped = threading.Event()
 
-    def _call(self, fn: Any, *args: Any) -> Any:
-        got = rpc.rpc_sync(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)), timeout=self.timeout)
+    def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> Any:
+        try:
+            got = rpc.rpc_sync(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)),
+                               timeout=timeout or self.timeout)  # fmt: skip
+        except HosflError:
+            raise
+        except RuntimeError as exc:  # the server is gone, or refused the call
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ProtocolError(f"{self.name}: the server of {self.run_dir} did not answer {fn.__name__} (gone, or "
+                                f"stopped: {first})") from None  # fmt: skip
         return from_wire(got)
 
     def _beat(self) -> None:
@@ -100,16 +111,29 @@ class ElasticWorker:
     def run(self) -> int:
         """Join, serve rounds until the run ends; returns the rounds this worker took part in."""
         host, port = self.join_info["host"], int(self.join_info["port"])
-        _, self.name = join_rpc(host, port, self.timeout)
+        try:
+            _, self.name = join_rpc(host, port, self.timeout)
+        except (RuntimeError, ValueError) as exc:  # a store or agent that cannot be reached
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ProtocolError(f"cannot join the run in {self.run_dir}: its server at {host}:{port} does not "
+                                f"answer ({first}); is it still running? (python -m hosfl_dist.run --status "
+                                f"{self.run_dir})") from None  # fmt: skip
         beat = threading.Thread(target=self._beat, name="hosfl-heartbeat", daemon=True)
+        ended = False
         try:
             if not self._join():
                 logger.info(f"{self.name}: the run in {self.run_dir} has ended already")
+                ended = True
                 return 0
             beat.start()
-            return self._rounds()
+            rounds = self._rounds()
+            ended = True
+            return rounds
         finally:
             self.stopped.set()
+            if not ended:  # stopped, or failed: the server moves this worker's clients at once
+                with contextlib.suppress(Exception):
+                    self._call(entry.leave, timeout=5.0)
             leave_rpc()
 
     def _join(self) -> bool:
@@ -191,9 +215,22 @@ class _Follower(LocalCollective):
     is_leader = False
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run_join(run_dir: str) -> int:
-    """``--join RUN_DIR``: one client worker, until the run ends."""
+    """``--join RUN_DIR``: one client worker, until the run ends (or SIGTERM/SIGINT: it leaves the run, which goes
+    on without it)."""
     worker = ElasticWorker(Path(run_dir))
-    rounds = worker.run()
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        rounds = worker.run()
+    except KeyboardInterrupt as exc:
+        logger.warning(f"{worker.name or 'worker'}: stopped by {exc or 'SIGINT'}; left the run, which goes on without "
+                       "it")  # fmt: skip
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     logger.info(f"{worker.name}: took part in {rounds} round(s); pid {os.getpid()} leaves")
     return 0
