@@ -19,7 +19,7 @@ from hosfl_dist.config import load_config
 from hosfl_dist.run import main
 from tiny import ROOT, TINY_OVERRIDES, run_in_process
 
-ELASTIC = [*TINY_OVERRIDES, "server.worker_timeout_s=4"]
+ELASTIC = [*TINY_OVERRIDES, "server.worker_timeout_s=4", "server.min_workers=2"]
 DEADLINE_S = 240
 
 
@@ -128,7 +128,8 @@ def test_two_workers_train_and_the_record_replays_in_one_process(tmp_path):
 def test_a_killed_worker_is_replaced_and_a_late_one_takes_clients(tmp_path):
     """Three workers, one SIGKILLed mid-run, a fourth joining later: the run completes with workers_lost 1 and
     workers_joined 4, the lost worker's clients count as dropped in its round, and the record replays."""
-    overrides = [*ELASTIC, "train.budget_samples=19200", "train.eval_every_samples=2400", "server.min_clients=1"]
+    overrides = [*ELASTIC, "server.min_workers=3", "train.budget_samples=19200", "train.eval_every_samples=2400",
+                 "server.min_clients=1"]  # fmt: skip
     job = Job(tmp_path, overrides)
     workers = [job.join() for _ in range(3)]
     job.joined(3)
@@ -148,7 +149,7 @@ def test_a_killed_worker_is_replaced_and_a_late_one_takes_clients(tmp_path):
 def test_a_stopped_worker_is_left_behind_then_catches_up(tmp_path):
     """A worker SIGSTOPped past server.round_timeout_s (but not server.worker_timeout_s): the rounds go on without its
     clients, it continues, catches up by replay and ends at the same θc; the record replays to the same digests."""
-    overrides = [*TINY_OVERRIDES, "train.budget_samples=9600", "train.eval_every_samples=2400",
+    overrides = [*TINY_OVERRIDES, "server.min_workers=3", "train.budget_samples=9600", "train.eval_every_samples=2400",
                  "server.min_clients=1", "server.round_timeout_s=0.5", "server.worker_timeout_s=60"]  # fmt: skip
     job = Job(tmp_path, overrides)
     workers = [job.join() for _ in range(3)]
@@ -199,3 +200,19 @@ def test_a_bad_serve_address_or_join_folder_is_one_line(tmp_path, capsys):
     assert "no join.json" in capsys.readouterr().err
     assert main(["--join", str(tmp_path), "--config", "x.yaml"]) == 2
     assert "a worker takes the run's own config" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~40 s: two runs' worth of process starts
+def test_the_launch_script_runs_a_server_and_its_workers(tmp_path):
+    """launch/elastic.sh: the server and WORKERS workers as separate processes; the run completes."""
+    out = tmp_path / "run"
+    env = {**os.environ, "WORKERS": "2", "OUT": str(out), "VENV": str(Path(sys.executable).parents[1]),
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    res = subprocess.run(["bash", str(ROOT / "launch" / "elastic.sh"), *ELASTIC], env=env, capture_output=True,
+                         text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "completed" and s["participation"]["workers_joined"] == 2
+    bad = subprocess.run(["bash", str(ROOT / "launch" / "elastic.sh"), *ELASTIC, "algorithm.name=sfl"], env=env,
+                         capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert bad.returncode == 2 and "with --serve" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

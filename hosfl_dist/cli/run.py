@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.record_death:
             return _record_death(cfg)
         if args.check:
+            if args.serve:
+                from hosfl_dist.runtime.elastic.serve import check_elastic, parse_address
+
+                check_elastic(cfg)
+                parse_address(args.address)
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)

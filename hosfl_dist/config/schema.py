@@ -417,6 +417,9 @@ class ServerConfig:
     worker_timeout_s: float = 30.0
     """Elastic runs (``--serve``): a client worker silent for this long (no call, no heartbeat) is lost: its round's
     clients count as dropped and its logical clients move to the workers still there."""
+    min_workers: int = 1
+    """Elastic runs (``--serve``): the first round starts once this many client workers have joined (Flower's
+    ``min_available_clients``); later rounds go on with whoever is there."""
     micro_batch_tokens: int = 0
     """Largest number of tokens (samples for vision models) one server forward/backward holds: a round's activations
     are processed in micro-batches of whole samples and their gradients accumulated (same mean). 0 = the whole
@@ -438,6 +441,7 @@ class ServerConfig:
         check(self.min_clients >= 0, "min_clients", self.min_clients, "must be >= 0 (0 = clients.per_round)")
         check(math.isfinite(self.round_timeout_s) and 0 <= self.round_timeout_s <= 86400, "round_timeout_s",
               self.round_timeout_s, "must be between 0 (wait for all) and a day")  # fmt: skip
+        check(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1")
         check(math.isfinite(self.worker_timeout_s) and 1 <= self.worker_timeout_s <= 86400, "worker_timeout_s",
               self.worker_timeout_s, "must be between 1 s and a day")  # fmt: skip
 

@@ -370,14 +370,15 @@ class Coordinator:
         points = [p for p in eval_points if p > 0]
         self.evaluate(0, 0)
         told = False
+        least = self.cfg.server.min_workers  # to start; then whoever is there
         while self.processed < budget:
             with self.cond:
-                if not self.members and not told:
-                    logger.info(f"round {self.t}: waiting for a client worker to join (python -m hosfl_dist.run "
-                                f"--join {self.cfg.job.out_dir})")  # fmt: skip
+                if len(self.members) < least and not told:
+                    logger.info(f"round {self.t}: waiting for {least - len(self.members)} more client worker(s) to "
+                                f"join (python -m hosfl_dist.run --join {self.cfg.job.out_dir})")  # fmt: skip
                     told = True
-                self._wait(lambda: bool(self.members), lambda: None)
-                told = False
+                self._wait(lambda n=least: len(self.members) >= n, lambda: None)
+                told, least = False, 1
                 samples = self._round()
             self.processed += samples
             self.t += 1
