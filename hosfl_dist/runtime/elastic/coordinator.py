@@ -137,6 +137,8 @@ class Coordinator:
         self.failure: str | None = None
         self.folder = Path(cfg.job.out_dir)
         self.written = 0.0
+        self.round_s = self.waiting_s = 0.0
+        self.rounds_timed = 0
 
     # -- calls from workers (RPC threads) -----------------------------------------------------------------------------
     def join(self, name: str, info: dict[str, Any]) -> dict[str, Any]:
@@ -377,9 +379,14 @@ class Coordinator:
                     logger.info(f"round {self.t}: waiting for {least - len(self.members)} more client worker(s) to "
                                 f"join (python -m hosfl_dist.run --join {self.cfg.job.out_dir})")  # fmt: skip
                     told = True
+                began = time.monotonic()
                 self._wait(lambda n=least: len(self.members) >= n, lambda: None)
                 told, least = False, 1
+                started = time.monotonic()
                 samples = self._round()
+                self.waiting_s += started - began
+                self.round_s += time.monotonic() - started
+                self.rounds_timed += 1
             self.processed += samples
             self.t += 1
             if points and self.processed >= points[0]:
@@ -471,6 +478,12 @@ class Coordinator:
             self._answer_waiting()
             self._wait(lambda: all(m.digest is not None for m in self.members.values()), lambda: None)
             return {name: m.digest for name, m in sorted(self.members.items()) if m.digest is not None}
+
+    def timing(self) -> dict[str, Any]:
+        """summary.json's ``transport.workers.coordinator``: the rounds' wall time (as the fixed runtimes' workers
+        report ``round_s``), and the time spent waiting for a worker to be there."""
+        return {"rounds": self.rounds_timed, "round_s": round(self.round_s, 6),
+                "waiting_for_workers_s": round(self.waiting_s, 6)}  # fmt: skip
 
     def totals(self) -> dict[str, int]:
         return {"workers_lost": self.lost, "workers_joined": self.joined}

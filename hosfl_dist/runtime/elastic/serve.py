@@ -131,7 +131,8 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
             evaluating_digest = evaluating.client_digest()
             memory = [process_memory(0, "server", split.client, split.server)]
             digests = {**digests, "server_evaluation": evaluating_digest}
-            report = FinalReport(rounds, processed, meter.snapshot(), digests, transport={}, memory=memory)
+            timing = {"coordinator": coordinator.timing()}
+            report = FinalReport(rounds, processed, meter.snapshot(), digests, transport=timing, memory=memory)
             front.handle(report)
         return front.conclude(), cfg.job.out_dir
     except Interrupted as exc:
