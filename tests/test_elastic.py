@@ -216,3 +216,25 @@ def test_the_launch_script_runs_a_server_and_its_workers(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "launch" / "elastic.sh"), *ELASTIC, "algorithm.name=sfl"], env=env,
                          capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
     assert bad.returncode == 2 and "with --serve" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_clients_on_slow_links_straggle_past_the_round_timeout_and_the_record_replays(tmp_path):
+    """comm.speed_spread: clients on log-normal link speeds (the emulated link, comm.inject_delay); those whose upload
+    takes longer than server.round_timeout_s after the round's first are left out, and the record replays."""
+    overrides = [*ELASTIC, "train.budget_samples=480", "comm.inject_delay=true", "comm.speed_spread=1.5",
+                 "comm.uplink_mbps=0.5", "server.round_timeout_s=0.1", "server.min_clients=1"]  # fmt: skip
+    job = Job(tmp_path, overrides)
+    job.join(), job.join()
+    assert job.finish() == 0, job.said()
+    s = check_replays(tmp_path, job, overrides)
+    assert s["participation"]["dropped"] + s["participation"]["late"] > 0  # someone straggled
+
+
+def test_real_time_keys_are_refused_by_the_fixed_runtimes_unless_replaying(tmp_path, capsys):
+    for key in ("server.round_timeout_s=2", "comm.speed_spread=1"):
+        assert main([*TINY_OVERRIDES, key, f"job.out_dir={tmp_path / 'r'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "only elastic runs, --serve" in err[0], err
+    assert main(["--serve", *TINY_OVERRIDES, "comm.speed_spread=1", f"job.out_dir={tmp_path / 'r'}"]) == 2
+    assert "emulated with comm.inject_delay=true" in capsys.readouterr().err

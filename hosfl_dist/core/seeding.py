@@ -53,6 +53,8 @@ class Stream(IntEnum):
     """The stage of a client's failure under ``clients.dropout_stage=mixed`` (per round and client)."""
     ARRIVAL = 0xA771
     """The order in which a round's uploads arrive under ``clients.over_select`` (per round and client)."""
+    LINK_SPEED = 0x5BEED
+    """A client's link speed factor under ``comm.speed_spread`` (per client)."""
 
 
 def _splitmix64(x: int) -> int:

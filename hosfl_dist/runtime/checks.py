@@ -27,6 +27,21 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     return check_config(load_config(path, overrides))
 
 
+def check_fixed_runtime(cfg: Config) -> None:
+    """What only an elastic run (``--serve``) does, refused by the in-process and torchrun runtimes in one line;
+    replaying an elastic run's record (``clients.participation``) takes its config as it was."""
+    if cfg.clients.participation:
+        return
+    for key, value, default in (
+        ("comm.speed_spread", cfg.comm.speed_spread, 0.0),
+        ("server.round_timeout_s", cfg.server.round_timeout_s, 0.0),
+    ):
+        if value != default:
+            raise ConfigError(f"invalid value for {key}: {value:g} (only elastic runs, --serve, have real-time rounds "
+                              f"and per-client links; set it to {default:g}, serve the run, or replay one with "
+                              "clients.participation: docs/participation.md#elastic-runs)")  # fmt: skip
+
+
 def check_config(cfg: Config) -> Config:
     """Refuse a config whose sections do not fit together or that asks its method for what it does not implement
     (ConfigError naming the key); returns ``cfg``. The config's plug-ins are imported first: a method they register

@@ -27,7 +27,7 @@ from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
-from hosfl_dist.runtime.checks import check_config
+from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
 from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.peers import LocalPeers
@@ -50,6 +50,7 @@ class InProcessRunner:
 
     def __init__(self, cfg: Config, callbacks: Iterable[Callback] = ()) -> None:
         self.cfg = check_config(cfg)
+        check_fixed_runtime(cfg)
         self.callbacks = Callbacks.of(cfg.job.callbacks, callbacks)
         self.spec = get_algorithm(cfg.algorithm.name)
         self.meter = CommMeter()

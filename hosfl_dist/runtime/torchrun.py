@@ -37,7 +37,7 @@ from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.build import client_stack, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
-from hosfl_dist.runtime.checks import check_config
+from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
 from hosfl_dist.runtime.front import RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
 from hosfl_dist.runtime.memory import process_memory
@@ -70,6 +70,7 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> tuple[int, tuple[dict[str, Any]
     """Run this process's role until the job ends: (exit code, on rank 0 of a completed run its summary and
     folder)."""
     check_config(cfg)
+    check_fixed_runtime(cfg)
     roles = role_map(cfg, env.world_size)  # refused here, before any process group exists
     spec = get_algorithm(cfg.algorithm.name)
     check_devices(cfg)

@@ -87,11 +87,11 @@ class OpenRound:
     served_by: dict[int, str]
     arrived: list[int] = field(default_factory=list)
     uploads: dict[int, dict[str, Any]] = field(default_factory=dict)
-    upload_answers: dict[str, Future] = field(default_factory=dict)
+    upload_answers: list[tuple[str, list[int], Future]] = field(default_factory=list)
     first_upload: float | None = None
     decided: Participation | None = None
     rows: dict[int, Tensor] = field(default_factory=dict)
-    scalar_answers: dict[str, Future] = field(default_factory=dict)
+    scalar_answers: list[tuple[str, list[int], Future]] = field(default_factory=list)
     first_scalars: float | None = None
     closed: bool = False
 
@@ -207,7 +207,7 @@ class Coordinator:
                 r.uploads[u["client"]] = u
                 r.arrived.append(u["client"])
             r.first_upload = r.first_upload or now
-            r.upload_answers[name] = fut
+            r.upload_answers.append((name, [u["client"] for u in uploads], fut))
             self.cond.notify_all()
         return fut
 
@@ -221,7 +221,7 @@ class Coordinator:
                 fut.set_result({"counted": []})
                 return fut
             for m, v in rows.items():
-                if m not in r.decided.counted or r.served_by.get(m) != name:
+                if m not in r.decided.counted or r.served_by.get(m) != name or m in r.rows:
                     fut.set_exception(ProtocolError(f"round {t}: scalars of client {m} from {name}, which the round "
                                                     "does not count from it"))  # fmt: skip
                     return fut
@@ -230,7 +230,7 @@ class Coordinator:
                     return fut
             r.rows.update({m: v.float() for m, v in rows.items()})
             r.first_scalars = r.first_scalars or time.monotonic()
-            r.scalar_answers[name] = fut
+            r.scalar_answers.append((name, list(rows), fut))
             self.cond.notify_all()
         return fut
 
@@ -420,8 +420,8 @@ class Coordinator:
         if p.skipped:
             logger.warning(f"round {t} skipped: {len(r.arrived)} upload(s) in time, server.min_clients="
                            f"{self.plan.min_clients}")  # fmt: skip
-            for name, fut in r.upload_answers.items():
-                fut.set_result({m: {"late": True} for m in r.arrived if r.served_by[m] == name})
+            for _, clients, fut in r.upload_answers:
+                fut.set_result({m: {"late": True} for m in clients})
             self.endpoint.locked(lambda: self._pass_skipped(t))
             r.closed = True
             return 0
@@ -437,8 +437,8 @@ class Coordinator:
             state = r.uploads[m].get("data")
             if state is not None:
                 self.data_state[m] = (state, r.served_by[m])
-        for name, fut in r.upload_answers.items():
-            fut.set_result({m: answers.get(m, {"late": True}) for m in r.arrived if r.served_by[m] == name})
+        for _, clients, fut in r.upload_answers:
+            fut.set_result({m: answers.get(m, {"late": True}) for m in clients})
         r.uploads.clear()  # the activations are not needed any more
 
         def missing() -> list[int]:
@@ -461,8 +461,8 @@ class Coordinator:
                 rows[i] = r.rows[m]
         vbar = mean_over_clients(rows) if final.delivered else torch.full((self.server.P,), float("nan"))
         self.endpoint.serve("finish_round", {"t": t, "scalars": vbar}).wait()
-        for name, fut in r.scalar_answers.items():
-            fut.set_result({"counted": [m for m in final.delivered if r.served_by[m] == name]})
+        for _, clients, fut in r.scalar_answers:
+            fut.set_result({"counted": [m for m in clients if m in final.delivered]})
         return len(final.counted) * self.B
 
     def _pass_skipped(self, t: int) -> None:

@@ -60,6 +60,9 @@ def check_elastic(cfg: Config) -> None:
                           "answer decide it (set it to its default)")  # fmt: skip
     if cfg.server.ranks != 1:
         raise ConfigError("invalid value for server.ranks: --serve runs the server in one process (server.ranks=1)")
+    if cfg.comm.speed_spread and not cfg.comm.inject_delay:
+        raise ConfigError(f"invalid value for comm.speed_spread: {cfg.comm.speed_spread:g} (per-client links are "
+                          "emulated with comm.inject_delay=true)")  # fmt: skip
     if cfg.checkpoint.interval_samples:
         raise ConfigError("invalid value for checkpoint.interval_samples: elastic runs write no checkpoints yet "
                           "(checkpoint.interval_samples=0)")  # fmt: skip

@@ -22,11 +22,13 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+from torch.futures import Future
 
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.hosfl import _load_replica
@@ -41,6 +43,8 @@ from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads
 from hosfl_dist.runtime.rpc import from_wire, to_wire
+from hosfl_dist.config.schema import link_delay_s
+from hosfl_dist.transport import forward
 from hosfl_dist.transport.inprocess import LocalCollective
 from hosfl_dist.transport.wire import CommMeter
 
@@ -170,23 +174,71 @@ class ElasticWorker:
                 self._serve(t, task)
             t += 1
 
+    def _send(self, delay_s: float, fn: Any, *args: Any) -> Future:
+        """``fn`` on the server after ``delay_s`` (the client's emulated link time), without waiting for it."""
+        out: Future = Future()
+
+        def go() -> None:
+            try:
+                fut = rpc.rpc_async(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)),
+                                    timeout=self.timeout)  # fmt: skip
+                fut.add_done_callback(lambda f: forward(f, out, from_wire))
+            except Exception as exc:  # noqa: BLE001 - the caller's wait raises it
+                out.set_exception(exc)
+
+        if delay_s > 0:
+            timer = threading.Timer(delay_s, go)
+            timer.daemon = True
+            timer.start()
+        else:
+            go()
+        return out
+
+    def _wait(self, fut: Future, what: str) -> Any:
+        try:
+            return fut.wait()
+        except HosflError:
+            raise
+        except RuntimeError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ProtocolError(f"{self.name}: the server of {self.run_dir} did not answer {what} (gone, or "
+                                f"stopped: {first})") from None  # fmt: skip
+
+    def _link_s(self, client: int, nbytes: int, up: bool) -> float:
+        """The emulated one-way time of a message of ``client`` (0 without comm.inject_delay)."""
+        comm = self.cfg.comm
+        if not comm.inject_delay:
+            return 0.0
+        speed = comm.speed(self.cfg.job.seed, client)
+        return link_delay_s(nbytes, (comm.uplink_mbps if up else comm.downlink_mbps) * speed, comm.rtt_ms)
+
     def _serve(self, t: int, task: dict[str, Any]) -> None:
+        """Round t for this worker's clients. Without an emulated link their uploads go in one message, and their
+        scalars in another; with one (``comm.inject_delay``), each client's messages leave after its own link time,
+        so a client on a slow link arrives late (``comm.speed_spread``)."""
         zo, rep = self.zo, self.replica
         for m, state in task["data"].items():
             self.data.load_state_dict({m: state})
         zo.bind(rep.params)
-        before, jobs, uploads = {}, {}, []
+        delayed = self.cfg.comm.inject_delay
+        before, jobs, uploads, sent = {}, {}, [], []
         for m in task["clients"]:
             before[m] = self.data.state_dict([m])
             x, y = self.data.next_batch(m)
             act = zo.zo_forward(x)
-            uploads.append({"client": m, "act": zo.precision.upload(act), "labels": y,
-                            "data": self.data.state_dict([m])[m]})  # fmt: skip
+            upload = {"client": m, "act": zo.precision.upload(act), "labels": y, "data": self.data.state_dict([m])[m]}
             jobs[m] = (x, act["z"])
-        answers = self._call(entry.upload, t, uploads)
+            if delayed:  # this client's upload leaves after its link time
+                nbytes = sum(v.numel() * v.element_size() for v in (*upload["act"].values(), y))
+                sent.append(self._send(self._link_s(m, nbytes, up=True), entry.upload, t, [upload]))
+            else:
+                uploads.append(upload)
+        if uploads:
+            sent.append(self._send(0.0, entry.upload, t, uploads))
         del uploads
+        answers = {m: a for fut in sent for m, a in self._wait(fut, "upload").items()}
         seeds = task["seeds"].tolist()
-        rows = {}
+        rows, scalars_sent = {}, []
         for m in task["clients"]:
             answer = answers[m]
             if answer.get("late"):  # not this round: the batch was not used, put it back
@@ -195,13 +247,21 @@ class ElasticWorker:
             if answer.get("skip"):
                 continue
             x, z = jobs.pop(m)
-            proj = Projector(answer["lam"].to(z.device), z)
+            lam = answer["lam"]
+            if delayed:  # λ reaches this client after its downlink time
+                time.sleep(self._link_s(m, lam.numel() * lam.element_size(), up=False))
+            proj = Projector(lam.to(z.device), z)
             v = zo.zo_scalars(x, seeds, proj, None)
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
-            rows[m] = v
+            if delayed:
+                scalars_sent.append(self._send(self._link_s(m, v.numel() * 4, up=True), entry.scalars, t, {m: v}))
+            else:
+                rows[m] = v
         if rows:
-            self._call(entry.scalars, t, rows)
+            scalars_sent.append(self._send(0.0, entry.scalars, t, rows))
+        for fut in scalars_sent:
+            self._wait(fut, "scalars")
 
 
 class _NoTransport:
