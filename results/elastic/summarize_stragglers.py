@@ -52,7 +52,8 @@ def main(out: Path) -> None:
         lines.append(f"| {variant} | " + " | ".join(cells) + f" | {med([r['round_s'] for r in runs])} | "
                      f"{med([r['rounds'] for r in runs])} | {sum(r['dropped'] for r in runs)} / "
                      f"{sum(r['late'] for r in runs)} / {sum(r['sampled'] for r in runs)} | "
-                     f"{100 * statistics.median(r['final_accuracy'] for r in runs):.2f} % (n={len(runs)}) |")  # fmt: skip
+                     f"{100 * statistics.median(r['final_accuracy'] for r in runs):.2f} % "
+                     f"(n={len(runs)}) |")  # fmt: skip
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
     print("\n".join(lines))
