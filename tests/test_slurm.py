@@ -458,3 +458,40 @@ def test_a_job_array_lands_on_both_nodes(two_nodes: dict[str, str], tmp_path: Pa
     assert all(placed), lines
     assert [int(m.group(1)) for m in placed] == [0, 1, 2, 3], lines
     assert {m.group(2) for m in placed} == set(NODES), lines
+
+
+ELASTIC_SCRIPT = REPO / "slurm" / "elastic.sbatch"
+
+
+def test_an_elastic_job_loses_a_worker_step_and_the_retry_joins_again(
+    two_nodes: dict[str, str], tmp_path: Path
+) -> None:
+    """slurm/elastic.sbatch: the server and each worker are job steps; a worker step killed (as a dead node's would be)
+    ends only itself, the run goes on, and the step started again joins the live run as a new worker."""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    env = dict(two_nodes, PYTHON=sys.executable, OUT=str(out), PORT=str(_free_ports(1)), WORKERS_ON_HEAD="1",
+               RETRIES="2", PYTHONPATH=str(REPO))  # fmt: skip
+    overrides = [*TINY_OVERRIDES, "train.budget_samples=19200", "train.eval_every_samples=4800",
+                 "server.worker_timeout_s=5", "server.min_workers=2", "server.min_clients=1"]  # fmt: skip
+    cmd = ["sbatch", "--nodes=2", "--cpus-per-task=1", "--time=00:10:00", "--job-name=hosfl-elastic-test",
+           f"--output={log}", str(ELASTIC_SCRIPT), *overrides]  # fmt: skip
+    sub = _run(cmd, env)
+    assert sub.returncode == 0, sub.stderr
+    job = re.search(r"Submitted batch job (\d+)", sub.stdout).group(1)
+
+    def live_workers() -> int:
+        try:
+            return len(json.loads((out / "workers.json").read_text())["workers"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    _wait_for("two workers joined", lambda: live_workers() == 2, log, 180)
+    killed = _run(["scancel", "--signal=KILL", f"{job}.1"], env)  # step 0 is the server; 1 and 2 the workers
+    assert killed.returncode == 0, killed.stderr
+    _wait_for("the job to end", lambda: _job_field(two_nodes, job, "JobState") in FINISHED, log, 300)
+    assert _job_field(two_nodes, job, "JobState") == "COMPLETED", _read(log)[-6000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["engine"] == "elastic", summary
+    p = summary["participation"]
+    assert p["workers_lost"] >= 1 and p["workers_joined"] >= 3, (p, _read(log)[-4000:])
+    assert "joining again" in _read(log)  # the killed step, started again
