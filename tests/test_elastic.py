@@ -238,3 +238,14 @@ def test_real_time_keys_are_refused_by_the_fixed_runtimes_unless_replaying(tmp_p
         assert len(err) == 1 and "only elastic runs, --serve" in err[0], err
     assert main(["--serve", *TINY_OVERRIDES, "comm.speed_spread=1", f"job.out_dir={tmp_path / 'r'}"]) == 2
     assert "emulated with comm.inject_delay=true" in capsys.readouterr().err
+
+
+def test_a_join_file_whose_server_is_gone_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    import socket
+
+    left = {"host": "127.0.0.1", "port": 1, "token": "x", "pid": 2**22 + 12345, "node": socket.gethostname()}
+    (tmp_path / "join.json").write_text(json.dumps(left))  # what a SIGKILLed server leaves behind
+    assert main(["--join", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not running" in err[0], err

@@ -476,7 +476,8 @@ class Coordinator:
         with self.cond:
             self.ended, self.end_round, self.current = True, rounds, None
             self._answer_waiting()
-            self._wait(lambda: all(m.digest is not None for m in self.members.values()), lambda: None)
+            deadline = time.monotonic() + 2 * self.worker_timeout + 30  # a worker that never reports is left out
+            self._wait(lambda: all(m.digest is not None for m in self.members.values()), lambda: deadline)
             return {name: m.digest for name, m in sorted(self.members.items()) if m.digest is not None}
 
     def timing(self) -> dict[str, Any]:

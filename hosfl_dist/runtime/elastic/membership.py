@@ -27,6 +27,7 @@ from torch.distributed.rpc._utils import _group_membership_management, _update_g
 
 SERVER_NAME = "server"
 RANK_KEY = "hosfl/elastic/next_rank"
+CONNECT_S = 30.0
 _PREFIX = "rpc_prefix_0"  # what init_rpc's first call names its store prefix
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,10 @@ def serve_rpc(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str]:
     """Join the server's dynamic group as a new member; returns the store and this member's name."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    # a server that is gone (its join.json left behind by SIGKILL) is said within half a minute, not an RPC timeout
+    connect_s = min(timeout_s, CONNECT_S)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_s))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     rank = int(store.add(RANK_KEY, 1)) - 1
     name = f"worker{rank}"
     _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, tell=(name, SERVER_NAME))

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,8 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
         serve_rpc(host, port, cfg.server.rpc_timeout_s)
         fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump({"host": host, "port": port, "token": token, "pid": os.getpid()}, fh)
+            where = {"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname()}
+            json.dump({**where, "token": token}, fh)
 
         def evaluate(t: int, processed: int) -> None:
             progress.advance_to(processed)

@@ -65,8 +65,22 @@ def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
         raise ConfigError(f"invalid value for --join: {str(path)!r} cannot be read ({exc})") from None
     if not isinstance(join, dict) or not {"host", "port", "token"} <= set(join):
         raise ConfigError(f"invalid value for --join: {str(path)!r} is not a join file of this version")
+    pid = join.get("pid")
+    if join.get("node") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (its server, pid {pid} on this machine, is not "
+                          f"running: python -m hosfl_dist.run --status {run_dir})")  # fmt: skip
     cfg = load_config(run_dir / "config.yaml")
     return join, cfg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 class ElasticWorker:
