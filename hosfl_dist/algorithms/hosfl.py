@@ -245,9 +245,9 @@ class HOSFLServer(BackpropServer):
             nn.Parameter(p.detach().clone(), requires_grad=False) for p in slot_tensors(trainable_slots(split.client))
         ]
         self.base = Replica(params, TensorwiseOptimizer(cfg.clients.optim, params, self.round_plan.rounds))
-        self._pass_skipped()
+        self.pass_skipped()
 
-    def _pass_skipped(self) -> None:
+    def pass_skipped(self) -> None:
         """Append a row of NaN (no client step) for each skipped round from where the history ends: the history then
         reaches the next round that steps, as the endpoint's closed rounds do (:meth:`ServerBase.open_round`)."""
         for t in range(self.history.end, self.open_round(self.history.end)):
@@ -323,7 +323,7 @@ class HOSFLServer(BackpropServer):
         self.history.append(t, self.seeds_of(t), scalars.detach().float().cpu())
         for m in p.counted:
             self.client_round[m] = t + 1 if m in p.delivered else t
-        self._pass_skipped()
+        self.pass_skipped()
         self._trim()
 
     # -- checkpoints and the audit -------------------------------------------------------------------------------

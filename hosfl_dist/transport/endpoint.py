@@ -204,6 +204,12 @@ class ServerEndpoint:
         open_round = getattr(self.server, "open_round", None)
         return closed if open_round is None else open_round(closed)
 
+    def close_round(self, t: int) -> None:
+        """Round t is over without a call that closes it (an elastic server's skipped round, whose plan was decided
+        after the round before it closed): it is closed with the one before it, and what it held is released."""
+        with self._lock:
+            self._close(t)
+
     def _close(self, closed: int) -> None:
         self.closed = max(self.closed, self._open(closed))
         ready = sorted((h for h in self._held if h[0] <= self.closed), key=lambda h: h[0])

@@ -466,8 +466,8 @@ class Coordinator:
         return len(final.counted) * self.B
 
     def _pass_skipped(self, t: int) -> None:
-        self.server._pass_skipped()  # the history's NaN row of round t (no client step)
-        self.endpoint._close(t)  # and the endpoint's round t closed with the one before it
+        self.server.pass_skipped()  # the history's NaN row of round t (no client step)
+        self.endpoint.close_round(t)  # and the endpoint's round t closed with the one before it
 
     # -- the end -----------------------------------------------------------------------------------------------------
     def finish(self, rounds: int) -> dict[str, Any]:
