@@ -249,3 +249,100 @@ def test_a_join_file_whose_server_is_gone_is_one_line(tmp_path, capsys):
     assert main(["--join", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not running" in err[0], err
+
+
+# -- the coordinator in one process: workers as threads over direct calls (no RPC), fast enough for every case ------
+class DeadAfter:
+    """A worker's link that goes silent (as a SIGKILLed process does) at its ``n``-th call of ``method``: that call
+    and every later one (heartbeats included) never answer."""
+
+    def __init__(self, link, method: str, n: int) -> None:
+        self.link, self.method, self.left = link, method, n
+        self.dead = False
+
+    def open(self) -> str:
+        return self.link.open()
+
+    def send(self, method: str, *args, timeout=None):
+        from torch.futures import Future
+
+        if method == self.method:
+            self.left -= 1
+            self.dead = self.dead or self.left <= 0
+        return Future() if self.dead else self.link.send(method, *args)
+
+    def close(self) -> None:
+        pass
+
+
+def serve_in_threads(tmp: Path, overrides: list[str], links) -> tuple[dict, Path]:
+    """An elastic run with its workers as threads of this process: ``links(coordinator)`` gives each worker's link."""
+    import threading
+
+    from hosfl_dist.runtime.elastic.serve import ElasticServer
+    from hosfl_dist.runtime.elastic.worker import ElasticWorker
+
+    served = ElasticServer(load_config(None, [*overrides, f"job.out_dir={tmp / 'run'}"]))
+    try:
+        for link in links(served.coordinator):
+            worker = ElasticWorker(served.cfg, link, tmp / "run")
+            threading.Thread(target=worker.run, daemon=True).start()
+        return served.train(), tmp / "run"
+    finally:
+        served.close()
+
+
+def direct(coordinator, n: int):
+    from hosfl_dist.runtime.elastic.worker import DirectLink
+
+    return [DirectLink(coordinator, f"thread{i}") for i in range(n)]
+
+
+FAST = [*TINY_OVERRIDES, "server.worker_timeout_s=1", "train.budget_samples=480"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # every client delivers
+        ["clients.over_select=0.5"],  # 5 of 6 sampled, the first 3 uploads count, the others are late
+    ],
+)
+def test_in_one_process_the_coordinator_decides_rounds_that_replay(tmp_path, extra):
+    overrides = [*FAST, "server.min_workers=2", *extra]
+    summary, run = serve_in_threads(tmp_path, overrides, lambda c: direct(c, 2))
+    assert summary["status"] == "completed" and summary["participation"]["workers_joined"] == 2
+    clients, server = replay_digests(tmp_path, run, overrides)
+    assert set(clients.values()) == set(summary["client_digests"].values()) and server == summary["server_digest"]
+    if extra:
+        assert summary["participation"]["late"] > 0  # two late uploads in every round
+
+
+@pytest.mark.parametrize(
+    ("method", "min_clients", "what"),
+    [
+        ("upload", 1, "dropped before upload"),  # dies before its round's upload: the others step without it
+        ("scalars", 1, "dropped after upload"),  # dies between its upload and its scalars
+        ("upload", 0, "skipped"),  # min_clients = K: the round it dies in has too few uploads
+    ],
+)
+def test_in_one_process_a_worker_that_goes_silent_is_lost_and_its_clients_move(tmp_path, method, min_clients, what):
+    overrides = [*FAST, "server.min_workers=2", f"server.min_clients={min_clients}", "train.budget_samples=720"]
+
+    def links(c):
+        healthy, dying = direct(c, 2)
+        return [healthy, DeadAfter(dying, method, 3)]
+
+    summary, run = serve_in_threads(tmp_path, overrides, links)
+    p = summary["participation"]
+    assert summary["status"] == "completed" and p["workers_lost"] == 1 and p["workers_joined"] == 2
+    assert list(summary["client_digests"]) == ["thread0", "server_evaluation"]  # the silent one reports nothing
+    rows = [json.loads(x) for x in (run / "participation.jsonl").read_text().splitlines()]
+    stages = {s for r in rows for s in r["dropped"].values()}
+    if what == "skipped":
+        assert p["rounds_skipped"] >= 1
+    else:
+        assert p["rounds_skipped"] == 0 and {"dropped before upload": "before_upload",
+                                             "dropped after upload": "after_upload"}[what] in stages  # fmt: skip
+    clients, server = replay_digests(tmp_path, run, overrides)  # the record replays whatever happened
+    assert set(clients.values()) == set(summary["client_digests"].values()) and server == summary["server_digest"]

@@ -9,6 +9,7 @@ its owner only) into the run folder while it serves, and removes it at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -76,81 +77,107 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class ElasticServer:
+    """The server side of an elastic run, built and its folder opened: the method's server behind its endpoint, the
+    run's front, the evaluation worker and the :class:`Coordinator` (which :meth:`train` drives). How workers reach
+    it is the caller's: RPC under ``--serve`` (:func:`run_serve`), direct calls in tests."""
+
+    def __init__(self, cfg: Config, stop: Any = None) -> None:
+        cfg = check_config(cfg)
+        check_elastic(cfg)
+        check_devices(cfg)
+        if not chosen(cfg):
+            cfg = resolve_out_dir(cfg)
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
+        self.cfg = cfg
+        spec = get_algorithm(cfg.algorithm.name)
+        data = build_data(cfg, clients=[], evaluation=True)
+        self.split = split = build_split_model(cfg, data.info, spec.zeroth_order_client)
+        self.server, evaluator = server_side(cfg, spec, split)
+        store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
+        servers = ServerGroup(self.server, evaluator, store=store)
+        self.endpoint = ServerEndpoint(self.server, servers.execute, evaluator)
+        self.meter = meter = CommMeter()
+        self.front = RunFront(cfg, self.endpoint, servers, store, "elastic", {"workers": "elastic"}, "server",
+                              {"server": "elastic, --serve"})  # fmt: skip
+        transport, collective, _ = client_stack(cfg, spec, InProcessTransport(self.endpoint), LocalCollective(meter),
+                                                meter)  # fmt: skip
+        self.evaluating = spec.worker(cfg, split, data, [], transport, collective)
+        params = sum(p.numel() for m in (split.client, split.server) for p in m.parameters())
+        threads, why = set_threads(cfg, params)
+        self.front.open()
+        logger.info(f"threads: {threads} intra-op ({why})")
+        self.progress = Progress(cfg)
+        self.coordinator = Coordinator(cfg, self.endpoint, meter, self._evaluate, stop)
+        record = self.front.record
+        record.participation.plan = self.server.round_plan.participation  # the rounds as the coordinator decides them
+        record.participation.workers = self.coordinator.totals
+
+    def _evaluate(self, t: int, processed: int) -> None:
+        self.progress.advance_to(processed)
+        Evaluator(self.evaluating).evaluate(t)
+        shown = self.front.handle(EvalReport(t, processed, self.meter.snapshot()))
+        self.progress.show(shown)
+
+    def train(self) -> dict[str, Any]:
+        """Rounds until the budget, the workers' digests, the summary (checked against the server's replay)."""
+        cfg, coordinator = self.cfg, self.coordinator
+        try:
+            budget = cfg.train.budget_samples
+            rounds, processed = coordinator.run(budget, eval_points(budget, cfg.train.eval_every_samples))
+            self.progress.close()
+            digests = {**coordinator.finish(rounds), "server_evaluation": self.evaluating.client_digest()}
+            memory = [process_memory(0, "server", self.split.client, self.split.server)]
+            timing = {"coordinator": coordinator.timing()}
+            self.front.handle(FinalReport(rounds, processed, self.meter.snapshot(), digests, timing, memory))
+            return self.front.conclude()
+        except Interrupted as exc:
+            if not self.front.record.finished:
+                self.front.record.interrupt(str(exc), self.server.rounds_done, None)
+            raise
+        except BaseException as exc:
+            if not self.front.record.finished:
+                self.front.record_failure(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.progress.close()
+            (Path(cfg.job.out_dir) / "workers.json").unlink(missing_ok=True)  # its live workers: none now
+
+    def close(self) -> None:
+        self.front.close()
+
+
 def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
-    """Serve an elastic run until its budget; returns its summary and folder."""
+    """Serve an elastic run over RPC until its budget; returns its summary and folder."""
     host, port = parse_address(address)
-    cfg = check_config(cfg)
-    check_elastic(cfg)
-    check_devices(cfg)
-    if not chosen(cfg):
-        cfg = resolve_out_dir(cfg)
-    import dataclasses
-
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, final=False))
-    spec = get_algorithm(cfg.algorithm.name)
-    data = build_data(cfg, clients=[], evaluation=True)
-    split = build_split_model(cfg, data.info, spec.zeroth_order_client)
-    server, evaluator = server_side(cfg, spec, split)
-    store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
-    servers = ServerGroup(server, evaluator, store=store)
-    endpoint = ServerEndpoint(server, servers.execute, evaluator)
-    meter = CommMeter()
-    layout = {"workers": "elastic"}
-    front = RunFront(cfg, endpoint, servers, store, "elastic", layout, "server", {"server": "elastic, --serve"})
-    transport, collective, _ = client_stack(cfg, spec, InProcessTransport(endpoint), LocalCollective(meter), meter)
-    evaluating = spec.worker(cfg, split, data, [], transport, collective)
-    threads, why = set_threads(cfg, sum(p.numel() for m in (split.client, split.server) for p in m.parameters()))
-    front.open()
-    logger.info(f"threads: {threads} intra-op ({why})")
-    progress = Progress(cfg)
-    join_path = Path(cfg.job.out_dir) / JOIN_FILE
-    try:
-        port = port or free_port(host)
-        token = secrets.token_hex(32)
-        expect_token(token)
-        serve_rpc(host, port, cfg.server.rpc_timeout_s)
-        fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            where = {"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname()}
-            json.dump({**where, "token": token}, fh)
-
-        def evaluate(t: int, processed: int) -> None:
-            progress.advance_to(processed)
-            Evaluator(evaluating).evaluate(t)
-            shown = front.handle(EvalReport(t, processed, meter.snapshot()))
-            progress.show(shown)
-
-        with StopRequest() as stop:
-            coordinator = Coordinator(cfg, endpoint, meter, evaluate, stop)
-            front.record.participation.plan = server.round_plan.participation
-            front.record.participation.workers = coordinator.totals
-            entry.publish(coordinator)
+    with StopRequest() as stop:
+        served = ElasticServer(cfg, stop)
+        cfg = served.cfg
+        join_path = Path(cfg.job.out_dir) / JOIN_FILE
+        try:
+            port = port or free_port(host)
+            token = secrets.token_hex(32)
+            expect_token(token)
+            try:
+                serve_rpc(host, port, cfg.server.rpc_timeout_s)
+            except (RuntimeError, OSError) as exc:  # the port is taken, the host is not this machine's
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                raise ConfigError(f"invalid value for --address: {host}:{port} (cannot serve there: {first})") from None
+            fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                where = {"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname()}
+                json.dump({**where, "token": token}, fh)
+            entry.publish(served.coordinator)
             c = cfg.clients
             logger.info(f"{cfg.job.name}: {cfg.algorithm.name}, elastic: serving at {host}:{port}, {c.total} clients "
                         f"({c.per_round} per round), budget {cfg.train.budget_samples} samples; workers join with "
                         f"python -m hosfl_dist.run --join {cfg.job.out_dir}")  # fmt: skip
-            budget = cfg.train.budget_samples
-            rounds, processed = coordinator.run(budget, eval_points(budget, cfg.train.eval_every_samples))
-            progress.close()
-            digests = coordinator.finish(rounds)
-            evaluating_digest = evaluating.client_digest()
-            memory = [process_memory(0, "server", split.client, split.server)]
-            digests = {**digests, "server_evaluation": evaluating_digest}
-            timing = {"coordinator": coordinator.timing()}
-            report = FinalReport(rounds, processed, meter.snapshot(), digests, transport=timing, memory=memory)
-            front.handle(report)
-        return front.conclude(), cfg.job.out_dir
-    except Interrupted as exc:
-        if front.record is not None and not front.record.finished:
-            front.record.interrupt(str(exc), server.rounds_done, None)
-        raise
-    except BaseException as exc:
-        if front.record is not None and not front.record.finished:
-            front.record_failure(f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        progress.close()
-        join_path.unlink(missing_ok=True)
-        (Path(cfg.job.out_dir) / "workers.json").unlink(missing_ok=True)  # its live workers: none now
-        front.close()
-        leave_rpc()
+            return served.train(), cfg.job.out_dir
+        except BaseException as exc:
+            if not served.front.record.finished:  # before training started: the folder says why
+                served.front.record_failure(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            join_path.unlink(missing_ok=True)
+            served.close()
+            leave_rpc()

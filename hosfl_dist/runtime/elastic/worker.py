@@ -44,7 +44,7 @@ from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads
 from hosfl_dist.runtime.rpc import from_wire, to_wire
 from hosfl_dist.config.schema import link_delay_s
-from hosfl_dist.transport import forward
+from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.inprocess import LocalCollective
 from hosfl_dist.transport.wire import CommMeter
 
@@ -83,15 +83,61 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class ElasticWorker:
-    """One client worker of an elastic run (see the module docstring)."""
+class RPCLink:
+    """How a worker process reaches the elastic server: torch RPC, as a member of the server's dynamic group."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, join: dict[str, Any], run_dir: Path, timeout_s: float) -> None:
+        self.join, self.run_dir, self.timeout = join, run_dir, timeout_s
+        self.token = join["token"]
+        self.name = ""
+
+    def open(self) -> str:
+        host, port = self.join["host"], int(self.join["port"])
+        try:
+            _, self.name = join_rpc(host, port, self.timeout)
+        except (RuntimeError, ValueError) as exc:  # a store or agent that cannot be reached
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ProtocolError(f"cannot join the run in {self.run_dir}: its server at {host}:{port} does not "
+                                f"answer ({first}); is it still running? (python -m hosfl_dist.run --status "
+                                f"{self.run_dir})") from None  # fmt: skip
+        return self.name
+
+    def send(self, method: str, *args: Any, timeout: float | None = None) -> Future:
+        fut = rpc.rpc_async(SERVER_NAME, getattr(entry, method), args=(self.token, self.name, *map(to_wire, args)),
+                            timeout=timeout or self.timeout)  # fmt: skip
+        return chained(fut, from_wire)
+
+    def close(self) -> None:
+        leave_rpc()
+
+
+class DirectLink:
+    """A worker in the server's own process (tests): the coordinator's calls, without RPC."""
+
+    def __init__(self, coordinator: Any, name: str) -> None:
+        self.coordinator, self.name = coordinator, name
+
+    def open(self) -> str:
+        return self.name
+
+    def send(self, method: str, *args: Any, timeout: float | None = None) -> Future:
+        try:
+            got = getattr(self.coordinator, method)(self.name, *args)
+        except Exception as exc:  # noqa: BLE001 - the caller's wait raises it
+            return failed(exc)
+        return got if isinstance(got, Future) else done(got)
+
+    def close(self) -> None:
+        pass
+
+
+class ElasticWorker:
+    """One client worker of an elastic run (see the module docstring), reaching the server through ``link``."""
+
+    def __init__(self, cfg: Config, link: Any, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.join_info, cfg = read_join(run_dir)
         self.cfg = cfg = check_config(cfg)  # the run's plug-ins imported, as the server did
-        self.token = self.join_info["token"]
-        self.timeout = cfg.server.rpc_timeout_s
+        self.link = link
         spec = get_algorithm(cfg.algorithm.name)
         self.data = build_data(cfg, clients=range(cfg.clients.total), evaluation=False)
         split = build_split_model(cfg, self.data.info, spec.zeroth_order_client, parts=spec.worker_parts)
@@ -105,37 +151,21 @@ class ElasticWorker:
         self.name = ""
         self.stopped = threading.Event()
 
-    def _call(self, fn: Any, *args: Any, timeout: float | None = None) -> Any:
-        try:
-            got = rpc.rpc_sync(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)),
-                               timeout=timeout or self.timeout)  # fmt: skip
-        except HosflError:
-            raise
-        except RuntimeError as exc:  # the server is gone, or refused the call
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ProtocolError(f"{self.name}: the server of {self.run_dir} did not answer {fn.__name__} (gone, or "
-                                f"stopped: {first})") from None  # fmt: skip
-        return from_wire(got)
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return self._wait(self.link.send(method, *args, timeout=timeout), method)
 
     def _beat(self) -> None:
         every = max(0.2, self.cfg.server.worker_timeout_s / 4)
         while not self.stopped.wait(every):
             try:
-                rpc.rpc_sync(SERVER_NAME, entry.beat, args=(self.token, self.name), timeout=self.timeout)
+                self.link.send("beat").wait()
             except Exception:  # noqa: BLE001 - the server's answer to the next call says what happened
                 if self.stopped.is_set():
                     return
 
     def run(self) -> int:
         """Join, serve rounds until the run ends; returns the rounds this worker took part in."""
-        host, port = self.join_info["host"], int(self.join_info["port"])
-        try:
-            _, self.name = join_rpc(host, port, self.timeout)
-        except (RuntimeError, ValueError) as exc:  # a store or agent that cannot be reached
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ProtocolError(f"cannot join the run in {self.run_dir}: its server at {host}:{port} does not "
-                                f"answer ({first}); is it still running? (python -m hosfl_dist.run --status "
-                                f"{self.run_dir})") from None  # fmt: skip
+        self.name = self.link.open()
         beat = threading.Thread(target=self._beat, name="hosfl-heartbeat", daemon=True)
         ended = False
         try:
@@ -151,12 +181,12 @@ class ElasticWorker:
             self.stopped.set()
             if not ended:  # stopped, or failed: the server moves this worker's clients at once
                 with contextlib.suppress(Exception):
-                    self._call(entry.leave, timeout=5.0)
-            leave_rpc()
+                    self._call("leave", timeout=5.0)
+            self.link.close()
 
     def _join(self) -> bool:
         """Join the run (again, after the server gave up on this worker); False: the run has ended."""
-        state = self._call(entry.join, {"host": socket.gethostname(), "pid": os.getpid()})
+        state = self._call("join", {"host": socket.gethostname(), "pid": os.getpid()})
         if state.get("end"):
             return False
         rep = self.replica
@@ -170,7 +200,7 @@ class ElasticWorker:
     def _rounds(self) -> int:
         t, took_part = 0, 0
         while True:
-            task = self._call(entry.next_round, t, self.replica.round)
+            task = self._call("next_round", t, self.replica.round)
             if task.get("lost"):  # the server gave up on this worker (stopped too long): join again
                 logger.warning(f"{self.name}: the server counted this worker as lost; joining again")
                 if not self._join():
@@ -180,7 +210,7 @@ class ElasticWorker:
             t = task["t"]
             if task.get("end"):
                 digest = self.replica.digest()
-                self._call(entry.final, digest, process_memory(0, "worker", self.split.client, None))
+                self._call("final", digest, process_memory(0, "worker", self.split.client, None))
                 logger.info(f"{self.name}: the run ended after round {t}; θc {digest[:12]}")
                 return took_part
             if task["clients"]:
@@ -188,24 +218,18 @@ class ElasticWorker:
                 self._serve(t, task)
             t += 1
 
-    def _send(self, delay_s: float, fn: Any, *args: Any) -> Future:
-        """``fn`` on the server after ``delay_s`` (the client's emulated link time), without waiting for it."""
+    def _send(self, delay_s: float, method: str, *args: Any) -> Future:
+        """``method`` on the server after ``delay_s`` (the client's emulated link time), without waiting for it."""
+        if delay_s <= 0:
+            return self.link.send(method, *args)
         out: Future = Future()
 
         def go() -> None:
-            try:
-                fut = rpc.rpc_async(SERVER_NAME, fn, args=(self.token, self.name, *map(to_wire, args)),
-                                    timeout=self.timeout)  # fmt: skip
-                fut.add_done_callback(lambda f: forward(f, out, from_wire))
-            except Exception as exc:  # noqa: BLE001 - the caller's wait raises it
-                out.set_exception(exc)
+            self.link.send(method, *args).add_done_callback(lambda f: forward(f, out))
 
-        if delay_s > 0:
-            timer = threading.Timer(delay_s, go)
-            timer.daemon = True
-            timer.start()
-        else:
-            go()
+        timer = threading.Timer(delay_s, go)
+        timer.daemon = True
+        timer.start()
         return out
 
     def _wait(self, fut: Future, what: str) -> Any:
@@ -244,11 +268,11 @@ class ElasticWorker:
             jobs[m] = (x, act["z"])
             if delayed:  # this client's upload leaves after its link time
                 nbytes = sum(v.numel() * v.element_size() for v in (*upload["act"].values(), y))
-                sent.append(self._send(self._link_s(m, nbytes, up=True), entry.upload, t, [upload]))
+                sent.append(self._send(self._link_s(m, nbytes, up=True), "upload", t, [upload]))
             else:
                 uploads.append(upload)
         if uploads:
-            sent.append(self._send(0.0, entry.upload, t, uploads))
+            sent.append(self._send(0.0, "upload", t, uploads))
         del uploads
         answers = {m: a for fut in sent for m, a in self._wait(fut, "upload").items()}
         seeds = task["seeds"].tolist()
@@ -269,11 +293,11 @@ class ElasticWorker:
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
             if delayed:
-                scalars_sent.append(self._send(self._link_s(m, v.numel() * 4, up=True), entry.scalars, t, {m: v}))
+                scalars_sent.append(self._send(self._link_s(m, v.numel() * 4, up=True), "scalars", t, {m: v}))
             else:
                 rows[m] = v
         if rows:
-            scalars_sent.append(self._send(0.0, entry.scalars, t, rows))
+            scalars_sent.append(self._send(0.0, "scalars", t, rows))
         for fut in scalars_sent:
             self._wait(fut, "scalars")
 
@@ -296,7 +320,9 @@ def _stop(signum: int, frame: object) -> None:
 def run_join(run_dir: str) -> int:
     """``--join RUN_DIR``: one client worker, until the run ends (or SIGTERM/SIGINT: it leaves the run, which goes
     on without it)."""
-    worker = ElasticWorker(Path(run_dir))
+    folder = Path(run_dir)
+    join, cfg = read_join(folder)
+    worker = ElasticWorker(cfg, RPCLink(join, folder, cfg.server.rpc_timeout_s), folder)
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         rounds = worker.run()
