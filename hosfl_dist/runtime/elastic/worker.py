@@ -274,8 +274,14 @@ class ElasticWorker:
         if uploads:
             sent.append(self._send(0.0, "upload", t, uploads))
         del uploads
-        answers = {m: a for fut in sent for m, a in self._wait(fut, "upload").items()}
         seeds = task["seeds"].tolist()
+        # latency hiding (zo.overlap, as the fixed runtimes' workers do): the P perturbed forwards need θc^t and the
+        # seeds only, so they run while the server steps; their projections wait for λ
+        held = self.cfg.zo.num_perturbations * sum(z.numel() * z.element_size() for _, z in jobs.values())
+        early = {}
+        if self.cfg.zo.overlap_on(held):
+            early = {m: zo.zo_activations(x, seeds) for m, (x, _) in jobs.items()}
+        answers = {m: a for fut in sent for m, a in self._wait(fut, "upload").items()}
         rows, scalars_sent = {}, []
         for m in task["clients"]:
             answer = answers[m]
@@ -289,7 +295,7 @@ class ElasticWorker:
             if delayed:  # λ reaches this client after its downlink time
                 time.sleep(self._link_s(m, lam.numel() * lam.element_size(), up=False))
             proj = Projector(lam.to(z.device), z)
-            v = zo.zo_scalars(x, seeds, proj, None)
+            v = zo.zo_scalars(x, seeds, proj, early.pop(m, None))
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
             if delayed:
