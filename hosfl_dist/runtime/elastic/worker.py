@@ -199,8 +199,12 @@ class ElasticWorker:
 
     def _rounds(self) -> int:
         t, took_part = 0, 0
+        pending: list[Future] = []
         while True:
             task = self._call("next_round", t, self.replica.round)
+            for fut in pending:  # the scalars of the round before: answered by now (an error is raised here)
+                self._wait(fut, "scalars")
+            pending = []
             if task.get("lost"):  # the server gave up on this worker (stopped too long): join again
                 logger.warning(f"{self.name}: the server counted this worker as lost; joining again")
                 if not self._join():
@@ -215,7 +219,7 @@ class ElasticWorker:
                 return took_part
             if task["clients"]:
                 took_part += 1
-                self._serve(t, task)
+                pending = self._serve(t, task)
             t += 1
 
     def _send(self, delay_s: float, method: str, *args: Any) -> Future:
@@ -250,7 +254,7 @@ class ElasticWorker:
         speed = comm.speed(self.cfg.job.seed, client)
         return link_delay_s(nbytes, (comm.uplink_mbps if up else comm.downlink_mbps) * speed, comm.rtt_ms)
 
-    def _serve(self, t: int, task: dict[str, Any]) -> None:
+    def _serve(self, t: int, task: dict[str, Any]) -> list[Future]:
         """Round t for this worker's clients. Without an emulated link their uploads go in one message, and their
         scalars in another; with one (``comm.inject_delay``), each client's messages leave after its own link time,
         so a client on a slow link arrives late (``comm.speed_spread``)."""
@@ -304,8 +308,7 @@ class ElasticWorker:
                 rows[m] = v
         if rows:
             scalars_sent.append(self._send(0.0, "scalars", t, rows))
-        for fut in scalars_sent:
-            self._wait(fut, "scalars")
+        return scalars_sent  # answered when the round closes: the next round is asked for meanwhile
 
 
 class _NoTransport:
