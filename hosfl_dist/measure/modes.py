@@ -24,11 +24,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from hosfl_dist.config import VISION_CUT_RANGE, Config, build_config
+from hosfl_dist.config import Config, build_config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.measure.standin import NoPeers, OneBatch, StandInServer
 from hosfl_dist.measure.tracker import ModeStep, storage_bytes
-from hosfl_dist.models import SplitModel
+from hosfl_dist.models import SplitModel, get_model
 from hosfl_dist.models.sources import DTYPES
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.tasks.classification import ClassificationTask
@@ -96,7 +96,7 @@ class ProfileSpec:
         if self.compute_dtype not in ("auto", "float32", "model"):
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of auto, float32, model")
         if self.model in VISION_INPUTS:
-            lo, hi = VISION_CUT_RANGE[self.model]
+            lo, hi = get_model(self.model).cuts
             if not lo <= self.cut <= hi:
                 raise ConfigError(f"--cut {self.cut} is out of range for {self.model}: need {lo} <= cut <= {hi}")
         for key, dev in (("--device", self.device), ("rng_device", self.rng_device)):
