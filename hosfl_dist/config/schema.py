@@ -91,8 +91,9 @@ class JobConfig:
     wandb)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules imported before anything is built (as python -m hosfl_dist.run --plugin MODULE does), e.g. one
-    that registers a method of its own with hosfl_dist.algorithms.register: the registry, the config check, both
-    runtimes, the studies and the profiler then know it (docs/python-api.md#plug-ins). Part of the run's identity."""
+    that registers a method (hosfl_dist.algorithms.register), a task (hosfl_dist.data.register_task) or a model
+    (hosfl_dist.models.register_model) of its own: the registries, the config check, both runtimes, the studies and
+    the profiler then know it (docs/python-api.md#plug-ins). Part of the run's identity."""
     callbacks: list[str] = field(default_factory=list)
     """Callbacks as module:Class (a subclass of hosfl_dist.Callback, built without arguments in each process that owns
     one of its events): on_train_start, on_round_end, on_evaluate, on_checkpoint, on_train_end
