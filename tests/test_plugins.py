@@ -16,11 +16,12 @@ from hosfl_dist.data import TaskSpec, TensorData, register_task
 from hosfl_dist.errors import ConfigError, DataError
 from hosfl_dist.models import ModelSpec, register_model
 from hosfl_dist.runtime.checks import load_run_config
-from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun
+from tiny import ROOT, TINY_OVERRIDES, lm_overrides, page_block, read_run, rows_of, torchrun, write_text_files
 
 PARTS = page_block('register_task(TaskSpec("blobs"')
 """The task and the model written outside the repository, as the page shows them."""
 METHOD = page_block('register(AlgorithmSpec("my_method"')
+SOURCE = page_block('register_source(SourceSpec("toy"')
 PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
 """The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
 
@@ -32,17 +33,20 @@ def user_modules(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "myparts.py").write_text(PARTS)
     (folder / "mymethod.py").write_text(METHOD)
+    (folder / "mysource.py").write_text(SOURCE)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
     yield folder
     from hosfl_dist import algorithms
     from hosfl_dist.data import registry as tasks
     from hosfl_dist.models import registry as models
+    from hosfl_dist.models import sources
 
     tasks._TASKS.pop("blobs", None)  # the registries list the package's own to the other tests
     models._MODELS.pop("mlp", None)
     algorithms._REGISTRY.pop("my_method", None)
-    for name in ("myparts", "mymethod"):
+    sources._SOURCES.pop("toy", None)
+    for name in ("myparts", "mymethod", "mysource"):
         sys.modules.pop(name, None)
 
 
@@ -137,3 +141,23 @@ def test_the_memory_profiler_measures_a_plugin_method_as_the_method_it_reuses(tm
     assert modes["my_method"]["peak_bytes"] == modes["hosfl"]["peak_bytes"] > 0  # HO-SFL's worker, its own name
     command = _child_command(spec, "my_method", 1, tmp_path / "mode.json")  # a mode's own process imports it too
     assert command[command.index("--plugin") + 1] == "mymethod"
+
+
+def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, user_modules):
+    files = write_text_files(tmp_path)
+    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", "job.plugins=[mysource]"]
+    run = hosfl_dist.train(None, toy)
+    assert run.summary["status"] == "completed" and len(run.metrics) == 3
+    assert set(run.summary["code"]["plugins"]) == {"mysource"}
+    from hosfl_dist.models.sources import model_config, resolve
+
+    assert model_config(resolve("toy:3")).num_hidden_layers == 3
+    for source, said in (
+        ("toy:9", "model.source 'toy:9': unknown toy name '9'; known: 2, 3, 4"),
+        ("tiny:nope", "model.source 'tiny:nope': unknown tiny name 'nope'; known: opt, gemma3"),  # the same registry
+    ):
+        with pytest.raises(ConfigError, match=said):
+            resolve(source)
+    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", "mysource", "--check")
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "unknown toy name '9'" in res.stderr
