@@ -159,7 +159,9 @@ class ModelConfig:
     """Model: small_cnn, resnet18, hf (a Hugging Face decoder LM), or one a plug-in registers
     (hosfl_dist.models.register_model, docs/python-api.md#plug-ins)."""
     source: str = ""
-    """hf: hub name, local HF directory, directory holding model.gguf_file, or tiny:<arch> (random, for tests)."""
+    """hf: hub name, local HF directory, directory holding model.gguf_file, pkg:<package>, tiny:<arch> (random, for
+    tests), arch:<name> (a published shape, random weights), or <prefix>:<name> of a plug-in
+    (hosfl_dist.models.sources.register_source)."""
     gguf_file: str = ""
     """hf: GGUF file name inside model.source (loaded and dequantised by transformers)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
