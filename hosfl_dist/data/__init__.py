@@ -1,4 +1,8 @@
-"""Federated data: per-client batch streams over a partitioned training set, and the held-out evaluation split."""
+"""Federated data: per-client batch streams over a partitioned training set, and the held-out evaluation split.
+
+``data.name`` selects from :mod:`hosfl_dist.data.registry` (the image data sets and the text tasks register at the
+bottom of this module; a plug-in's with :func:`~hosfl_dist.data.registry.register_task`).
+"""
 
 from __future__ import annotations
 

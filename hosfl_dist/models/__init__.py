@@ -1,4 +1,8 @@
-"""Split models: a client part f_c, a server part f_s, and the task that turns server outputs into loss and metrics."""
+"""Split models: a client part f_c, a server part f_s, and the task that turns server outputs into loss and metrics.
+
+``model.name`` selects from :mod:`hosfl_dist.models.registry` (small_cnn, resnet18 and hf register at the bottom of
+this module; a plug-in's with :func:`~hosfl_dist.models.registry.register_model`).
+"""
 
 from __future__ import annotations
 
