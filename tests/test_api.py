@@ -22,17 +22,7 @@ import hosfl_dist
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import CallbackError, ConfigError
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
-from tiny import ROOT, TINY_OVERRIDES, read_run, rows_of, torchrun
-
-PAGE = ROOT / "docs" / "python-api.md"
-
-
-def page_block(marker: str) -> str:
-    """The ```python block of docs/python-api.md that holds ``marker``."""
-    blocks = [b.split("```")[0] for b in PAGE.read_text().split("```python\n")[1:]]
-    (found,) = [b for b in blocks if marker in b]
-    return found
-
+from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun
 
 PLUGIN = page_block('register(AlgorithmSpec("my_method"')
 """The method written outside the repository, as the page shows it (architecture.md's "Adding a method" links it)."""

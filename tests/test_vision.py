@@ -382,10 +382,10 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
     ],
 )
 def test_data_classes_errors_name_the_key(overrides, needle):
-    from hosfl_dist.config import load_config
+    from hosfl_dist.runtime.checks import load_run_config  # a text task's refusal needs the task registry
 
     with pytest.raises(ConfigError, match=needle) as exc:
-        load_config(None, overrides)
+        load_run_config(None, overrides)
     assert "\n" not in str(exc.value) and "data.classes" in str(exc.value)
 
 

@@ -63,6 +63,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 
 
+def page_block(marker: str, page: Path = ROOT / "docs" / "python-api.md") -> str:
+    """The ```python block of ``page`` that holds ``marker`` (the plug-ins the tests run are the page's)."""
+    blocks = [b.split("```")[0] for b in page.read_text().split("```python\n")[1:]]
+    (found,) = [b for b in blocks if marker in b]
+    return found
+
+
 def torchrun(
     nproc: int, target: list[str], timeout: float = LAUNCH_TIMEOUT_S, launcher: tuple[str, ...] = ()
 ) -> tuple[int, str, float]:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import VISION_MODELS, config_to_dict
+from hosfl_dist.config import config_to_dict
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.logs import init_logging
 
@@ -70,14 +70,14 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     from hosfl_dist.core.digest import file_sha256
     from hosfl_dist.core.seeding import Stream, generator
     from hosfl_dist.data import load_vision_data
-    from hosfl_dist.models import build_whole_vision_model
+    from hosfl_dist.models import build_whole_vision_model, pretrainable_models
     from hosfl_dist.runtime.checks import load_run_config
     from hosfl_dist.tasks.classification import ClassificationTask
 
     cfg = load_run_config(args.config, args.overrides)
-    if cfg.model.name not in VISION_MODELS:
+    if cfg.model.name not in pretrainable_models():
         raise ConfigError(f"invalid value for model.name: {cfg.model.name!r} (pretraining is implemented for the "
-                          f"vision models {list(VISION_MODELS)})")  # fmt: skip
+                          f"vision models {pretrainable_models()})")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

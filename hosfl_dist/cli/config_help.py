@@ -82,13 +82,18 @@ def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
 
 
 def help_config(section: str = "", plugins: list[str] | tuple[str, ...] = ()) -> str:
-    """The help text of every key under ``section`` (all keys when empty); with ``plugins`` (``--plugin``), the methods
-    they register are listed under ``algorithm.name``."""
-    added: list[str] = []
-    if plugins:
-        from hosfl_dist.algorithms import load_plugins  # the registry imports torch: only when plug-ins are asked for
+    """The help text of every key under ``section`` (all keys when empty); with ``plugins`` (``--plugin``), the methods,
+    tasks and models they register are listed under ``algorithm.name``, ``data.name`` and ``model.name``."""
+    added: dict[str, list[str]] = {}
+    if plugins:  # the registries import torch: only when plug-ins are asked for
+        from hosfl_dist.algorithms import load_plugins
+        from hosfl_dist.data.registry import task_names
+        from hosfl_dist.models.registry import model_names
 
-        added = load_plugins(plugins, "--plugin")
+        before = {"data.name": set(task_names()), "model.name": set(model_names())}
+        added["algorithm.name"] = load_plugins(plugins, "--plugin")
+        added["data.name"] = sorted(set(task_names()) - before["data.name"])
+        added["model.name"] = sorted(set(model_names()) - before["model.name"])
     entries = _entries(Config(), "")
     sections = [k for k, *_, is_section in entries if is_section]
     if section and section not in sections:
@@ -103,8 +108,8 @@ def help_config(section: str = "", plugins: list[str] | tuple[str, ...] = ()) ->
         lines.append(f"  {key}: {type_name} = {default!r}")
         for para in doc.split("\n\n"):  # the source's line breaks are layout: reflow each paragraph
             lines += textwrap.wrap(" ".join(para.split()), WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6)
-        if key == "algorithm.name" and plugins:
-            lines.append(f"      From the plug-ins ({', '.join(plugins)}): {', '.join(added) or 'none'}")
+        if key in added:
+            lines.append(f"      From the plug-ins ({', '.join(plugins)}): {', '.join(added[key]) or 'none'}")
     if not section:
         lines += ["", "Presets (preset=<name>: over the YAML file, under every key=value override):"]
         for name, about, models, values in _presets():

@@ -27,7 +27,7 @@ import importlib.util
 import json
 import os
 
-from hosfl_dist.config import TEXT_DATASETS, Config
+from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def check_build(cfg: Config, world: int) -> None:
         raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
     if cfg.model.name != "hf":
         return
-    if cfg.data.name in TEXT_DATASETS and cfg.data.source == "local":
+    if cfg.data.source == "local":  # model.name=hf: a text task (hosfl_dist.runtime.checks)
         from hosfl_dist.data.text_fed import load_examples
 
         load_examples(cfg.data)

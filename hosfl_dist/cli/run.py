@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import MODULE before anything is built (it may register a method of its own), like job.plugins; "
-        "repeat for several (docs/python-api.md#plug-ins)",
+        help="import MODULE before anything is built (it may register a method, a task, a model or a model source of "
+        "its own), like job.plugins; repeat for several (docs/python-api.md#plug-ins)",
     )
     p.add_argument(
         "--serve",

@@ -8,14 +8,13 @@
 - :mod:`.dump`: a tree as plain data and as YAML;
 - :mod:`.environment`: the environment variables the package reads, each with what its value must be.
 
-What needs two sections or the algorithm registry is checked above the registry, where a run's config is built
-(:mod:`hosfl_dist.runtime.checks`). This package imports nothing of hosfl_dist but its errors and YAML reader.
+What needs two sections or a registry (methods, models, tasks) is checked above the registries, where a run's config
+is built (:mod:`hosfl_dist.runtime.checks`). This package imports nothing of hosfl_dist but its errors and YAML reader.
 """
 
 from hosfl_dist.config.dump import config_to_dict, dump_config
 from hosfl_dist.config.load import build_config, build_section, load_config
 from hosfl_dist.config.schema import (
-    DATASETS,
     DEVICE,
     FLOAT32_MAX,
     IFNAME,
@@ -27,15 +26,10 @@ from hosfl_dist.config.schema import (
     MAX_THREADS,
     MAX_WIDTH,
     MIN_MU,
-    MODELS,
     NAME,
     NAME_MAX,
     PATH_MAX,
-    TEXT_DATASETS,
     TEXT_KEYS,
-    VISION_CUT_RANGE,
-    VISION_DATASETS,
-    VISION_MODELS,
     AlgorithmConfig,
     CheckpointConfig,
     ClientsConfig,
@@ -57,7 +51,6 @@ from hosfl_dist.config.schema import (
 )
 
 __all__ = [
-    "DATASETS",
     "DEVICE",
     "FLOAT32_MAX",
     "IFNAME",
@@ -69,15 +62,10 @@ __all__ = [
     "MAX_THREADS",
     "MAX_WIDTH",
     "MIN_MU",
-    "MODELS",
     "NAME",
     "NAME_MAX",
     "PATH_MAX",
-    "TEXT_DATASETS",
     "TEXT_KEYS",
-    "VISION_CUT_RANGE",
-    "VISION_DATASETS",
-    "VISION_MODELS",
     "AlgorithmConfig",
     "CheckpointConfig",
     "ClientsConfig",

@@ -15,15 +15,9 @@ from typing import Any, Literal
 
 from hosfl_dist.errors import ConfigError
 
-# Names the rest of the package registers under; validated here so a typo fails before anything is built
-# (algorithm names come from the registry in hosfl_dist.algorithms: hosfl_dist.runtime.checks checks them).
-VISION_MODELS = ("small_cnn", "resnet18")
-MODELS = (*VISION_MODELS, "hf")
-VISION_DATASETS = ("fashion_mnist", "cifar10_npz", "cifar10", "cifar100", "synthetic")
-TEXT_DATASETS = ("sst2", "rte", "wsc", "squad", "sentiment_multiemo", "custom")
-DATASETS = VISION_DATASETS + TEXT_DATASETS
-# Client-side depth bounds per vision model: `split.cut` counts the stages kept on the client.
-VISION_CUT_RANGE = {"small_cnn": (1, 2), "resnet18": (1, 3)}
+# algorithm.name, model.name and data.name are names in registries a plug-in can add to (hosfl_dist.algorithms,
+# hosfl_dist.models.registry, hosfl_dist.data.registry): hosfl_dist.runtime.checks checks them once the plug-ins are
+# imported.
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -97,8 +91,9 @@ class JobConfig:
     wandb)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules imported before anything is built (as python -m hosfl_dist.run --plugin MODULE does), e.g. one
-    that registers a method of its own with hosfl_dist.algorithms.register: the registry, the config check, both
-    runtimes, the studies and the profiler then know it (docs/python-api.md#plug-ins). Part of the run's identity."""
+    that registers a method (hosfl_dist.algorithms.register), a task (hosfl_dist.data.register_task) or a model
+    (hosfl_dist.models.register_model) of its own: the registries, the config check, both runtimes, the studies and
+    the profiler then know it (docs/python-api.md#plug-ins). Part of the run's identity."""
     callbacks: list[str] = field(default_factory=list)
     """Callbacks as module:Class (a subclass of hosfl_dist.Callback, built without arguments in each process that owns
     one of its events): on_train_start, on_round_end, on_evaluate, on_checkpoint, on_train_end
@@ -161,9 +156,12 @@ class AlgorithmConfig:
 @dataclass
 class ModelConfig:
     name: str = "small_cnn"
-    """Model family: small_cnn, resnet18, or hf (a Hugging Face decoder LM)."""
+    """Model: small_cnn, resnet18, hf (a Hugging Face decoder LM), or one a plug-in registers
+    (hosfl_dist.models.register_model, docs/python-api.md#plug-ins)."""
     source: str = ""
-    """hf: hub name, local HF directory, directory holding model.gguf_file, or tiny:<arch> (random, for tests)."""
+    """hf: hub name, local HF directory, directory holding model.gguf_file, pkg:<package>, tiny:<arch> (random, for
+    tests), arch:<name> (a published shape, random weights), or <prefix>:<name> of a plug-in
+    (hosfl_dist.models.sources.register_source)."""
     gguf_file: str = ""
     """hf: GGUF file name inside model.source (loaded and dequantised by transformers)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -188,7 +186,6 @@ class ModelConfig:
     """Channels of the first block of small_cnn (doubled per block)."""
 
     def __post_init__(self) -> None:
-        check(self.name in MODELS, "name", self.name, f"choose one of {list(MODELS)}")
         check(self.name != "hf" or bool(self.source), "source", self.source, "model.name=hf needs a source")
         if isinstance(self.freeze_bn, bool):  # the boolean of older configs: frozen everywhere, or trainable
             self.freeze_bn = "all" if self.freeze_bn else "none"
@@ -511,7 +508,9 @@ class CommConfig(LinkConfig):
 @dataclass
 class DataConfig:
     name: str = "fashion_mnist"
-    """Dataset: fashion_mnist, cifar10_npz (the offline CIFAR-10 test images), cifar10, cifar100, synthetic."""
+    """Dataset: fashion_mnist, cifar10_npz (the offline CIFAR-10 test images), cifar10, cifar100, synthetic; the text
+    tasks sst2, rte, wsc, squad, sentiment_multiemo, custom (model.name=hf); or one a plug-in registers
+    (hosfl_dist.data.register_task, docs/python-api.md#plug-ins)."""
     root: str = ""
     """Where the dataset lives; empty = the dataset's default location."""
     partition: Literal["iid", "dirichlet"] = "iid"
@@ -554,14 +553,11 @@ class DataConfig:
     """Classes of each vision data set (data.classes is checked against them before anything is loaded)."""
 
     def __post_init__(self) -> None:
-        check(self.name in DATASETS, "name", self.name, f"choose one of {list(DATASETS)}")
         check(self.alpha > 0, "alpha", self.alpha, "must be > 0")
         check(self.train_max_samples >= 0, "train_max_samples", self.train_max_samples, "must be >= 0")
         check(self.eval_max_samples >= 0, "eval_max_samples", self.eval_max_samples, "must be >= 0")
         if self.classes:
             n = self.CLASSES.get(self.name)
-            check(self.name not in TEXT_DATASETS, "classes", self.classes, f"applies to vision data sets, not "
-                  f"data.name={self.name} (its labels are the task's label words)")  # fmt: skip
             dup = sorted({c for c in self.classes if self.classes.count(c) > 1})
             check(not dup, "classes", self.classes, f"class {dup[0] if dup else ''} is listed twice")
             bad = [c for c in self.classes if c < 0 or (n is not None and c >= n)]

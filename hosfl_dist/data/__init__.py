@@ -1,4 +1,8 @@
-"""Federated data: per-client batch streams over a partitioned training set, and the held-out evaluation split."""
+"""Federated data: per-client batch streams over a partitioned training set, and the held-out evaluation split.
+
+``data.name`` selects from :mod:`hosfl_dist.data.registry` (the image data sets and the text tasks register at the
+bottom of this module; a plug-in's with :func:`~hosfl_dist.data.registry.register_task`).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import TEXT_DATASETS, Config, DataConfig
+from hosfl_dist.config import Config, DataConfig
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
-from hosfl_dist.errors import DataError
+from hosfl_dist.data.registry import TaskSpec, get_task, register_task
+from hosfl_dist.data.text import CUSTOM
+from hosfl_dist.data.text import TASKS as TEXT_TASKS
+from hosfl_dist.errors import ConfigError, DataError
 
 
 class ClientStream:
@@ -182,46 +189,36 @@ VISION_INFO = {
 def data_info(cfg: Config) -> dict[str, Any]:
     """What the model builders need from the data (classes, input shape, label words), without loading the data: a
     server loads no training data."""
-    if cfg.data.name in TEXT_DATASETS:
-        from hosfl_dist.data.text_fed import text_data_info
-
-        return text_data_info(cfg.data, cfg.model)
-    if cfg.data.name in VISION_INFO:
-        classes, shape = VISION_INFO[cfg.data.name]
-        return {"num_classes": len(cfg.data.classes) or classes, "input_shape": shape}  # data.classes: the kept ones
-    return build_data(cfg).info  # synthetic images: generated, not loaded
+    task = get_task(cfg.data.name)
+    if task.info is not None:
+        return task.info(cfg)
+    if task.load is not None:  # loaded only for its shape (synthetic images are generated, a plug-in's as it says)
+        return select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed).info
+    return task.build(cfg, [], False).info
 
 
 def input_sources(data: DataConfig) -> dict[str, Any]:
     """What the configured data is read from, by role: a local file's path (``data.train`` / ``data.eval`` for text,
     ``data.files[i]`` for images), or for the hub the data set's name and splits (``data.hub``). Generated data reads
     nothing. A run's identity hashes these files (:mod:`hosfl_dist.runfolder.identity`)."""
-    if data.name in TEXT_DATASETS:
-        from hosfl_dist.data.text_fed import hub_splits, text_files
-
-        files = text_files(data)
-        if files is None:
-            return {"data.hub": hub_splits(data)}
-        return {"data.train": files[0], "data.eval": files[1]}
-    from hosfl_dist.data.vision import image_files
-
-    return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(data.name, data.root))}
+    task = get_task(data.name)
+    return task.inputs(data) if task.inputs is not None else {}
 
 
 def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
     """Load the configured dataset from local files and partition it over ``clients.total`` clients.
 
     ``clients``: the clients whose shards this process holds (default: all); ``evaluation``: whether it holds the
-    evaluation split (the leader worker and the in-process runtime). Text is tokenised for those only; images are
-    read whole (the files are small) and the rows of other clients dropped.
+    evaluation split (the leader worker and the in-process runtime). Text is tokenised for those only (the task's own
+    ``build``: hosfl_dist.data.text_fed); tensors are read whole (the files are small) and the rows of other clients
+    dropped.
     """
-    if cfg.data.name in TEXT_DATASETS:  # tokenised with the model's tokenizer (hosfl_dist.data.text_fed)
-        from hosfl_dist.data.text_fed import build_text_data
-
-        return build_text_data(cfg, clients, evaluation)
-    images = load_vision_data(cfg.data, cfg.job.seed)
-    tx, ty, vx, vy = images.train_x, images.train_y, images.eval_x, images.eval_y
-    info = images.info
+    task = get_task(cfg.data.name)
+    if task.build is not None:
+        return task.build(cfg, clients, evaluation)
+    assert task.load is not None  # a spec has one of the two (TaskSpec.__post_init__)
+    data = select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed)
+    tx, ty, vx, vy = data.train_x, data.train_y, data.eval_x, data.eval_y
     shards = partition(ty, cfg.data, cfg.clients.total, cfg.job.seed)
     row_of = None
     if clients is not None:
@@ -231,47 +228,87 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
         tx, ty = tx[rows], ty[rows]
     if not evaluation:
         vx, vy = vx[:0], vy[:0]
-    train_tf, eval_tf = images.train_transform, images.eval_transform
+    train_tf, eval_tf = data.train_transform, data.eval_transform
     return FederatedData(
-        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
+        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, data.info, train_tf, eval_tf, row_of=row_of
     )
 
 
+Transform = Callable[[Tensor, "torch.Generator | None"], Tensor]
+"""Stored rows -> model inputs of a batch (the generator: the client's augmentation stream; None in evaluation)."""
+
+
 @dataclass
-class VisionData:
-    """An image data set as the config selects it (classes, subsets), not yet partitioned over clients."""
+class TensorData:
+    """A task's examples as tensors, as its ``load`` gives them (:class:`~hosfl_dist.data.registry.TaskSpec`), not yet
+    partitioned over clients."""
 
-    train_x: Tensor  # (N, C, H, W) uint8
-    train_y: Tensor  # (N,) int64, 0..num_classes-1
+    train_x: Tensor
+    """(N, ...) one row per training sample (images: (N, C, H, W) uint8)."""
+    train_y: Tensor
+    """(N,) int64 class labels, 0..num_classes-1."""
     eval_x: Tensor
+    """The held-out samples, as train_x."""
     eval_y: Tensor
-    info: dict[str, Any]
-    """num_classes, input_shape, train_size, eval_size."""
-    train_transform: Callable[[Tensor, torch.Generator | None], Tensor]
-    """Stored rows -> model inputs of a training batch (augmentation from the generator, then normalisation)."""
-    eval_transform: Callable[[Tensor, torch.Generator | None], Tensor]
-    """Stored rows -> model inputs of an evaluation batch (normalisation only)."""
+    """Their labels."""
+    num_classes: int = 0
+    """Classes of the task (0: one more than the largest label)."""
+    train_transform: Transform | None = None
+    """Stored rows -> model inputs of a training batch (images: augmentation from the generator, normalisation);
+    None: the rows as stored."""
+    eval_transform: Transform | None = None
+    """The same for an evaluation batch."""
+
+    def __post_init__(self) -> None:
+        if self.train_y.dtype != torch.long or self.eval_y.dtype != torch.long:
+            raise DataError(f"labels must be int64 class indices, got {self.train_y.dtype} / {self.eval_y.dtype}")
+        if len(self.train_x) != len(self.train_y) or len(self.eval_x) != len(self.eval_y):
+            raise DataError(f"{len(self.train_x)} / {len(self.eval_x)} training / held-out samples for "
+                            f"{len(self.train_y)} / {len(self.eval_y)} labels")  # fmt: skip
+        if not self.num_classes:
+            self.num_classes = int(max(self.train_y.max(initial=0), self.eval_y.max(initial=0))) + 1
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """num_classes, input_shape (one sample's), train_size, eval_size."""
+        return {"num_classes": self.num_classes, "input_shape": tuple(self.train_x.shape[1:]),
+                "train_size": len(self.train_y), "eval_size": len(self.eval_y)}  # fmt: skip
 
 
-def load_vision_data(data: DataConfig, seed: int) -> VisionData:
-    """The configured image data set from local files: ``data.classes`` kept and relabelled 0..n-1 in their order,
-    then ``data.train_max_samples`` (a subset drawn from ``seed``, job.seed) and ``data.eval_max_samples`` (the first
-    ones) applied. The federated runs (:func:`build_data`) and centralised pretraining
-    (hosfl_dist.experiments.pretrain) share it."""
-    from hosfl_dist.data.vision import augment, load_images, normalize, select_classes
+def select(data: TensorData, config: DataConfig, seed: int) -> TensorData:
+    """``data.classes`` kept and relabelled 0..n-1 in their order, then ``data.train_max_samples`` (a subset drawn
+    from ``seed``, job.seed) and ``data.eval_max_samples`` (the first ones) applied."""
+    from hosfl_dist.data.vision import select_classes
+
+    tx, ty, vx, vy, num_classes = data.train_x, data.train_y, data.eval_x, data.eval_y, data.num_classes
+    if config.classes:
+        (tx, ty), (vx, vy) = (select_classes(x, y, config.classes, num_classes) for x, y in ((tx, ty), (vx, vy)))
+        num_classes = len(config.classes)
+    if config.train_max_samples:
+        keep = torch.randperm(len(ty), generator=generator(seed, Stream.TRAIN_SUBSET))
+        keep = keep[: config.train_max_samples].sort().values
+        tx, ty = tx[keep], ty[keep]
+    if config.eval_max_samples:
+        vx, vy = vx[: config.eval_max_samples], vy[: config.eval_max_samples]
+    return TensorData(tx, ty, vx, vy, num_classes, data.train_transform, data.eval_transform)
+
+
+def load_vision_data(data: DataConfig, seed: int) -> TensorData:
+    """The configured data set's examples as tensors, with ``data.classes`` and the subsets applied (:func:`select`):
+    what the federated runs (:func:`build_data`) partition and centralised pretraining
+    (hosfl_dist.experiments.pretrain) trains on."""
+    task = get_task(data.name)
+    if task.load is None:
+        raise ConfigError(f"invalid value for data.name: {data.name!r} (a text task: it is tokenised for an LM)")
+    return select(task.load(data, seed), data, seed)
+
+
+def _load_images(data: DataConfig, seed: int) -> TensorData:
+    """An image data set from local files (synthetic: generated from ``seed``), normalised with its statistics;
+    ``data.augment`` adds random crops and flips to the training batches."""
+    from hosfl_dist.data.vision import augment, load_images, normalize
 
     splits = load_images(data.name, data.root, seed)
-    tx, ty, vx, vy = splits.train_x, splits.train_y, splits.test_x, splits.test_y
-    num_classes = splits.num_classes
-    if data.classes:
-        (tx, ty), (vx, vy) = (select_classes(x, y, data.classes, num_classes) for x, y in ((tx, ty), (vx, vy)))
-        num_classes = len(data.classes)
-    if data.train_max_samples:
-        keep = torch.randperm(len(ty), generator=generator(seed, Stream.TRAIN_SUBSET))
-        keep = keep[: data.train_max_samples].sort().values
-        tx, ty = tx[keep], ty[keep]
-    if data.eval_max_samples:
-        vx, vy = vx[: data.eval_max_samples], vy[: data.eval_max_samples]
     mean, std = splits.mean, splits.std
     use_aug = data.augment
 
@@ -283,5 +320,44 @@ def load_vision_data(data: DataConfig, seed: int) -> VisionData:
     def eval_tf(x: Tensor, gen: torch.Generator | None) -> Tensor:
         return normalize(x, mean, std)
 
-    info = {"num_classes": num_classes, "input_shape": tuple(tx.shape[1:]), "train_size": len(ty), "eval_size": len(vy)}
-    return VisionData(tx, ty, vx, vy, info, train_tf, eval_tf)
+    return TensorData(splits.train_x, splits.train_y, splits.test_x, splits.test_y, splits.num_classes, train_tf,
+                      eval_tf)  # fmt: skip
+
+
+def _image_info(cfg: Config) -> dict[str, Any]:
+    classes, shape = VISION_INFO[cfg.data.name]
+    return {"num_classes": len(cfg.data.classes) or classes, "input_shape": shape}  # data.classes: the kept ones
+
+
+def _image_inputs(data: DataConfig) -> dict[str, Any]:
+    from hosfl_dist.data.vision import image_files
+
+    return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(data.name, data.root))}
+
+
+def _text_info(cfg: Config) -> dict[str, Any]:
+    from hosfl_dist.data.text_fed import text_data_info
+
+    return text_data_info(cfg.data, cfg.model)
+
+
+def _text_inputs(data: DataConfig) -> dict[str, Any]:
+    from hosfl_dist.data.text_fed import hub_splits, text_files
+
+    files = text_files(data)
+    if files is None:
+        return {"data.hub": hub_splits(data)}
+    return {"data.train": files[0], "data.eval": files[1]}
+
+
+def _build_text(cfg: Config, clients: Sequence[int] | None, evaluation: bool) -> FederatedData:
+    """Tokenised with the model's tokenizer (hosfl_dist.data.text_fed)."""
+    from hosfl_dist.data.text_fed import build_text_data
+
+    return build_text_data(cfg, clients, evaluation)
+
+
+for _name in DataConfig.CLASSES:  # the image data sets (synthetic: generated, its shape read off the tensors)
+    register_task(TaskSpec(_name, _load_images, _image_info if _name in VISION_INFO else None, _image_inputs))
+for _name in (*TEXT_TASKS, "sentiment_multiemo", CUSTOM):
+    register_task(TaskSpec(_name, info=_text_info, inputs=_text_inputs, family="hf", build=_build_text))

@@ -47,8 +47,8 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
         help="override for every run (repeatable; the same as a positional KEY=VALUE)",
     )
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                   help="a module every run imports first (e.g. one that registers a method), added to the config's "
-                   "job.plugins as python -m hosfl_dist.run --plugin does (repeatable)")  # fmt: skip
+                   help="a module every run imports first (e.g. one that registers a method or a task), added to the "
+                   "config's job.plugins as python -m hosfl_dist.run --plugin does (repeatable)")  # fmt: skip
     p.add_argument("--metric", default="eval_accuracy", help="metric of the table and plot (default eval_accuracy)")
     p.add_argument("--title", default="", help="title of the table and plots")
     p.add_argument("--jobs", type=int, default=1,

@@ -57,8 +57,8 @@ PROG = "hosfl_dist.experiments.scaling"
 MODEL_KEYS = ("model.source", "model.name", "model.width", "model.gguf_file")
 """Grid keys that change the model: their axis is the model's parameter count."""
 PROFILE_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl", "frozen_client": "inference"}
-"""The memory profiler's mode that runs each method's client (FSL-SAGE and MU-SplitFed have none; the frozen client
-runs f_c forward only: inference)."""
+"""The memory profiler's mode that runs each method's client where it is not the method's own name (the frozen client
+runs f_c forward only: inference); any other method the profiler drives (a plug-in's included) is its own mode."""
 QUANTITIES = {
     "client_peak_bytes": ("client peak memory [MiB] (profiler)", 1 / 2**20),
     "client_step_s": ("client step [s] (one client, profiler)", 1.0),
@@ -126,9 +126,10 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     """Peak memory and step time of one sampled client (the memory profiler, its own process), cached in ``out``."""
     from hosfl_dist.experiments.runs import safe_name
     from hosfl_dist.measure.memory import profile
-    from hosfl_dist.measure.modes import ProfileSpec
+    from hosfl_dist.measure.modes import ProfileSpec, mode_names
 
-    mode = PROFILE_MODE.get(cfg.algorithm.name)
+    name_mode = cfg.algorithm.name if cfg.algorithm.name in mode_names(cfg.job.plugins) else None
+    mode = PROFILE_MODE.get(cfg.algorithm.name, name_mode)
     if mode is None or (cfg.model.name == "small_cnn" and cfg.model.width != SMALL_CNN_PROFILED_WIDTH):
         return None  # no profiler mode for the method, or a small_cnn the profiler does not build
     spec = ProfileSpec(
@@ -142,6 +143,7 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
         device=cfg.job.device,
         gguf_file=cfg.model.gguf_file,
         seed=cfg.job.seed,
+        plugins=tuple(cfg.job.plugins),
     )
     if mode == "hosfl" and cfg.zo.overlap is not False:  # latency hiding keeps P z̃ of the profiled client
         from hosfl_dist.measure.modes import expected_costs
@@ -151,7 +153,7 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     path = out / f"{safe_name(name)}.json"
     if path.is_file():
         cached = json.loads(path.read_text())
-        if cached.get("mode") == mode and cached.get("spec") == dataclasses.asdict(spec):
+        if cached.get("mode") == mode and cached.get("spec") == json.loads(json.dumps(dataclasses.asdict(spec))):
             print(f"client profile of {name}: reusing {path} (measured before for this client)")
             return cached  # measured before for exactly this client; another setting is measured again
     t0 = time.perf_counter()

@@ -144,7 +144,7 @@ def base_of(restored: Restored) -> str | None:
     None when the export must write one."""
     cfg = restored.cfg
     source = resolve(cfg.model.source, cfg.model.gguf_file)
-    if source.tiny or source.arch or source.gguf_file is not None or cfg.model.source.startswith("pkg:"):
+    if source.spec is not None or source.gguf_file is not None or cfg.model.source.startswith("pkg:"):
         return None
     if is_hub_id(cfg.model.source):
         return cfg.model.source

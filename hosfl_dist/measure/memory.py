@@ -42,7 +42,7 @@ import torch
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.cli.guard import check_destination, check_device, guarded
 from hosfl_dist.logs import init_logging
-from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, expected_costs, make_step
+from hosfl_dist.measure.modes import MODES, VISION_INPUTS, ProfileSpec, check_modes, expected_costs, make_step
 from hosfl_dist.measure.tracker import measure
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path, threads:
         str(out),
         "--threads",
         str(threads),
+        *(arg for module in spec.plugins for arg in ("--plugin", module)),
     ]
 
 
@@ -160,12 +161,6 @@ def plan(spec: ProfileSpec, modes: Sequence[str], isolate: bool, steps: int = 1)
     return lines
 
 
-def check_modes(modes: Sequence[str]) -> None:
-    for m in modes:
-        if m not in MODES:
-            raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-
-
 def profile(
     spec: ProfileSpec,
     modes: Sequence[str] = MODES,
@@ -177,7 +172,7 @@ def profile(
     """Measure every mode (each in a fresh process with ``isolate``, so RSS figures are its own) and the ratios;
     ``threads``: the torch threads of each mode's process (0: torch's default); ``label`` begins each progress line
     (a scaling study's grid point)."""
-    check_modes(modes)
+    check_modes(modes, spec.plugins)
     results = {}
     prefix = f"{label}: " if label else ""
     for i, mode in enumerate(modes, 1):
@@ -310,7 +305,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cut", type=int, default=2, help="client depth (decoder blocks / conv blocks / stages)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (LMs)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}, or any "
+                   "other registered method (algorithm.name, a --plugin's included)")  # fmt: skip
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (as job.plugins): the methods it registers are modes")  # fmt: skip
     p.add_argument("--P", type=int, default=0, help="perturbations (0: 2 for LMs, 5 for vision, as in App. B)")
     p.add_argument("--mu", type=float, default=1e-3)
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True, help="LMs: LoRA r=8 on q,v")
@@ -350,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gguf_file=args.gguf,
             seed=args.seed,
             overlap=args.overlap,
+            plugins=tuple(args.plugin),
         )
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         check_device(args.device)
@@ -360,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.single_mode_json:  # child of an isolated run: one mode, raw figures
             Path(args.single_mode_json).write_text(json.dumps(profile_mode(spec, modes[0], args.steps)))
             return 0
-        check_modes(modes)  # before the plan, which builds the model's costs
+        check_modes(modes, spec.plugins)  # before the plan, which builds the model's costs
         for line in plan(spec, modes, args.isolate, args.steps):
             say(line)
         report = profile(spec, modes, isolate=args.isolate, steps=args.steps, threads=args.threads)

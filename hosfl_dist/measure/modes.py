@@ -12,6 +12,10 @@
                 same process (f_c and f_s forward and backward, both optimizers); the server's per-round copy of its
                 trainable tensors is made before measuring, so the figure is the single-device training step's
 The server of the other modes is :class:`~hosfl_dist.measure.standin.StandInServer`.
+
+Every other method of the registry (a plug-in's included: ``ProfileSpec.plugins``) is a mode too, named by its
+``algorithm.name``, measured as the built-in its worker derives from: a round of a ``HOSFLWorker`` as ``hosfl``, the
+client step of an ``ExchangeWorker`` as ``sfl`` (``zo_sfl`` for a zeroth-order client), against the same stand-in.
 """
 
 from __future__ import annotations
@@ -24,21 +28,22 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from hosfl_dist.config import VISION_CUT_RANGE, Config, build_config
+from hosfl_dist.config import Config, build_config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.measure.standin import NoPeers, OneBatch, StandInServer
 from hosfl_dist.measure.tracker import ModeStep, storage_bytes
-from hosfl_dist.models import SplitModel
+from hosfl_dist.models import SplitModel, get_model
 from hosfl_dist.models.sources import DTYPES
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.tasks.classification import ClassificationTask
 from hosfl_dist.tasks.generation import lm_loss
 
 MODES = ("inference", "hosfl", "sfl", "zo_sfl", "full_local")
+"""The default modes; :func:`mode_names` adds the other registered methods the profiler can drive."""
 VISION_INPUTS = {"small_cnn": ((1, 28, 28), 10), "resnet18": ((3, 32, 32), 10)}
 """Input shape and classes of the vision models: Fashion-MNIST for small_cnn, CIFAR-10 for ResNet-18."""
-_ALGORITHM = {"hosfl": "hosfl", "sfl": "sfl", "zo_sfl": "zo_sfl", "full_local": "sfl"}
-"""The method whose worker runs each mode."""
+_ALGORITHM = {"full_local": "sfl"}
+"""The method whose worker runs a mode not named after it."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class ProfileSpec:
     where they fit; 0, the config default: drawn again)."""
     perturb_batch: int = 1
     """hosfl: zo.perturb_batch, the perturbed forwards run together as one batched forward (1: one at a time)."""
+    plugins: tuple[str, ...] = ()
+    """Modules imported first (``--plugin``, as ``job.plugins``): the methods they register are modes too."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -96,7 +103,7 @@ class ProfileSpec:
         if self.compute_dtype not in ("auto", "float32", "model"):
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of auto, float32, model")
         if self.model in VISION_INPUTS:
-            lo, hi = VISION_CUT_RANGE[self.model]
+            lo, hi = get_model(self.model).cuts
             if not lo <= self.cut <= hi:
                 raise ConfigError(f"--cut {self.cut} is out of range for {self.model}: need {lo} <= cut <= {hi}")
         for key, dev in (("--device", self.device), ("rng_device", self.rng_device)):
@@ -188,6 +195,46 @@ def _client_setup(spec: ProfileSpec, gen: torch.Generator, device: torch.device)
     return Setup(SplitModel(split.client, None, NextTokenTask()), inputs, ids)
 
 
+def step_kind(method: str) -> str | None:
+    """How the profiler drives ``method``'s worker: ``round`` (a HOSFLWorker: its run_round against the stand-in),
+    ``client`` (an ExchangeWorker: its train_client for one step), or None (it cannot)."""
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.algorithms.exchange import ExchangeWorker
+    from hosfl_dist.algorithms.hosfl import HOSFLWorker
+
+    worker = get_algorithm(method).worker
+    return "round" if issubclass(worker, HOSFLWorker) else "client" if issubclass(worker, ExchangeWorker) else None
+
+
+def zeroth_order(method: str) -> bool:
+    from hosfl_dist.algorithms import get_algorithm
+
+    return get_algorithm(method).zeroth_order_client
+
+
+def worker_parts(method: str) -> tuple[str, ...]:
+    """The model parts ``method``'s client worker holds (f_s too where the client derives something from it)."""
+    from hosfl_dist.algorithms import get_algorithm
+
+    return get_algorithm(method).worker_parts
+
+
+def mode_names(plugins: Sequence[str] = ()) -> list[str]:
+    """:data:`MODES`, then every other registered method the profiler can drive (``plugins`` imported first)."""
+    from hosfl_dist.algorithms import algorithm_names, load_plugins
+
+    load_plugins(tuple(plugins), "--plugin")
+    return [*MODES, *(m for m in algorithm_names() if m not in MODES and step_kind(m) is not None)]
+
+
+def check_modes(modes: Sequence[str], plugins: Sequence[str] = ()) -> None:
+    """ConfigError for a mode the profiler does not know (after importing ``plugins``)."""
+    known = mode_names(plugins)
+    for m in modes:
+        if m not in known:
+            raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(known)}")
+
+
 def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
     """The run config a profiled worker sees: the zo and clients sections, and model.dtype (what a zeroth-order
     client computes in and uploads follows from it)."""
@@ -212,7 +259,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
             },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},
-            "job": {"seed": spec.seed, "device": spec.device, "progress": False},
+            "job": {"seed": spec.seed, "device": spec.device, "progress": False, "plugins": list(spec.plugins)},
         }
     )
     return check_config(tree)
@@ -242,13 +289,14 @@ def flat(obj: Any) -> list[Tensor]:
 
 def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeStep:
     """Build the client (unless ``setup`` is given) and the function that runs one step of ``mode`` on it."""
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    setup = setup or build_setup(spec, whole=mode == "full_local")
+    check_modes([mode], spec.plugins)
+    method = _ALGORITHM.get(mode, mode)
+    both = mode == "full_local" or (mode != "inference" and "server" in worker_parts(method))  # fsl_sage's f_s too
+    setup = setup or build_setup(spec, whole=both)
     split, x = setup.split, setup.inputs
     split.client.train()  # dropout-free models here; train() only matters for frozen BN, which stays frozen
-    modules = [split.client] + ([split.server] if mode == "full_local" else [])
-    held = nn.ModuleDict({"client": split.client, "server": split.server}) if mode == "full_local" else split.client
+    modules = [split.client] + ([split.server] if both else [])
+    held = nn.ModuleDict({"client": split.client, "server": split.server}) if both else split.client
 
     def resident(*extra: Tensor) -> list[Tensor]:  # what the client holds between steps (after any binding)
         return [*(t for m in modules for t in module_tensors(m)), *extra, *flat(x)]
@@ -264,17 +312,17 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
 
         return ModeStep(inference_step, resident(), held, [], [], act_bytes)
 
-    if mode == "hosfl":
-        worker = profiled_worker(spec, setup, "hosfl")
+    if step_kind(method) == "round":
+        worker = profiled_worker(spec, setup, method)
         rep = worker.replicas[0]
         rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
         state = rep.opt.state_tensors()
         rounds = iter(range(1, 1 << 62))
 
-        def hosfl_step() -> None:
-            worker.run_round(next(rounds))  # HOSFLWorker's own round, the stand-in in place of the server
+        def round_step() -> None:
+            worker.run_round(next(rounds))  # the method's own round (a HOSFLWorker's), the stand-in as its server
 
-        return ModeStep(hosfl_step, resident(*state), held, list(rep.params), state, act_bytes)
+        return ModeStep(round_step, resident(*state), held, list(rep.params), state, act_bytes)
 
     transport = None
     if mode == "full_local":  # the real SFL server, in this process
@@ -287,9 +335,9 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
         server = SFLServer(sfl, split, GroupCompute(split.server, split.task, sfl.server))
         server.copy_for(0, 0)  # SFL's per-round copy of θs's trainable tensors: not part of single-device training
         transport = InProcessTransport(ServerEndpoint(server))
-    worker = profiled_worker(spec, setup, _ALGORITHM[mode], transport)
+    worker = profiled_worker(spec, setup, method, transport)
     params = worker.current_params()
-    if mode == "zo_sfl":
+    if zeroth_order(method):
         for p in params:
             p.requires_grad_(False)  # zeroth-order clients build no graph
 
@@ -432,4 +480,10 @@ def expected_costs(spec: ProfileSpec, modes: Sequence[str]) -> tuple[ModelCosts,
         "zo_sfl": Expectation(inference + c.z_bytes, 2 * c.client_flops),  # z₊ kept while z₋ is computed
         "full_local": Expectation(c.whole_bytes + c.whole_act_bytes + 3 * c.whole_trainable_bytes, 3 * c.whole_flops),
     }
-    return c, {m: table[m] for m in modes}
+    like = {m: m if m in table else _like(m) for m in modes}  # another method: the built-in its worker derives from
+    return c, {m: table[like[m]] for m in modes}
+
+
+def _like(method: str) -> str:
+    """The built-in mode a method is measured as (module docstring)."""
+    return "hosfl" if step_kind(method) == "round" else "zo_sfl" if zeroth_order(method) else "sfl"

@@ -1,4 +1,8 @@
-"""Split models: a client part f_c, a server part f_s, and the task that turns server outputs into loss and metrics."""
+"""Split models: a client part f_c, a server part f_s, and the task that turns server outputs into loss and metrics.
+
+``model.name`` selects from :mod:`hosfl_dist.models.registry` (small_cnn, resnet18 and hf register at the bottom of
+this module; a plug-in's with :func:`~hosfl_dist.models.registry.register_model`).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from torch import Tensor, nn
 from hosfl_dist.config import Config, ModelConfig
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.models.registry import ModelSpec, get_model, model_names, register_model
 from hosfl_dist.tasks import Task
 from hosfl_dist.tasks.classification import ClassificationTask
 
@@ -116,31 +121,15 @@ def build_split_model(
     materialises only its shard. Vision models are small: built whole, then sharded. A server normalising with batch
     statistics needs one server rank and whole client batches (:func:`hosfl_dist.runtime.checks.check_config`).
     """
-    if cfg.model.name == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
+    model = get_model(cfg.model.name)
+    if model.family == "hf":  # split decoder LM + LoRA + task head (hosfl_dist.models.lm)
         from hosfl_dist.models import lm
 
         return lm.build(cfg, data_info, zeroth_order_client, parts, shard)
-    from hosfl_dist.models import vision
-
+    assert model.build is not None  # a vision model's spec has its builder (ModelSpec.__post_init__)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
-        if cfg.model.name == "resnet18":
-            client, server = vision.resnet18_split(
-                data_info["num_classes"],
-                data_info["input_shape"][0],
-                cfg.split.cut,
-                cfg.model.freeze_bn,
-                cfg.model.pretrained,
-                cfg.model.reset_head,
-                first_order_client=not zeroth_order_client,
-            )
-        elif cfg.model.name == "small_cnn":  # no BatchNorm: model.freeze_bn does not apply
-            shape, width = data_info["input_shape"], cfg.model.width
-            client, server = vision.small_cnn_split(
-                data_info["num_classes"], shape, cfg.split.cut, width, cfg.model.pretrained, cfg.model.reset_head
-            )
-        else:
-            raise ConfigError(f"unknown model.name {cfg.model.name!r}")
+        client, server = model.build(cfg, data_info, zeroth_order_client)
     device = torch.device(cfg.job.device)
     was = client.training
     with torch.no_grad():
@@ -157,15 +146,50 @@ def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed
     """The uncut vision model with trainable BatchNorm (train mode: batch statistics, running statistics updated),
     initialised from ``seed`` (job.seed) on ``device``: what ``python -m hosfl_dist.experiments.pretrain`` trains.
     Its state dict is in the layout ``model.pretrained`` loads (torchvision's for ResNet-18)."""
-    from hosfl_dist.models import vision
-
+    spec = get_model(model.name)
+    if spec.whole is None:
+        raise ConfigError(f"invalid value for model.name: {model.name!r} (pretraining is implemented for the "
+                          f"vision models {pretrainable_models()})")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stream_seed(seed, Stream.VISION_INIT))
-        if model.name == "resnet18":
-            net: nn.Module = vision.ResNet18(data_info["num_classes"], data_info["input_shape"][0], frozen_bn=False)
-        elif model.name == "small_cnn":
-            net = vision.SmallCNN(data_info["num_classes"], data_info["input_shape"], model.width)
-        else:
-            raise ConfigError(f"invalid value for model.name: {model.name!r} (pretraining is implemented for "
-                              "the vision models resnet18 and small_cnn)")  # fmt: skip
+        net = spec.whole(model, data_info)
     return net.to(torch.device(device))
+
+
+def pretrainable_models() -> list[str]:
+    """The ``model.name`` values :func:`build_whole_vision_model` builds (their spec has ``whole``)."""
+    return [n for n in model_names() if get_model(n).whole is not None]
+
+
+def _resnet18(cfg: Config, info: dict[str, Any], zeroth_order_client: bool) -> tuple[nn.Module, nn.Module]:
+    from hosfl_dist.models import vision
+
+    m = cfg.model
+    return vision.resnet18_split(info["num_classes"], info["input_shape"][0], cfg.split.cut, m.freeze_bn,
+                                 m.pretrained, m.reset_head, first_order_client=not zeroth_order_client)  # fmt: skip
+
+
+def _small_cnn(cfg: Config, info: dict[str, Any], zeroth_order_client: bool) -> tuple[nn.Module, nn.Module]:
+    """No BatchNorm: model.freeze_bn does not apply."""
+    from hosfl_dist.models import vision
+
+    m = cfg.model
+    return vision.small_cnn_split(info["num_classes"], info["input_shape"], cfg.split.cut, m.width, m.pretrained,
+                                  m.reset_head)  # fmt: skip
+
+
+def _whole_resnet18(model: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    from hosfl_dist.models import vision
+
+    return vision.ResNet18(info["num_classes"], info["input_shape"][0], frozen_bn=False)
+
+
+def _whole_small_cnn(model: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    from hosfl_dist.models import vision
+
+    return vision.SmallCNN(info["num_classes"], info["input_shape"], model.width)
+
+
+register_model(ModelSpec("small_cnn", _small_cnn, cuts=(1, 2), whole=_whole_small_cnn))
+register_model(ModelSpec("resnet18", _resnet18, cuts=(1, 3), whole=_whole_resnet18))
+register_model(ModelSpec("hf", None, family="hf"))  # its depth is the checkpoint's: checked where it is built

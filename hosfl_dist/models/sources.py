@@ -11,7 +11,9 @@ Sources:
 - ``tiny:<arch>`` (llama, qwen3, gemma3, opt): a tiny random model with :func:`tiny_tokenizer`, for tests;
 - ``arch:<name>`` (qwen3-8b, llama-3.2-1b, …; :mod:`hosfl_dist.models.archs`): a published architecture without its
   weights, initialised from ``job.seed`` (scaling studies and memory tests at real shapes), with
-  :func:`tiny_tokenizer` (its byte-level ids are valid in every vocabulary).
+  :func:`tiny_tokenizer` (its byte-level ids are valid in every vocabulary);
+- ``<prefix>:<name>`` of a plug-in (``job.plugins``) that registers its prefix with :func:`register_source`: its own
+  architecture, weights and tokenizer. ``tiny:`` and ``arch:`` are entries of the same registry.
 
 :func:`model_config` reads a source's architecture without its weights; :func:`weights_of` says where its values
 come from when a role materialises its part (:mod:`hosfl_dist.models.materialize`).
@@ -26,6 +28,7 @@ import functools
 import importlib.util
 import os
 import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hosfl_dist.errors import ConfigError, DataError
-from hosfl_dist.models.hf_load import load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
+from hosfl_dist.models.hf_load import TINY_ARCHS, load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
 
 if TYPE_CHECKING:
     from hosfl_dist.models.materialize import Weights
@@ -57,17 +60,70 @@ and 16. The client's k (5) is the same either way."""
 
 
 @dataclass(frozen=True)
+class SourceSpec:
+    """The ``model.source`` values ``<prefix>:<name>``: where their architecture, weights and tokenizer come from."""
+
+    prefix: str
+    """``model.source`` = ``<prefix>:<name>`` (letters, digits, ``_``; not a hub organisation's name)."""
+    config: Callable[[str], PretrainedConfig]
+    """<name> -> its architecture, a transformers config of a causal LM (no weight read)."""
+    model: Callable[[str], PreTrainedModel] | None = None
+    """<name> -> the whole causal LM with its weights (cast to ``model.dtype``); the same in every process. None: no
+    weights, initialised from ``job.seed`` as ``arch:`` is."""
+    tokenizer: Callable[[str], PreTrainedTokenizerBase] | None = None
+    """<name> -> its tokenizer; None: :func:`tiny_tokenizer` (byte-level ids, valid in a vocabulary of 311 or more)."""
+    names: Callable[[], Sequence[str]] | None = None
+    """The names it knows, to refuse another before anything is built; None: any (``config`` refuses)."""
+    inputs: Callable[[str], dict[str, Any]] | None = None
+    """<name> -> the files it reads, by role (a run's identity hashes them); None: none."""
+
+    def __post_init__(self) -> None:
+        if not self.prefix.isidentifier() or self.prefix == PKG_PREFIX.rstrip(":"):
+            raise ValueError(f"model source prefix {self.prefix!r}: use letters, digits and _ (not pkg)")
+
+
+_SOURCES: dict[str, SourceSpec] = {}
+
+
+def register_source(spec: SourceSpec) -> SourceSpec:
+    """Add the prefix ``spec.prefix`` (ValueError for one taken by another source)."""
+    if spec.prefix in _SOURCES and _SOURCES[spec.prefix] != spec:
+        raise ValueError(f"model source prefix {spec.prefix!r} is registered twice")
+    _SOURCES[spec.prefix] = spec
+    return spec
+
+
+def source_spec(source: str) -> SourceSpec | None:
+    """The registered spec of ``source``'s prefix (``tiny:llama`` -> tiny's), None for another source."""
+    prefix, colon, _ = source.partition(":")
+    return _SOURCES.get(prefix) if colon else None
+
+
+@dataclass(frozen=True)
 class ModelSource:
-    """A resolved ``model.source``: a tiny architecture, or what ``from_pretrained`` reads."""
+    """A resolved ``model.source``: a registered prefix's name, or what ``from_pretrained`` reads."""
 
     name: str
     """``model.source`` as the user wrote it (for messages)."""
     path: str
-    """Hub id or local directory; for tiny models the architecture."""
+    """Hub id or local directory; for a registered prefix the name after it."""
     gguf_file: str | None = None
-    tiny: bool = False
-    arch: bool = False
-    """An architecture without weights (``arch:<name>``; ``path`` is the name)."""
+    scheme: str = ""
+    """The registered prefix (``tiny``, ``arch``, a plug-in's), or empty."""
+
+    @property
+    def spec(self) -> SourceSpec | None:
+        return _SOURCES.get(self.scheme) if self.scheme else None
+
+    @property
+    def tiny(self) -> bool:
+        """A tiny random model (``tiny:<arch>``)."""
+        return self.scheme == TINY_PREFIX.rstrip(":")
+
+    @property
+    def arch(self) -> bool:
+        """An architecture without weights (``arch:<name>``, or a plug-in's without ``model``)."""
+        return self.spec is not None and self.spec.model is None
 
 
 def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> ModelSource:
@@ -75,23 +131,21 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
     model."""
     if not source:
         raise ConfigError(f"{key} is empty: name a hub model, a local directory, pkg:<package> or tiny:<arch>")
-    if source.startswith(TINY_PREFIX):
-        return ModelSource(source, source.removeprefix(TINY_PREFIX), tiny=True)
-    if source.startswith(ARCH_PREFIX):
-        from hosfl_dist.models.archs import ARCH_NAMES
-
-        name = source.removeprefix(ARCH_PREFIX)
-        if name not in ARCH_NAMES:
-            raise ConfigError(f"{key} {source!r}: unknown architecture {name!r}; known: {', '.join(ARCH_NAMES)}")
-        return ModelSource(source, name, arch=True)
+    spec = source_spec(source)
+    if spec is not None:
+        name = source.partition(":")[2]
+        known = list(spec.names()) if spec.names is not None else None
+        if known is not None and name not in known:
+            raise ConfigError(f"{key} {source!r}: unknown {spec.prefix} name {name!r}; known: {', '.join(known)}")
+        return ModelSource(source, name, scheme=spec.prefix)
     path = source
     if source.startswith(PKG_PREFIX):
         name = source.removeprefix(PKG_PREFIX)
         try:
-            spec = importlib.util.find_spec(name)  # locates the package without importing it
+            spec_ = importlib.util.find_spec(name)  # locates the package without importing it
         except (ImportError, ValueError):
-            spec = None
-        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+            spec_ = None
+        locations = list(spec_.submodule_search_locations or []) if spec_ is not None else []
         if not locations:
             raise ConfigError(f"{key} {source!r}: Python package {name!r} is not installed (pip install it)")
         path = locations[0]
@@ -161,8 +215,9 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".tikt
 def model_inputs(source: str, gguf_file: str = "") -> dict[str, object]:
     """What a ``model.source`` is read from, by role: nothing for generated weights (``tiny:``, ``arch:``), the hub
     repository's name, the GGUF file, or the files of a local folder (a run's identity hashes them)."""
-    if not source or source.startswith((TINY_PREFIX, ARCH_PREFIX)):
-        return {}
+    spec = source_spec(source)
+    if not source or spec is not None:
+        return spec.inputs(source.partition(":")[2]) if spec is not None and spec.inputs is not None else {}
     if is_hub_id(source):
         return {"model.hub": {"hub": source}}
     resolved = resolve(source, gguf_file)
@@ -176,26 +231,25 @@ def model_inputs(source: str, gguf_file: str = "") -> dict[str, object]:
 
 def is_hub_id(source: str) -> bool:
     """Whether ``source`` names a hub repository rather than a tiny model, a package or a local path."""
-    if not source or source.startswith((TINY_PREFIX, PKG_PREFIX, ARCH_PREFIX)):
+    if not source or source.startswith(PKG_PREFIX) or source_spec(source) is not None:
         return False
     return not (os.path.isabs(source) or source.startswith(("./", "../", "~")) or os.path.exists(source))
 
 
 def load_model(source: ModelSource, dtype: str = "float32", local_files_only: bool = False) -> PreTrainedModel:
     """The whole causal LM of ``source`` in eval() mode (tiny models: the tiny tokenizer's vocabulary, seed 0)."""
-    if source.tiny:
-        return tiny_causal_lm(source.path, vocab_size=len(tiny_tokenizer())).to(DTYPES[dtype])
+    spec = source.spec
+    if spec is not None:
+        if spec.model is None:
+            raise ConfigError(f"model.source {source.name!r} has no weights (they are drawn from job.seed)")
+        return spec.model(source.path).to(DTYPES[dtype]).eval()
     return load_causal_lm(source.path, source.gguf_file, DTYPES[dtype], local_files_only)
 
 
 def model_config(source: ModelSource) -> PretrainedConfig:
     """The architecture of ``source`` (its config), without reading any weight."""
-    if source.tiny:
-        return tiny_config(source.path, vocab_size=len(tiny_tokenizer()))
-    if source.arch:
-        from hosfl_dist.models.archs import arch_config
-
-        return arch_config(source.path)
+    if source.spec is not None:
+        return source.spec.config(source.path)
     return load_causal_config(source.path, source.gguf_file)
 
 
@@ -206,18 +260,18 @@ def weights_of(source: ModelSource, config: PretrainedConfig, dtype: str, seed: 
     if source.arch:
         text = config.get_text_config()
         return RandomWeights(seed, float(getattr(text, "initializer_range", None) or getattr(text, "init_std", 0.02)))
-    if not source.tiny and source.gguf_file is None and SafetensorsWeights.available(source.path):
+    if source.spec is None and source.gguf_file is None and SafetensorsWeights.available(source.path):
         tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
         return SafetensorsWeights(source.path, {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
-    # tiny models (KB) and GGUF files load whole; the state dict lives only while the parts are filled
+    # tiny models (KB), a plug-in's and GGUF files load whole; the state dict lives only while the parts are filled
     return StateDictWeights(load_model(source, dtype).state_dict())
 
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """The tokenizer of ``source``, without its weights; DataError when the checkpoint ships none."""
-    if source.tiny or source.arch:
-        return tiny_tokenizer()
+    if source.spec is not None:
+        return source.spec.tokenizer(source.path) if source.spec.tokenizer is not None else tiny_tokenizer()
     tok = load_checkpoint_tokenizer(source.path, source.gguf_file)
     if tok is None:
         raise DataError(f"model {source.name!r} ships no tokenizer; text tasks need one")
@@ -248,3 +302,21 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def _arch_config(name: str) -> PretrainedConfig:
+    from hosfl_dist.models.archs import arch_config
+
+    return arch_config(name)
+
+
+def _arch_names() -> list[str]:
+    from hosfl_dist.models.archs import ARCH_NAMES
+
+    return ARCH_NAMES
+
+
+register_source(SourceSpec(TINY_PREFIX.rstrip(":"), lambda arch: tiny_config(arch, vocab_size=len(tiny_tokenizer())),
+                           lambda arch: tiny_causal_lm(arch, vocab_size=len(tiny_tokenizer())),
+                           names=lambda: TINY_ARCHS))  # fmt: skip
+register_source(SourceSpec(ARCH_PREFIX.rstrip(":"), _arch_config, names=_arch_names))

@@ -2,11 +2,12 @@
 what the chosen method implements (the capabilities its registry entry declares).
 
 The config tree (:mod:`hosfl_dist.config`) refuses what one section tells alone and imports nothing above it; this
-module is the one place for the checks that need two sections or the algorithm registry. They run where a run's
-config is built: :func:`load_run_config` (``python -m hosfl_dist.run`` with ``--check`` and ``--dry-run``, the
-experiment commands, export), and each runtime checks the config it is given
-(:class:`~hosfl_dist.runtime.inprocess.InProcessRunner`, :func:`~hosfl_dist.runtime.torchrun.run_torchrun`). What
-needs the model's architecture or the task's files is :mod:`hosfl_dist.cli.precheck`'s. Every refusal is one
+module is the one place for the checks that need two sections or a registry (the names of the methods, models and
+tasks, a plug-in's included). They run where a run's config is built: :func:`load_run_config` (``python -m
+hosfl_dist.run`` with ``--check`` and ``--dry-run``, the experiment commands, export), and each runtime checks the
+config it is given (:class:`~hosfl_dist.runtime.inprocess.InProcessRunner`,
+:func:`~hosfl_dist.runtime.torchrun.run_torchrun`). What needs the model's architecture or the task's files is
+:mod:`hosfl_dist.cli.precheck`'s. Every refusal is one
 :class:`~hosfl_dist.errors.ConfigError` line naming the key.
 """
 
@@ -16,8 +17,10 @@ from pathlib import Path
 
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, load_plugins
 from hosfl_dist.algorithms.participation import ParticipationPlan
-from hosfl_dist.config import TEXT_DATASETS, VISION_CUT_RANGE, VISION_MODELS, Config, check, load_config
+from hosfl_dist.config import Config, check, load_config
+from hosfl_dist.data.registry import get_task
 from hosfl_dist.errors import ConfigError
+from hosfl_dist.models.registry import get_model, model_names
 from hosfl_dist.runtime.callbacks import resolve
 
 
@@ -64,21 +67,20 @@ def check_config(cfg: Config) -> Config:
 
 
 def _check_model_and_data(cfg: Config) -> None:
-    """A text task needs the decoder LM and an image data set a vision model; the cut leaves each side a part."""
-    model, data, cut = cfg.model.name, cfg.data.name, cfg.split.cut
-    is_text = data in TEXT_DATASETS
-    check(
-        (model == "hf") == is_text,
-        "model.name",
-        model,
-        f"data.name={data} needs " + ("model.name=hf" if is_text else f"one of {list(VISION_MODELS)}"),
-    )
-    if model == "hf":  # its depth is the model's: checked where it is built (hosfl_dist.cli.precheck, models.lm)
+    """Both names registered (the package's or a plug-in's); a text task needs the decoder LM and a tensor task a
+    model of the vision family; the cut leaves each side a part."""
+    model, task, cut = get_model(cfg.model.name), get_task(cfg.data.name), cfg.split.cut
+    fits = [n for n in model_names() if get_model(n).family == task.family]
+    check(model.family == task.family, "model.name", model.name,
+          f"data.name={task.name} needs model.name={' or '.join(fits)}")  # fmt: skip
+    check(not cfg.data.classes or task.load is not None, "data.classes", cfg.data.classes, "applies to vision data "
+          f"sets (tasks of tensors), not data.name={task.name} (its labels are the task's label words)")  # fmt: skip
+    if model.family == "hf":  # its depth is the model's: checked where it is built (hosfl_dist.cli.precheck, models.lm)
         check(cut >= 1, "split.cut", cut, "the client keeps at least one decoder block")
-    if model in VISION_CUT_RANGE:
-        lo, hi = VISION_CUT_RANGE[model]
+    else:
+        lo, hi = model.cuts
         check(lo <= cut <= hi, "split.cut", cut,
-              f"{model} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part")  # fmt: skip
+              f"{model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part")  # fmt: skip
 
 
 def _check_batch_stats_server(cfg: Config) -> None:
@@ -94,7 +96,7 @@ def _check_batch_stats_server(cfg: Config) -> None:
 
 def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
     """What the method implements: its model families, LoRA, schedules, batched perturbations, skipping."""
-    family = "hf" if cfg.model.name == "hf" else "vision"
+    family = get_model(cfg.model.name).family
     lora = cfg.lora
     check(
         not spec.needs_lora or (family == "hf" and bool(lora.client_targets) and bool(lora.server_targets)),

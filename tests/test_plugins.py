@@ -1,0 +1,163 @@
+"""A task and a model in the user's own module (docs/python-api.md, "A task and a model of your own"): loaded with
+``--plugin`` / ``job.plugins``, they run end to end in one process and under torchrun, ``--help-config`` lists them,
+an unknown name is one line listing the registered ones; and the memory profiler measures a plug-in method like the
+built-in it derives from."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hosfl_dist
+from hosfl_dist.data import TaskSpec, TensorData, register_task
+from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.models import ModelSpec, register_model
+from hosfl_dist.runtime.checks import load_run_config
+from tiny import ROOT, TINY_OVERRIDES, lm_overrides, page_block, read_run, rows_of, torchrun, write_text_files
+
+PARTS = page_block('register_task(TaskSpec("blobs"')
+"""The task and the model written outside the repository, as the page shows them."""
+METHOD = page_block('register(AlgorithmSpec("my_method"')
+SOURCE = page_block('register_source(SourceSpec("toy"')
+PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
+"""The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """myparts.py and mymethod.py in a folder of the user's, importable here and by every process started from here."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "myparts.py").write_text(PARTS)
+    (folder / "mymethod.py").write_text(METHOD)
+    (folder / "mysource.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
+    yield folder
+    from hosfl_dist import algorithms
+    from hosfl_dist.data import registry as tasks
+    from hosfl_dist.models import registry as models
+    from hosfl_dist.models import sources
+
+    tasks._TASKS.pop("blobs", None)  # the registries list the package's own to the other tests
+    models._MODELS.pop("mlp", None)
+    algorithms._REGISTRY.pop("my_method", None)
+    sources._SOURCES.pop("toy", None)
+    for name in ("myparts", "mymethod", "mysource"):
+        sys.modules.pop(name, None)
+
+
+def run_command(*args: str, module: str = "hosfl_dist.run", timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_a_task_and_a_model_outside_the_package_train_by_plugin(tmp_path, user_modules):
+    res = run_command("--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path / 'cli'}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows, summary = read_run(tmp_path / "cli")
+    assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 5, 10]
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the blobs
+    assert rows[0]["eval_accuracy"] * 200 == round(rows[0]["eval_accuracy"] * 200)  # scored over the 200 held out
+    assert set(summary["code"]["plugins"]) == {"myparts"}
+
+    api = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'api'}"], plugins=["myparts"])
+    assert rows_of(api.out_dir) == rows  # job.plugins in this process: the same run
+
+
+def test_help_config_lists_the_plugins_task_and_model(user_modules):
+    res = run_command("--plugin", "myparts", "--help-config")  # every section
+    assert res.returncode == 0, res.stderr
+    listed = res.stdout.split("From the plug-ins (myparts): ")[1:]  # under algorithm.name, model.name, data.name
+    assert [line.splitlines()[0] for line in listed] == ["none", "mlp", "blobs"]
+
+
+def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules):
+    out = f"job.out_dir={tmp_path / 'x'}"
+    res = run_command("--plugin", "myparts", *PLUGGED, out, "data.name=blob", "--check")
+    said = "error: invalid value for data.name: 'blob' (choose one of ["
+    assert res.returncode == 2 and res.stderr.startswith(said) and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "'blobs'" in res.stderr and "'synthetic'" in res.stderr  # the plug-in's names beside the package's
+    res = run_command(*PLUGGED, out, "--check")  # without the plug-in, its names are unknown
+    said = "error: invalid value for model.name: 'mlp' (choose one of ['hf', 'resnet18', 'small_cnn'])"
+    assert res.returncode == 2 and res.stderr.strip() == said, res.stderr
+    plugged = [*PLUGGED, "job.plugins=[myparts]"]
+    for args, said in (
+        (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['hf', 'mlp', 'resnet18'"),
+        (["split.cut=3"], "invalid value for split.cut: 3 (mlp keeps 1..2 blocks on the client"),
+        (["data.name=sst2"], "invalid value for model.name: 'mlp' (data.name=sst2 needs model.name=hf)"),
+        (["model.name=hf", "model.source=tiny:llama"], "blobs needs model.name=mlp or resnet18 or small_cnn"),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            load_run_config(None, [*plugged, *args])
+        assert said in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
+    import myparts
+
+    with pytest.raises(ValueError, match="'synthetic' is registered twice"):
+        register_task(TaskSpec("synthetic", load=myparts.load_blobs))
+    with pytest.raises(ValueError, match="'small_cnn' is registered twice"):
+        register_model(ModelSpec("small_cnn", myparts.build_mlp, cuts=(1, 2)))
+    with pytest.raises(ValueError, match="give load"):
+        TaskSpec("both", load=myparts.load_blobs, build=lambda cfg, clients, evaluation: None)
+    with pytest.raises(ValueError, match="family"):
+        ModelSpec("cnn3", myparts.build_mlp, family="audio")
+    cfg = load_run_config(None, [*PLUGGED, "job.plugins=[myparts]", "data.classes=[0, 2]"])
+    from hosfl_dist.data import build_data, data_info
+
+    assert data_info(cfg)["num_classes"] == 2 and data_info(cfg)["input_shape"] == (16,)
+    data = build_data(cfg)
+    assert set(data.train_labels.tolist()) == {0, 1} and data.num_clients == 6
+    with pytest.raises(DataError, match="int64 class indices"):
+        TensorData(data.train_inputs, data.train_labels.float(), data.eval_inputs, data.eval_labels)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # a run in one process and a torchrun job: 22 s on the 2-core machine
+def test_a_plugin_task_and_model_under_torchrun_equal_the_one_process_run(tmp_path, user_modules):
+    one = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'one'}"], plugins=["myparts"])
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path}/dist"])
+    assert rc == 0, log[-3000:]
+    rows, summary = read_run(tmp_path / "dist")
+    assert summary["status"] == "completed" and summary["engine"] != one.summary["engine"]
+    assert rows == rows_of(one.out_dir)  # every metrics row, and θc: each worker's digest the one process's
+    assert set(summary["client_digests"].values()) == set(one.summary["client_digests"].values())
+
+
+def test_the_memory_profiler_measures_a_plugin_method_as_the_method_it_reuses(tmp_path, user_modules):
+    from hosfl_dist.measure.memory import _child_command, _parse_args, profile
+    from hosfl_dist.measure.modes import ProfileSpec, check_modes
+
+    with pytest.raises(ConfigError, match="unknown mode 'my_method'; choose from inference, hosfl, sfl"):
+        check_modes(["my_method"])  # not imported yet
+    assert _parse_args(["--plugin", "mymethod", "--modes", "my_method"]).plugin == ["mymethod"]
+    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, plugins=("mymethod",))
+    modes = profile(spec, ["hosfl", "my_method"], isolate=False)["modes"]
+    assert modes["my_method"]["peak_bytes"] == modes["hosfl"]["peak_bytes"] > 0  # HO-SFL's worker, its own name
+    command = _child_command(spec, "my_method", 1, tmp_path / "mode.json")  # a mode's own process imports it too
+    assert command[command.index("--plugin") + 1] == "mymethod"
+
+
+def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, user_modules):
+    files = write_text_files(tmp_path)
+    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", "job.plugins=[mysource]"]
+    run = hosfl_dist.train(None, toy)
+    assert run.summary["status"] == "completed" and len(run.metrics) == 3
+    assert set(run.summary["code"]["plugins"]) == {"mysource"}
+    from hosfl_dist.models.sources import model_config, resolve
+
+    assert model_config(resolve("toy:3")).num_hidden_layers == 3
+    for source, said in (
+        ("toy:9", "model.source 'toy:9': unknown toy name '9'; known: 2, 3, 4"),
+        ("tiny:nope", "model.source 'tiny:nope': unknown tiny name 'nope'; known: opt, gemma3"),  # the same registry
+    ):
+        with pytest.raises(ConfigError, match=said):
+            resolve(source)
+    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", "mysource", "--check")
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "unknown toy name '9'" in res.stderr
