@@ -15,6 +15,7 @@ import pkgutil
 import sys
 from dataclasses import dataclass
 
+from hosfl_dist.core.registry import Registry
 from hosfl_dist.errors import ConfigError
 
 MODEL_PARTS = ("client", "server")
@@ -72,23 +73,22 @@ class AlgorithmSpec:
 
         called = getattr(self.worker, "server_class", None)  # ServerBase: WorkerBase's, which declares no call
         if not (isinstance(called, type) and called is not ServerBase and issubclass(self.server, called)):
-            raise ValueError(f"{self.name}: {self.worker.__name__} calls {getattr(called, '__name__', called)}, not "
-                             f"the registered server {self.server.__name__} (set {self.worker.__name__}.server_class)")
+            raise ValueError(
+                f"{self.name}: {self.worker.__name__} calls {getattr(called, '__name__', called)}, not "
+                f"the registered server {self.server.__name__} (set {self.worker.__name__}.server_class)"
+            )
         for part in (*self.worker_parts, *self.server_parts):
             if part not in MODEL_PARTS:
                 raise ValueError(f"{self.name}: unknown model part {part!r}")
 
 
-_REGISTRY: dict[str, AlgorithmSpec] = {}
+_REGISTRY: Registry[AlgorithmSpec] = Registry("algorithm", "algorithm.name")
 _SKIP = frozenset({"base", "exchange", "participation"})
 """Modules of this package that hold shared parts, not methods."""
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
-    if spec.name in _REGISTRY and _REGISTRY[spec.name] != spec:
-        raise ValueError(f"algorithm {spec.name!r} is registered twice")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return _REGISTRY.add(spec.name, spec)
 
 
 def _discover() -> None:
@@ -124,6 +124,4 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     """The spec registered under ``name``; ConfigError listing the names otherwise."""
     if name not in _REGISTRY:
         _discover()
-    if name not in _REGISTRY:
-        raise ConfigError(f"invalid value for algorithm.name: {name!r} (choose one of {algorithm_names()})")
-    return _REGISTRY[name]
+    return _REGISTRY.get_or_refuse(name)

@@ -219,9 +219,7 @@ class FSLSageWorker(ExchangeWorker):
                 act["z"].backward(lam_hat)
                 opt.step()
                 if j % interval == 0:  # smashed data for the server's update; nothing to wait for
-                    sent.append(
-                        self.server.submit.send(t=t, client=client, step=j, act=detached(act), labels=y)
-                    )
+                    sent.append(self.server.submit.send(t=t, client=client, step=j, act=detached(act), labels=y))
         for fut in sent:  # delivered before the model upload that may close the round
             fut.wait()
 

@@ -103,10 +103,10 @@ def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict
             spec = dataclasses.replace(spec, label_words=list(words))
     else:
         if not template:
-            raise PredictError("--template is needed (e.g. \"{sentence} It was\"): name the file's columns as {column}")
+            raise PredictError('--template is needed (e.g. "{sentence} It was"): name the file\'s columns as {column}')
         spec = custom_task(kind, template, words)
     if spec.kind == "classification" and not spec.label_words:
-        raise PredictError("a classification task needs --label-words (a JSON list, e.g. '[\" bad\", \" good\"]')")
+        raise PredictError('a classification task needs --label-words (a JSON list, e.g. \'[" bad", " good"]\')')
     columns = _columns(args.columns)
     if columns is None:  # the run's, for the fields this task still has (a --template names its own)
         columns = {k: v for k, v in (task.get("columns") or {}).items() if k in spec.fields}
@@ -157,8 +157,10 @@ def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
             elif (model_dir / "config.json").is_file():
                 model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
             else:
-                raise PredictError(f"{model_dir} holds no Hugging Face model (config.json) or PEFT adapter "
-                                   "(adapter_config.json); vision exports load with hosfl_dist.export.load_vision")
+                raise PredictError(
+                    f"{model_dir} holds no Hugging Face model (config.json) or PEFT adapter "
+                    "(adapter_config.json); vision exports load with hosfl_dist.export.load_vision"
+                )
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise PredictError(f"cannot load the model in {model_dir}: {str(exc).splitlines()[0]}") from None

@@ -88,8 +88,10 @@ ENVIRONMENT: dict[str, Callable[[str], str | None]] = {
     "GLOO_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
     "TP_SOCKET_IFNAME": lambda v: None if IFNAME.fullmatch(v) else "a network interface name such as lo, eth0",
     "HOSFL_CACHE": _cache_folder,
-    **{name: (lambda v: None if KERNEL_SETTING.fullmatch(v) else "an instruction-set name such as AVX2")
-       for name in KERNEL_SETTINGS},
+    **{
+        name: (lambda v: None if KERNEL_SETTING.fullmatch(v) else "an instruction-set name such as AVX2")
+        for name in KERNEL_SETTINGS
+    },
     "HOSFL_KEY_FILE": _key_file,
     "XDG_CONFIG_HOME": lambda v: None,  # a relative one is ignored, as the XDG base directory spec says
 }

@@ -493,17 +493,6 @@ class CommConfig(LinkConfig):
         check(math.isfinite(self.speed_spread) and 0 <= self.speed_spread <= 5, "speed_spread", self.speed_spread,
               "must be between 0 (one link for all) and 5")  # fmt: skip
 
-    def speed(self, seed: int, client: int) -> float:
-        """Client ``client``'s link speed factor (1 without ``speed_spread``)."""
-        if not self.speed_spread:
-            return 1.0
-        from hosfl_dist.core.seeding import Stream, stream_seed
-
-        u1 = (stream_seed(seed, Stream.LINK_SPEED, client, 0) + 1) / 2.0**63  # (0, 1]: Box-Muller's log never sees 0
-        u2 = stream_seed(seed, Stream.LINK_SPEED, client, 1) / 2.0**63
-        z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
-        return math.exp(self.speed_spread * z)
-
 
 @dataclass
 class DataConfig:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.core.registry import Registry
 
 if TYPE_CHECKING:
     from hosfl_dist.config import Config, DataConfig
@@ -50,24 +50,19 @@ class TaskSpec:
             raise ValueError(f"task {self.name!r}: give load (tensors the package partitions) or build, not both")
 
 
-_TASKS: dict[str, TaskSpec] = {}
+_TASKS: Registry[TaskSpec] = Registry("task", "data.name")
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
     """Add ``spec`` under ``spec.name`` (ValueError for a name taken by another task)."""
-    if spec.name in _TASKS and _TASKS[spec.name] != spec:
-        raise ValueError(f"task {spec.name!r} is registered twice")
-    _TASKS[spec.name] = spec
-    return spec
+    return _TASKS.add(spec.name, spec)
 
 
 def task_names() -> list[str]:
     """Every registered ``data.name``, the package's and the imported plug-ins'."""
-    return sorted(_TASKS)
+    return _TASKS.names()
 
 
 def get_task(name: str) -> TaskSpec:
     """The spec registered under ``name``; ConfigError listing the names otherwise."""
-    if name not in _TASKS:
-        raise ConfigError(f"invalid value for data.name: {name!r} (choose one of {task_names()})")
-    return _TASKS[name]
+    return _TASKS.get_or_refuse(name)

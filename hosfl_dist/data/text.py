@@ -394,10 +394,14 @@ _PROMPTS: dict[str, Callable[[dict], str]] = {
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
     "sst2": ("{sentence} It was", "sentence stripped of surrounding spaces"),
     "rte": ('{premise}\nDoes this mean that "{hypothesis}" is true? Yes or No?\n', ""),
-    "wsc": ('{text}\nIn the previous sentence, does the pronoun "{span2_text}" refer to {span1_text}? Yes or No?\n',
-            "span2_text lower-cased"),
-    "squad": ("Title: {title}\nContext: {context}\nQuestion: {question}\nAnswer:",
-              "the Title line only where the example has a title; question stripped of surrounding spaces"),
+    "wsc": (
+        '{text}\nIn the previous sentence, does the pronoun "{span2_text}" refer to {span1_text}? Yes or No?\n',
+        "span2_text lower-cased",
+    ),
+    "squad": (
+        "Title: {title}\nContext: {context}\nQuestion: {question}\nAnswer:",
+        "the Title line only where the example has a title; question stripped of surrounding spaces",
+    ),
 }
 """Each preset's prompt as a ``str.format`` template of its fields, and what the prompt function does beyond it: what
 an export's card and hosfl_export.json show a reader who prompts the model without hosfl_dist (tested to agree with

@@ -71,8 +71,13 @@ def write_record(restored: Restored, out: Path, written: dict[str, Any], command
         "round": restored.round,
         "processed_samples": restored.processed,
         "algorithm": cfg.algorithm.name,
-        "model": {"name": cfg.model.name, "source": cfg.model.source, "gguf_file": cfg.model.gguf_file,
-                  "dtype": cfg.model.dtype, "cut": cfg.split.cut},  # fmt: skip
+        "model": {
+            "name": cfg.model.name,
+            "source": cfg.model.source,
+            "gguf_file": cfg.model.gguf_file,
+            "dtype": cfg.model.dtype,
+            "cut": cfg.split.cut,
+        },  # fmt: skip
         "task": task_record(restored),
         "metrics": exported_row(restored),
         "fingerprint": restored.summary.get("fingerprint"),

@@ -151,8 +151,9 @@ def base_of(restored: Restored) -> str | None:
     return str(Path(source.path).resolve())
 
 
-def write_peft(restored: Restored, out: Path, max_shard_size: str, copy_base: bool = False,
-               step: Any = None) -> dict[str, Any]:
+def write_peft(
+    restored: Restored, out: Path, max_shard_size: str, copy_base: bool = False, step: Any = None
+) -> dict[str, Any]:
     """One adapter over the unsplit model, client and server LoRA together (see the module docstring); ``step`` (a
     :class:`~hosfl_dist.logs.Steps`) says what takes long."""
     from peft import LoraConfig

@@ -164,5 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
     return guarded(PROG, body, out)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -191,5 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
     return guarded(prog, body, out)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.core.registry import Registry
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,24 +47,19 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: a vision model needs build and cuts (lowest, highest) >= 1")
 
 
-_MODELS: dict[str, ModelSpec] = {}
+_MODELS: Registry[ModelSpec] = Registry("model", "model.name")
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
     """Add ``spec`` under ``spec.name`` (ValueError for a name taken by another model)."""
-    if spec.name in _MODELS and _MODELS[spec.name] != spec:
-        raise ValueError(f"model {spec.name!r} is registered twice")
-    _MODELS[spec.name] = spec
-    return spec
+    return _MODELS.add(spec.name, spec)
 
 
 def model_names() -> list[str]:
     """Every registered ``model.name``, the package's and the imported plug-ins'."""
-    return sorted(_MODELS)
+    return _MODELS.names()
 
 
 def get_model(name: str) -> ModelSpec:
     """The spec registered under ``name``; ConfigError listing the names otherwise."""
-    if name not in _MODELS:
-        raise ConfigError(f"invalid value for model.name: {name!r} (choose one of {model_names()})")
-    return _MODELS[name]
+    return _MODELS.get_or_refuse(name)

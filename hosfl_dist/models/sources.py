@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from hosfl_dist.core.registry import Registry
 from hosfl_dist.errors import ConfigError, DataError
 from hosfl_dist.models.hf_load import TINY_ARCHS, load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
 
@@ -82,15 +83,12 @@ class SourceSpec:
             raise ValueError(f"model source prefix {self.prefix!r}: use letters, digits and _ (not pkg)")
 
 
-_SOURCES: dict[str, SourceSpec] = {}
+_SOURCES: Registry[SourceSpec] = Registry("model source prefix", "model.source")
 
 
 def register_source(spec: SourceSpec) -> SourceSpec:
     """Add the prefix ``spec.prefix`` (ValueError for one taken by another source)."""
-    if spec.prefix in _SOURCES and _SOURCES[spec.prefix] != spec:
-        raise ValueError(f"model source prefix {spec.prefix!r} is registered twice")
-    _SOURCES[spec.prefix] = spec
-    return spec
+    return _SOURCES.add(spec.prefix, spec)
 
 
 def source_spec(source: str) -> SourceSpec | None:

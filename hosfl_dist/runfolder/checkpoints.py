@@ -237,8 +237,10 @@ def accepted_signature(
                           "forged; refused (if you trust it and hold the key that signed it, point HOSFL_KEY_FILE at "
                           "that key)")  # fmt: skip
     if state == UNSIGNED and not allow_unsigned:
-        raise ConfigError(f"{folder}: {UNSIGNED} ({what} carries no signature: written by hand, by another tool, or "
-                          f"stripped); refused ({accept} accepts it, if you trust whoever could write that folder)")
+        raise ConfigError(
+            f"{folder}: {UNSIGNED} ({what} carries no signature: written by hand, by another tool, or "
+            f"stripped); refused ({accept} accepts it, if you trust whoever could write that folder)"
+        )
     return state
 
 

@@ -38,8 +38,19 @@ from typing import Any
 from hosfl_dist.config import Config, config_to_dict
 
 RUNTIME_ONLY = {
-    "job": ("out_dir", "resume", "overwrite", "progress", "plots", "interface", "loggers", "allow_code_change",
-            "allow_environment_change", "allow_unsigned", "callbacks"),
+    "job": (
+        "out_dir",
+        "resume",
+        "overwrite",
+        "progress",
+        "plots",
+        "interface",
+        "loggers",
+        "allow_code_change",
+        "allow_environment_change",
+        "allow_unsigned",
+        "callbacks",
+    ),
     "zo": ("overlap", "overlap_memory_mb", "noise_cache_mb"),
     "server": ("reshard_after_forward",),
 }

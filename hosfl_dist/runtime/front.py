@@ -209,8 +209,9 @@ class RunFront(Handler):
                               f"({', '.join(differ[:4])}); resuming would not continue it bit for bit "
                               "(job.allow_environment_change=true resumes anyway)")  # fmt: skip
         if differ:
-            logger.warning(f"resuming {what} in another environment (job.allow_environment_change): "
-                           + ", ".join(differ))
+            logger.warning(
+                f"resuming {what} in another environment (job.allow_environment_change): " + ", ".join(differ)
+            )
         return differ
 
     def _worker_environment(self, rank: int, env: dict[str, Any]) -> None:

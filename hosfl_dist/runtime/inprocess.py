@@ -70,8 +70,9 @@ class InProcessRunner:
         store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
         self.servers = ServerGroup(self.server, self.evaluator, store=store)
         self.endpoint = ServerEndpoint(self.server, self.servers.execute, self.evaluator)
-        self.front = RunFront(cfg, self.endpoint, self.servers, store, "in_process", {"workers": 1},
-                              callbacks=self.callbacks)
+        self.front = RunFront(
+            cfg, self.endpoint, self.servers, store, "in_process", {"workers": 1}, callbacks=self.callbacks
+        )
         transport, collective, self.link = client_stack(
             cfg, spec, InProcessTransport(self.endpoint), LocalCollective(self.meter), self.meter
         )

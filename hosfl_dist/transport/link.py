@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +33,8 @@ from typing import Any
 
 from torch.futures import Future
 
-from hosfl_dist.config import LinkConfig, link_delay_s
+from hosfl_dist.config import CommConfig, LinkConfig, link_delay_s
+from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.wire import Exchange, payload_bytes
 
@@ -274,3 +276,14 @@ def describe_traffic(summary: Mapping[str, Any]) -> str:
         f"({summary['delay_uplink_s']:.3g} s of delay), {summary['downlink_bytes'] / 1e6:.3g} MB down "
         f"({summary['delay_downlink_s']:.3g} s)"
     )
+
+
+def client_speed(comm: CommConfig, seed: int, client: int) -> float:
+    """Client ``client``'s link speed factor under ``comm.speed_spread``: exp(σ·z), z a standard normal drawn from
+    (job.seed, client) (1 without a spread)."""
+    if not comm.speed_spread:
+        return 1.0
+    u1 = (stream_seed(seed, Stream.LINK_SPEED, client, 0) + 1) / 2.0**63  # (0, 1]: Box-Muller's log never sees 0
+    u2 = stream_seed(seed, Stream.LINK_SPEED, client, 1) / 2.0**63
+    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+    return math.exp(comm.speed_spread * z)

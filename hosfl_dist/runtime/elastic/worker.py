@@ -46,6 +46,7 @@ from hosfl_dist.runtime.rpc import from_wire, to_wire
 from hosfl_dist.config.schema import link_delay_s
 from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.inprocess import LocalCollective
+from hosfl_dist.transport.link import client_speed
 from hosfl_dist.transport.wire import CommMeter
 
 logger = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ class ElasticWorker:
         comm = self.cfg.comm
         if not comm.inject_delay:
             return 0.0
-        speed = comm.speed(self.cfg.job.seed, client)
+        speed = client_speed(comm, self.cfg.job.seed, client)
         return link_delay_s(nbytes, (comm.uplink_mbps if up else comm.downlink_mbps) * speed, comm.rtt_ms)
 
     def _serve(self, t: int, task: dict[str, Any]) -> list[Future]:
