@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call
 
 from hosfl_dist.config import OptimConfig
-from hosfl_dist.core.optim import OPTIMIZER_IMPLS, TensorwiseOptimizer, build_torch_optimizer
+from hosfl_dist.core.optim import OPTIMIZER_IMPLS, TensorwiseOptimizer, build_torch_optimizer, client_impl
 from hosfl_dist.core.params import groups, trainable_slots
 from hosfl_dist.core.seeding import mix_seed, round_seeds
 from hosfl_dist.core.zo import (
@@ -289,3 +289,23 @@ def test_torch_optimizer_on_the_cpu_is_the_loop_over_tensors_and_every_impl_take
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="optimizer impl 'fast': expected one of auto, for_loop, foreach, fused"):
         build_torch_optimizer(cfg, start, "fast")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_first_order_client_steps_with_foreach_where_it_gives_the_loops_bits(name):
+    """client_impl: foreach for float32/float64 tensors, whose steps equal the loop's bit for bit; torch's own
+    choice for half precision (whose foreach momentum rounds differently)."""
+    cfg = OptimConfig(name=name, lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in [(5, 3), (7,), (300, 31)]]
+    assert client_impl(start) == "foreach" and client_impl([t.bfloat16() for t in start]) == "auto"
+    runs = []
+    for impl in ("for_loop", client_impl(start)):
+        params = [t.clone().requires_grad_(True) for t in start]
+        opt, g = build_torch_optimizer(cfg, params, impl), torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -82,6 +82,14 @@ GradsOf = Callable[[list[int], list[Tensor]], list[Tensor]]
 """``grads_of(indices, params)``: the gradient slices of trainable tensors ``indices`` (``params``), in order."""
 
 
+def client_impl(params: Sequence[Tensor]) -> str:
+    """The ``impl`` of a first-order client's optimizer: ``foreach`` (one ``_foreach`` op per step phase instead of
+    a Python op per tensor) where torch's foreach step gives its loop's bits, float32 and float64 tensors (on the
+    CPU in torch 2.13 bfloat16 momentum and weight decay round differently), else torch's own choice."""
+    exact = all(p.dtype in (torch.float32, torch.float64) for p in params)
+    return "foreach" if exact and params else "auto"
+
+
 class TensorwiseOptimizer:
     """AdamW / SGD over a list of tensors, stepping one group of tensors at a time.
 
