@@ -96,7 +96,7 @@ def test_a_batch_without_labelled_tokens_has_zero_loss_and_a_graph():
 
 
 def _loss_and_grads(server, act, labels, task, chunk):
-    """(ℓ, λ, grads of the head's norm and lm_head weights) of one server pass, with ``chunk`` token losses per
+    """(ℓ, λ and the gradients of the head's trained weights) of one server pass, with ``chunk`` token losses per
     chunk (0: the (N, V) logits path)."""
     server.loss_chunk_tokens = chunk
     task.loss_chunk_tokens = chunk
@@ -104,20 +104,23 @@ def _loss_and_grads(server, act, labels, task, chunk):
     out = server_forward(server, {**act, "z": z, **task.server_inputs(labels)})
     sums, counts = task.sample_losses(out, labels)
     loss = sums.sum() / counts.sum()
-    head = [server.norm.weight, server.lm_head.weight]
+    head = [p for p in (server.norm.weight, server.lm_head.weight) if p.requires_grad]
     grads = torch.autograd.grad(loss, [z, *head])
     return out, loss, grads
 
 
+@pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # gemma3: soft-capped logits
-def test_chunked_token_losses_give_the_unchunked_loss_lambda_and_head_gradients(arch):
-    """server.loss_chunk_tokens: the token losses, chunk by chunk, give the (N, V) logits path's loss, λ and the
-    gradients of a trainable head (norm and lm_head), up to float32 rounding, for chunks that do and do not divide N;
-    without a graph they are the same numbers."""
+def test_chunked_token_losses_give_the_unchunked_loss_lambda_and_head_gradients(arch, trained_head):
+    """server.loss_chunk_tokens: the token losses, chunk by chunk, give the (N, V) logits path's loss, λ and (a
+    trained head's) the gradients of norm and lm_head, up to float32 rounding, for chunks that do and do not divide
+    N; without a graph they are the same numbers."""
     model = tiny_causal_lm(arch)
     client, server = split_causal_lm(model, 2, untie=True)
+    for p in server.parameters():
+        p.requires_grad_(False)
     for p in (server.norm.weight, server.lm_head.weight):
-        p.requires_grad_(True)
+        p.requires_grad_(trained_head)
     task = GenerationTask(tiny_tokenizer(), "right", max_positions=None)
     x = prompts("right", model.config.pad_token_id or 0)
     labels = torch.full((3, 10), IGNORE_INDEX)
@@ -138,14 +141,15 @@ def test_chunked_token_losses_give_the_unchunked_loss_lambda_and_head_gradients(
         torch.testing.assert_close(again, out.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_chunked_token_losses_hold_one_chunk_of_logits_at_a_time():
+@pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
+def test_chunked_token_losses_hold_one_chunk_of_logits_at_a_time(trained_head):
     """No tensor computed with the vocabulary as its last dimension has more rows than a chunk, forward or backward:
     the (N, V) logits and their gradient never exist."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     model = tiny_causal_lm("qwen3")
     client, server = split_causal_lm(model, 2, untie=True)
-    server.lm_head.weight.requires_grad_(True)
+    server.lm_head.weight.requires_grad_(trained_head)
     vocab = server.lm_head.weight.shape[0]
     task = GenerationTask(tiny_tokenizer(), "right", max_positions=None, loss_chunk_tokens=3)
     server.loss_chunk_tokens = 3
@@ -170,7 +174,7 @@ def test_chunked_token_losses_hold_one_chunk_of_logits_at_a_time():
         out = server_forward(server, {**act, "z": z, **task.server_inputs(labels)})
         task.loss(out, labels).backward()
     assert out.shape == (16,) and rows and max(rows) <= 3
-    assert z.grad is not None and server.lm_head.weight.grad is not None
+    assert z.grad is not None and (server.lm_head.weight.grad is not None) == trained_head
 
 
 def test_a_squad_run_with_chunked_losses_trains_as_the_unchunked_one(tmp_path, text_files, monkeypatch):
@@ -181,7 +185,7 @@ def test_a_squad_run_with_chunked_losses_trains_as_the_unchunked_one(tmp_path, t
 
     calls: list[int] = []
     inner = hf_split.chunked_token_losses
-    monkeypatch.setattr(hf_split, "chunked_token_losses", lambda *a: calls.append(a[-1]) or inner(*a))
+    monkeypatch.setattr(hf_split, "chunked_token_losses", lambda *a: calls.append(a[3]) or inner(*a))
     runs = []
     for chunk in (0, 3):
         overrides = lm_overrides(tmp_path / f"chunk{chunk}", text_files, task="squad", arch="qwen3")

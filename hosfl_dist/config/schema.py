@@ -416,10 +416,10 @@ class ServerConfig:
     round (or a server rank's share of it) in one pass."""
     loss_chunk_tokens: int = 0
     """Hugging Face decoder LMs on a generation task: the server's LM loss over chunks of at most this many predicted
-    tokens, each chunk's (tokens, vocab) logits made, scored and dropped, and recomputed for the backward, so float32
-    logits of the whole batch never exist (on a 151,936-token vocabulary, 0.6 MB a token). Loss and gradients equal
-    the unchunked path up to float rounding; the head runs twice forward. 0 = off (one logits tensor); other tasks and
-    models ignore it."""
+    tokens, each chunk's (tokens, vocab) logits made, scored and dropped (a frozen head's gradient taken with them; a
+    trained head's logits recomputed for the backward), so float32 logits of the whole batch never exist (on a
+    151,936-token vocabulary, 0.6 MB a token). Loss and gradients equal the unchunked path up to float rounding.
+    0 = off (one logits tensor); other tasks and models ignore it."""
     activation_checkpointing: bool = False
     """Recompute each server decoder block in the backward instead of keeping its activations (hf models)."""
     reshard_after_forward: bool = True

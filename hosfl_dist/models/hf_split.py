@@ -26,10 +26,11 @@ the positions and masks the unsplit forward derives from a cache (``past_key_val
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -223,13 +224,22 @@ class HFClient(_Blocks):
         return {"z": z, "attention_mask": attention_mask}
 
 
-def chunked_token_losses(head: Callable[[Tensor], Tensor], h: Tensor, targets: Tensor, chunk: int) -> Tensor:
+def chunked_token_losses(
+    head: Callable[[Tensor], Tensor], h: Tensor, targets: Tensor, chunk: int, head_params: Sequence[Tensor] = ()
+) -> Tensor:
     """Float32 cross-entropy of ``head(h)`` (N, V) against ``targets`` (N,), per row, (N,), computed ``chunk`` rows at
-    a time: each chunk's logits are made, upcast, scored and dropped, and the backward recomputes them chunk by chunk
-    (non-reentrant ``torch.utils.checkpoint``, random state kept), the gradients of the head's parameters accumulating
-    across chunks. At most one chunk's (chunk, V) logits and their gradient are alive instead of (N, V) in the model's
-    dtype plus float32; the head runs twice forward. The numbers are the unchunked ``cross_entropy(head(h).float())``
-    up to float rounding (a matmul over fewer rows may block its sums differently)."""
+    a time, so that at most one chunk's (chunk, V) logits and their gradient are alive instead of (N, V) in the
+    model's dtype plus float32. ``head`` must act on each row alone (norm, linear, soft-capping do).
+
+    - the head frozen (no tensor of ``head_params`` trains: LoRA runs): each chunk's gradient ∂ce_i/∂h_i is taken
+      in the forward, beside its loss, and the logits dropped; the backward scales those rows by the upstream
+      gradient (Liger's fused linear cross-entropy). The head runs once forward and once backward, as unchunked;
+    - a trained head: the backward recomputes each chunk's logits (non-reentrant ``torch.utils.checkpoint``, random
+      state kept), the head's gradients accumulating across chunks; the head runs twice forward.
+
+    The numbers are the unchunked ``cross_entropy(head(h).float())``, its λ and gradients up to float rounding (a
+    matmul over fewer rows may block its sums differently, and a frozen head's λ is scaled after the matmul).
+    """
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
 
@@ -237,15 +247,37 @@ def chunked_token_losses(head: Callable[[Tensor], Tensor], h: Tensor, targets: T
         return F.cross_entropy(head(hc).float(), tc, reduction="none")  # (n,) float32
 
     n = h.shape[0]
-    if n <= chunk:
-        spans = [(0, n)]
-    else:
-        spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    if not torch.is_grad_enabled():
-        return torch.cat([piece(h[s:e], targets[s:e]) for s, e in spans])
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)] or [(0, 0)]
+    if not (torch.is_grad_enabled() and h.requires_grad):
+        with torch.no_grad():
+            return torch.cat([piece(h[s:e], targets[s:e]) for s, e in spans])
+    if not any(p.requires_grad for p in head_params):
+        return _FrozenHeadLosses.apply(h, targets, piece, spans)
     from torch.utils.checkpoint import checkpoint
 
     return torch.cat([checkpoint(piece, h[s:e], targets[s:e], use_reentrant=False) for s, e in spans])
+
+
+class _FrozenHeadLosses(torch.autograd.Function):
+    """Token losses of a frozen, row-wise head with their gradients taken chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, targets: Tensor, piece: Callable, spans: list) -> Tensor:
+        losses, grads = [], []
+        for s, e in spans:
+            with torch.enable_grad():
+                hc = h[s:e].detach().requires_grad_(True)
+                ce = piece(hc, targets[s:e])  # (n,) float32
+                (g,) = torch.autograd.grad(ce.sum(), hc)  # row i: ∂ce_i/∂h_i (rows do not mix)
+            losses.append(ce.detach())
+            grads.append(g)
+        ctx.save_for_backward(torch.cat(grads))  # (N, D)
+        return torch.cat(losses)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (g,) = ctx.saved_tensors
+        return (grad.unsqueeze(-1) * g).to(g.dtype), None, None, None
 
 
 class HFServer(_Blocks):
@@ -280,7 +312,8 @@ class HFServer(_Blocks):
             if predict is None:
                 raise ValueError("token losses need the positions they are taken at (act['predict'])")
             chunk = self.loss_chunk_tokens or max(1, h.shape[0])
-            return chunked_token_losses(self.head, h, targets.to(h.device), chunk)  # (N,) float32
+            params = [p for m in (self.norm, self.project_out, self.lm_head) if m is not None for p in m.parameters()]
+            return chunked_token_losses(self.head, h, targets.to(h.device), chunk, params)  # (N,) float32
         return self.head(h)
 
     def head(self, h: Tensor) -> Tensor:
