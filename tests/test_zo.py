@@ -201,6 +201,7 @@ def _loop_step(cfg: OptimConfig, params: list[torch.Tensor], grads: list[torch.T
             p.add_(g, alpha=-lr)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["foreach", "loop"])  # loop: what devices other than the CPU run
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "cfg",
@@ -211,9 +212,13 @@ def _loop_step(cfg: OptimConfig, params: list[torch.Tensor], grads: list[torch.T
     ],
     ids=["adamw", "sgd_momentum", "sgd"],
 )
-def test_tensorwise_optimizer_keeps_the_bits_of_the_per_tensor_loop(cfg, dtype):
+def test_tensorwise_optimizer_keeps_the_bits_of_the_per_tensor_loop(cfg, dtype, fused, monkeypatch):
     """The _foreach update equals the tensor-by-tensor loop bit for bit, moments included (half precision too,
-    where torch's in-place _foreach_mul_ would round differently)."""
+    where torch's in-place _foreach_mul_ would round differently), and so does its loop (core.foreach off the CPU)."""
+    from hosfl_dist.core import foreach
+
+    if not fused:
+        monkeypatch.setattr(foreach, "fused", lambda tensors: False)
     torch.manual_seed(0)
     ours = [torch.randn(s, dtype=dtype) for s in MIXED]
     ref = [t.clone() for t in ours]

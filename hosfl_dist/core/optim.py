@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from hosfl_dist.config import OptimConfig
+from hosfl_dist.core import foreach
 from hosfl_dist.core.params import groups
 
 
@@ -67,17 +68,6 @@ def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor], impl: str 
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kind)
 
 
-def _mul_(tensors: list[Tensor], scale: float) -> None:
-    """``t.mul_(scale)`` for each tensor. On the CPU torch's in-place ``_foreach_mul_`` by a scalar rounds bfloat16 and
-    float16 products differently from ``mul_`` (torch 2.13; float32 and float64 agree), so half-precision tensors keep
-    the loop and every replica's bits stay those of the per-tensor update."""
-    if tensors and tensors[0].dtype in (torch.bfloat16, torch.float16):
-        for t in tensors:
-            t.mul_(scale)
-    else:
-        torch._foreach_mul_(tensors, scale)
-
-
 GradsOf = Callable[[list[int], list[Tensor]], list[Tensor]]
 """``grads_of(indices, params)``: the gradient slices of trainable tensors ``indices`` (``params``), in order."""
 
@@ -95,10 +85,10 @@ class TensorwiseOptimizer:
 
     ``step(params, grads_of)`` asks ``grads_of(indices, group)`` for the gradients of each group of
     :func:`~hosfl_dist.core.params.groups` (consecutive tensors of one device and dtype, ~1 MiB together) and
-    applies the update in place with ``torch._foreach_*`` ops: on the CPU each is the same in-place kernel on the
-    same tensor as a loop over the tensors would run, so the numbers are the loop's, bit for bit, without a Python
-    op per tensor; a gradient of the whole of θc never exists at once. The state (step count, moments) lives here,
-    not in the tensors, so a client replica is (tensors, optimizer state, round).
+    applies the update in place with one op per group (:mod:`hosfl_dist.core.foreach`: ``torch._foreach_*`` where
+    that is the loop's kernel on each tensor, the loop elsewhere), so the numbers are the loop's, bit for bit,
+    without a Python op per tensor on the CPU; a gradient of the whole of θc never exists at once. The state (step
+    count, moments) lives here, not in the tensors, so a client replica is (tensors, optimizer state, round).
     """
 
     def __init__(self, cfg: OptimConfig, params: Sequence[Tensor], total_steps: int = 0) -> None:
@@ -128,33 +118,33 @@ class TensorwiseOptimizer:
                 self.state[i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         ms = [self.state[i]["exp_avg"] for i in run]
         vs = [self.state[i]["exp_avg_sq"] for i in run]
-        _mul_(ps, 1.0 - self.lr * c.weight_decay)  # decoupled weight decay
-        _mul_(ms, c.beta1)
-        torch._foreach_add_(ms, gs, alpha=1.0 - c.beta1)
-        _mul_(vs, c.beta2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1.0 - c.beta2)
+        foreach.mul_(ps, 1.0 - self.lr * c.weight_decay)  # decoupled weight decay
+        foreach.mul_(ms, c.beta1)
+        foreach.add_(ms, gs, alpha=1.0 - c.beta1)
+        foreach.mul_(vs, c.beta2)
+        foreach.addcmul_(vs, gs, gs, value=1.0 - c.beta2)
         bias1 = 1.0 - c.beta1**self.steps
         bias2 = 1.0 - c.beta2**self.steps
-        denom = torch._foreach_sqrt(vs)  # one θ-sized temporary per group
-        torch._foreach_div_(denom, math.sqrt(bias2))
-        torch._foreach_add_(denom, c.eps)
-        torch._foreach_addcdiv_(ps, ms, denom, value=-self.lr / bias1)
+        denom = foreach.sqrt(vs)  # one θ-sized temporary per group
+        foreach.div_(denom, math.sqrt(bias2))
+        foreach.add_scalar_(denom, c.eps)
+        foreach.addcdiv_(ps, ms, denom, value=-self.lr / bias1)
 
     def _sgd(self, run: list[int], ps: list[Tensor], gs: list[Tensor]) -> None:
         c = self.cfg
         if c.weight_decay:
-            gs = torch._foreach_add(gs, ps, alpha=c.weight_decay)
+            gs = foreach.added(gs, ps, alpha=c.weight_decay)
         if c.momentum:
             held = [j for j, i in enumerate(run) if "momentum" in self.state[i]]
             if held:
                 bufs = [self.state[run[j]]["momentum"] for j in held]
-                _mul_(bufs, c.momentum)
-                torch._foreach_add_(bufs, [gs[j] for j in held])
+                foreach.mul_(bufs, c.momentum)
+                foreach.add_(bufs, [gs[j] for j in held])
             for i, g in zip(run, gs):  # the first step: the buffer starts as the gradient
                 if "momentum" not in self.state[i]:
                     self.state[i]["momentum"] = g.clone()
             gs = [self.state[i]["momentum"] for i in run]
-        torch._foreach_add_(ps, gs, alpha=-self.lr)
+        foreach.add_(ps, gs, alpha=-self.lr)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "state": [{k: t.clone() for k, t in st.items()} for st in self.state]}

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from hosfl_dist.core import foreach
 from hosfl_dist.core.params import Slots, bound, groups, slot_tensors
 from hosfl_dist.core.seeding import mix_seed
 
@@ -155,17 +156,17 @@ def perturbed_tensors(
     """θ_i + μ·u_i for each of ``params`` (trainable tensors ``indices``), one op per pass over each group of
     :func:`~hosfl_dist.core.params.groups` instead of one per tensor. The same numbers as :func:`perturbed_tensor`,
     tensor by tensor: a product and a sum are each rounded once, however the kernel is vectorised, and the sums run
-    tensor by tensor as before (``torch._foreach_add_``). Without ``cache`` the results are views of one buffer per
-    group; with it, the kept draws are scaled into new tensors."""
+    tensor by tensor as before (:mod:`hosfl_dist.core.foreach`). Without ``cache`` the results are views of one
+    buffer per group; with it, the kept draws are scaled into new tensors."""
     out: list[Tensor] = []
     for run in groups(params):
         ps, ids = [params[j] for j in run], [indices[j] for j in run]
         if cache is not None:
-            us = torch._foreach_mul([cache.noise(p, seed, i, rng_device, gen) for p, i in zip(ps, ids)], mu)
+            us = foreach.muled([cache.noise(p, seed, i, rng_device, gen) for p, i in zip(ps, ids)], mu)
         else:
             flat, us = draw_flat(ps, seed, ids, rng_device, gen)
             flat.mul_(mu)
-        torch._foreach_add_(us, ps)
+        foreach.add_(us, ps)
         out += us
     return out
 
@@ -351,7 +352,7 @@ def reconstruct_group(
 ) -> list[Tensor]:
     """:func:`reconstruct` for a group of tensors of one device and dtype (trainable tensors ``indices``; one of
     :func:`~hosfl_dist.core.params.groups`): per seed, the group's draws go into one float32 scratch buffer and
-    ``torch._foreach_add_`` adds them to the ĝ_i, each sum the same kernel on the same tensor as :func:`reconstruct`'s
+    one op adds them to the ĝ_i (:func:`hosfl_dist.core.foreach.add_`), each sum the kernel :func:`reconstruct`'s
     (so the same bits), without a Python op per tensor. The ĝ_i are views of one buffer where the params are
     contiguous."""
     total = sum(p.numel() for p in params)
@@ -370,5 +371,5 @@ def reconstruct_group(
             for p, i in zip(params, indices):
                 us.append(cache.noise(p, s, i, rng_device, gen, scratch[offset:]))
                 offset += p.numel()
-        torch._foreach_add_(g, us, alpha=c)
+        foreach.add_(g, us, alpha=c)
     return g
