@@ -71,8 +71,12 @@ def _batched(name: str, options: tuple[str, ...], where: str, target: float | No
 def _server_step() -> Benchmark:
     run = "bf16, cut 5, LoRA r=8 q/v, B=8 T=512, LM loss over the vocabulary"
     figures = []
-    for arch, label in (("qwen3_0_6b", "Qwen3-0.6B"), ("qwen3_1_7b", "Qwen3-1.7B"), ("qwen3_4b", "Qwen3-4B"),
-                        ("qwen3_8b", "Qwen3-8B")):
+    for arch, label in (
+        ("qwen3_0_6b", "Qwen3-0.6B"),
+        ("qwen3_1_7b", "Qwen3-1.7B"),
+        ("qwen3_4b", "Qwen3-4B"),
+        ("qwen3_8b", "Qwen3-8B"),
+    ):
         figures += [
             Figure(f"{arch}_tokens_per_s", "tokens/s", f"server step (f_s forward, backward to λ, AdamW), {label} "
                    f"shape, {run}"),
@@ -85,6 +89,25 @@ def _server_step() -> Benchmark:
         takes="~2 min",
         figures=tuple(figures),
         gpu=True,
+    )
+
+
+def _server_loss() -> Benchmark:
+    shape = "random Qwen3, vocabulary 151,936, hidden 256, cut 2 of 4 blocks, LoRA r=8 q/v, B=4 T=256 all labels"
+    return Benchmark(
+        name="server_loss",
+        module="bench.server_loss",
+        measures="the server's forward/backward with the LM loss in one piece and in chunks (server.loss_chunk_tokens"
+        "=256) on the CPU: peak bytes above the weights, CPU time",
+        takes="~2 min",
+        figures=(
+            Figure("peak_mb_unchunked", "MiB", f"server pass peak above resident, loss_chunk_tokens=0, {shape}"),
+            Figure("peak_mb_chunked", "MiB", "the same, loss_chunk_tokens=256"),
+            Figure("peak_ratio", X, "chunked peak / unchunked peak"),
+            Figure("step_s_unchunked", "s", "server forward/backward CPU time, loss_chunk_tokens=0, one thread"),
+            Figure("step_s_chunked", "s", "the same, loss_chunk_tokens=256 (frozen head: gradients taken per chunk)"),
+            Figure("time_ratio", X, "chunked time / unchunked time"),
+        ),
     )
 
 
@@ -296,14 +319,23 @@ BENCHMARKS: dict[str, Benchmark] = {
     for b in (
         _zo_step("zo_step", (), "glibc's default malloc"),
         _zo_step("zo_step_tuned", ("--tune-malloc",), "glibc keeping freed memory (--tune-malloc)"),
-        _zo_step("zo_step_noise_cache", ("--tune-malloc", "--noise-cache-mb", "64"),
-                 "glibc keeping freed memory, the round's draws kept (zo.noise_cache_mb=64)"),  # fmt: skip
+        _zo_step(
+            "zo_step_noise_cache",
+            ("--tune-malloc", "--noise-cache-mb", "64"),
+            "glibc keeping freed memory, the round's draws kept (zo.noise_cache_mb=64)",
+        ),  # fmt: skip
         _gpu_zo_step("gpu_zo_step", (), "noise drawn on the CPU and copied (zo.rng_device=cpu, the default)"),
         _gpu_zo_step("gpu_zo_step_cuda_rng", ("--rng-device", "cuda"), "noise drawn on the GPU (zo.rng_device=cuda)"),
         _batched("zo_step_batched", (), "one thread (a 2-core CPU has no parallelism to spare: reported)", None, False),
-        _batched("gpu_zo_step_batched", ("--device", "cuda", "--reps", "20", "--rng-device", "cuda"),
-                 "on a CUDA GPU, noise drawn there, timed to its last kernel", 1.0, True),  # fmt: skip
+        _batched(
+            "gpu_zo_step_batched",
+            ("--device", "cuda", "--reps", "20", "--rng-device", "cuda"),
+            "on a CUDA GPU, noise drawn there, timed to its last kernel",
+            1.0,
+            True,
+        ),  # fmt: skip
         _server_step(),
+        _server_loss(),
         _memory(),
         _agg_traffic(),
         _dist(),

@@ -95,6 +95,107 @@ def test_a_batch_without_labelled_tokens_has_zero_loss_and_a_graph():
     assert loss.item() == 0.0 and loss.requires_grad
 
 
+def _loss_and_grads(server, act, labels, task, chunk):
+    """(ℓ, λ and the gradients of the head's trained weights) of one server pass, with ``chunk`` token losses per
+    chunk (0: the (N, V) logits path)."""
+    server.loss_chunk_tokens = chunk
+    task.loss_chunk_tokens = chunk
+    z = act["z"].clone().requires_grad_(True)
+    out = server_forward(server, {**act, "z": z, **task.server_inputs(labels)})
+    sums, counts = task.sample_losses(out, labels)
+    loss = sums.sum() / counts.sum()
+    head = [p for p in (server.norm.weight, server.lm_head.weight) if p.requires_grad]
+    grads = torch.autograd.grad(loss, [z, *head])
+    return out, loss, grads
+
+
+@pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # gemma3: soft-capped logits
+def test_chunked_token_losses_give_the_unchunked_loss_lambda_and_head_gradients(arch, trained_head):
+    """server.loss_chunk_tokens: the token losses, chunk by chunk, give the (N, V) logits path's loss, λ and (a
+    trained head's) the gradients of norm and lm_head, up to float32 rounding, for chunks that do and do not divide
+    N; without a graph they are the same numbers."""
+    model = tiny_causal_lm(arch)
+    client, server = split_causal_lm(model, 2, untie=True)
+    for p in server.parameters():
+        p.requires_grad_(False)
+    for p in (server.norm.weight, server.lm_head.weight):
+        p.requires_grad_(trained_head)
+    task = GenerationTask(tiny_tokenizer(), "right", max_positions=None)
+    x = prompts("right", model.config.pad_token_id or 0)
+    labels = torch.full((3, 10), IGNORE_INDEX)
+    labels[0, 3:10] = x["input_ids"][0, 3:10]
+    labels[1, 2:6] = x["input_ids"][1, 2:6]
+    with torch.no_grad():
+        act = client(**x)
+    logits, want_loss, want = _loss_and_grads(server, act, labels, task, 0)
+    assert logits.dim() == 2
+    for chunk in (1, 4, 64):
+        out, loss, got = _loss_and_grads(server, act, labels, task, chunk)
+        assert out.shape == (logits.shape[0],) and out.dtype == torch.float32
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        with torch.no_grad():
+            again = server_forward(server, {**act, **task.server_inputs(labels)})
+        torch.testing.assert_close(again, out.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
+def test_chunked_token_losses_hold_one_chunk_of_logits_at_a_time(trained_head):
+    """No tensor computed with the vocabulary as its last dimension has more rows than a chunk, forward or backward:
+    the (N, V) logits and their gradient never exist."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_causal_lm("qwen3")
+    client, server = split_causal_lm(model, 2, untie=True)
+    server.lm_head.weight.requires_grad_(trained_head)
+    vocab = server.lm_head.weight.shape[0]
+    task = GenerationTask(tiny_tokenizer(), "right", max_positions=None, loss_chunk_tokens=3)
+    server.loss_chunk_tokens = 3
+    x = prompts("right", model.config.pad_token_id or 0)
+    labels = x["input_ids"].masked_fill(x["attention_mask"] == 0, IGNORE_INDEX)  # N = 16 predicted tokens
+    with torch.no_grad():
+        act = client(**x)
+    rows: list[int] = []
+
+    class Rows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:  # the weight seen through t() / detach(), not a product
+                return out
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == vocab:
+                    rows.append(t.shape[0])
+            return out
+
+    z = act["z"].clone().requires_grad_(True)
+    with Rows():
+        out = server_forward(server, {**act, "z": z, **task.server_inputs(labels)})
+        task.loss(out, labels).backward()
+    assert out.shape == (16,) and rows and max(rows) <= 3
+    assert z.grad is not None and (server.lm_head.weight.grad is not None) == trained_head
+
+
+def test_a_squad_run_with_chunked_losses_trains_as_the_unchunked_one(tmp_path, text_files, monkeypatch):
+    """End to end (in-process HO-SFL on the tiny SQuAD set): server.loss_chunk_tokens changes the losses only by
+    float rounding, and the server's training passes go through the chunks."""
+    from hosfl_dist.models import hf_split
+    from tiny import run_in_process
+
+    calls: list[int] = []
+    inner = hf_split.chunked_token_losses
+    monkeypatch.setattr(hf_split, "chunked_token_losses", lambda *a: calls.append(a[3]) or inner(*a))
+    runs = []
+    for chunk in (0, 3):
+        overrides = lm_overrides(tmp_path / f"chunk{chunk}", text_files, task="squad", arch="qwen3")
+        _, _, _, rows = run_in_process([*overrides, f"server.loss_chunk_tokens={chunk}"])
+        runs.append([r["train_loss"] for r in rows if r.get("train_loss") is not None])
+        assert (set(calls) == {3}) if chunk else not calls
+    assert runs[0] and len(runs[0]) == len(runs[1])
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ KV-cached generation
 
 

@@ -15,7 +15,7 @@ from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.runtime.server_group import local_endpoint
 from hosfl_dist.transport.inprocess import InProcessTransport
 from hosfl_dist.core.seeding import round_seeds, sample_clients
-from hosfl_dist.core.zo import reconstruct, scalar_coefficients
+from hosfl_dist.core.zo import reconstruct, reconstruct_group, scalar_coefficients
 from tiny import run_in_process, server_of
 
 
@@ -38,11 +38,11 @@ def test_stale_replica_replaying_50_rounds_is_bit_identical_adamw():
         scalars = torch.randn(P) * 10.0 ** (t % 3)
         history.append((seeds, scalars))
         coeffs = scalar_coefficients(scalars, mu)
-        opt_live.step(live, lambda i, p: reconstruct(p, i, seeds, coeffs))
+        opt_live.step(live, lambda ids, ps: [reconstruct(p, i, seeds, coeffs) for i, p in zip(ids, ps)])
     assert not torch.equal(live[0], init[0])
     for seeds, scalars in history:  # catch-up, later, from the same history
         coeffs = scalar_coefficients(scalars, mu)
-        opt_stale.step(stale, lambda i, p: reconstruct(p, i, seeds, coeffs))
+        opt_stale.step(stale, lambda ids, ps: reconstruct_group(ps, ids, seeds, coeffs))
     assert tensors_digest(live + opt_live.state_tensors()) == tensors_digest(stale + opt_stale.state_tensors())
 
 

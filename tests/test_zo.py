@@ -8,16 +8,18 @@ from torch import nn
 from torch.func import functional_call
 
 from hosfl_dist.config import OptimConfig
-from hosfl_dist.core.optim import OPTIMIZER_IMPLS, TensorwiseOptimizer, build_torch_optimizer
-from hosfl_dist.core.params import trainable_slots
+from hosfl_dist.core.optim import OPTIMIZER_IMPLS, TensorwiseOptimizer, build_torch_optimizer, client_impl
+from hosfl_dist.core.params import groups, trainable_slots
 from hosfl_dist.core.seeding import mix_seed, round_seeds
 from hosfl_dist.core.zo import (
     NoiseCache,
     noise_like,
     perturbed,
     perturbed_tensor,
+    perturbed_tensors,
     project,
     reconstruct,
+    reconstruct_group,
     scalar_coefficients,
 )
 
@@ -148,6 +150,88 @@ def test_zo_estimate_aligns_with_true_gradient_as_p_grows():
     assert cos[1] < 0.6, cos  # one direction in 23 dimensions: far from the gradient
 
 
+MIXED = [(3, 5), (4, 1, 2, 2), (7,), (300, 301), (1,), (33,), (70000,)]
+"""Shapes around the CPU kernels' vector widths and the 2^18-element group limit (the last two groups split)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_grouped_passes_give_the_per_tensor_bits(dtype):
+    """perturbed_tensors and reconstruct_group (one buffer and one _foreach op per group) equal perturbed_tensor and
+    reconstruct tensor by tensor, bit for bit, with and without a noise cache, a non-contiguous tensor included."""
+    torch.manual_seed(0)
+    params = [torch.randn(s, dtype=dtype) for s in MIXED] + [torch.randn(6, 4, dtype=dtype).t()]
+    assert len(groups(params)) > 1
+    seeds, coeffs, gen = [3, 4, 5], [0.5, -1.25, 2.0], torch.Generator()
+    idx = list(range(len(params)))
+    for cache in (None, NoiseCache(1 << 30), NoiseCache(4 * 100)):
+        for s in seeds:
+            got = perturbed_tensors(params, s, idx, 1e-3, "cpu", gen, cache)
+            for i, p in enumerate(params):
+                assert torch.equal(got[i], perturbed_tensor(p, s, i, 1e-3, "cpu", gen)), (cache, s, i)
+        for run in groups(params):
+            got = reconstruct_group([params[i] for i in run], run, seeds, coeffs, "cpu", cache)
+            for i, g in zip(run, got):
+                assert torch.equal(g, reconstruct(params[i], i, seeds, coeffs)), (cache, i)
+
+
+def _loop_step(cfg: OptimConfig, params: list[torch.Tensor], grads: list[torch.Tensor], state: list, step: int, lr):
+    """The tensor-by-tensor update TensorwiseOptimizer ran before its _foreach ops (the reference of its bits)."""
+    import math
+
+    for i, (p, g) in enumerate(zip(params, grads)):
+        st = state[i]
+        if cfg.name == "adamw":
+            if not st:
+                st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            p.mul_(1.0 - lr * cfg.weight_decay)
+            m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+            v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+            denom = v.sqrt().div_(math.sqrt(1.0 - cfg.beta2**step)).add_(cfg.eps)
+            p.addcdiv_(m, denom, value=-lr / (1.0 - cfg.beta1**step))
+        else:
+            if cfg.weight_decay:
+                g = g.add(p, alpha=cfg.weight_decay)
+            if cfg.momentum:
+                if "momentum" not in st:
+                    st["momentum"] = g.clone()
+                else:
+                    st["momentum"].mul_(cfg.momentum).add_(g)
+                g = st["momentum"]
+            p.add_(g, alpha=-lr)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["foreach", "loop"])  # loop: what devices other than the CPU run
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1),
+        OptimConfig(name="sgd", lr=1e-2, momentum=0.9, weight_decay=0.01),
+        OptimConfig(name="sgd", lr=1e-2),
+    ],
+    ids=["adamw", "sgd_momentum", "sgd"],
+)
+def test_tensorwise_optimizer_keeps_the_bits_of_the_per_tensor_loop(cfg, dtype, fused, monkeypatch):
+    """The _foreach update equals the tensor-by-tensor loop bit for bit, moments included (half precision too,
+    where torch's in-place _foreach_mul_ would round differently), and so does its loop (core.foreach off the CPU)."""
+    from hosfl_dist.core import foreach
+
+    if not fused:
+        monkeypatch.setattr(foreach, "fused", lambda tensors: False)
+    torch.manual_seed(0)
+    ours = [torch.randn(s, dtype=dtype) for s in MIXED]
+    ref = [t.clone() for t in ours]
+    opt, state = TensorwiseOptimizer(cfg, ours), [{} for _ in ours]
+    for step in range(1, 4):
+        grads = [torch.randn_like(t) for t in ours]
+        opt.step(ours, lambda ids, ps: [grads[i] for i in ids])
+        _loop_step(cfg, ref, grads, state, step, cfg.lr)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    moments = [t for st in state for _, t in sorted(st.items())]
+    assert all(torch.equal(a, b) for a, b in zip(opt.state_tensors(), moments))
+
+
 def test_projection_is_lambda_dot_difference():
     lam, zt, z = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
     torch.testing.assert_close(project(lam, zt, z), (lam.double() * (zt.double() - z.double())).sum())
@@ -162,7 +246,7 @@ def test_tensorwise_adamw_matches_torch_adamw():
     ours = TensorwiseOptimizer(cfg, p_ours)
     for _ in range(5):
         grads = [torch.randn_like(t) for t in p_ours]
-        ours.step(p_ours, lambda i, p: grads[i])
+        ours.step(p_ours, lambda ids, ps: [grads[i] for i in ids])
         for p, g in zip(p_ref, grads):
             p.grad = g.clone()
         ref.step()
@@ -178,7 +262,7 @@ def test_tensorwise_sgd_momentum_matches_torch_sgd():
     ours = TensorwiseOptimizer(cfg, p_ours)
     for _ in range(4):
         g = torch.randn(6)
-        ours.step(p_ours, lambda i, p: g)
+        ours.step(p_ours, lambda ids, ps: [g])
         p_ref[0].grad = g.clone()
         ref.step()
     torch.testing.assert_close(p_ours[0], p_ref[0].detach())
@@ -210,3 +294,23 @@ def test_torch_optimizer_on_the_cpu_is_the_loop_over_tensors_and_every_impl_take
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="optimizer impl 'fast': expected one of auto, for_loop, foreach, fused"):
         build_torch_optimizer(cfg, start, "fast")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_first_order_client_steps_with_foreach_where_it_gives_the_loops_bits(name):
+    """client_impl: foreach for float32/float64 tensors, whose steps equal the loop's bit for bit; torch's own
+    choice for half precision (whose foreach momentum rounds differently)."""
+    cfg = OptimConfig(name=name, lr=1e-2, momentum=0.9, weight_decay=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in [(5, 3), (7,), (300, 31)]]
+    assert client_impl(start) == "foreach" and client_impl([t.bfloat16() for t in start]) == "auto"
+    runs = []
+    for impl in ("for_loop", client_impl(start)):
+        params = [t.clone().requires_grad_(True) for t in start]
+        opt, g = build_torch_optimizer(cfg, params, impl), torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -45,7 +45,7 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.core.params import Slots, bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, stream_seed
-from hosfl_dist.core.zo import perturbed, reconstruct
+from hosfl_dist.core.zo import perturbed, reconstruct_group
 from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.vision import bound_running_stats, running_stat_slots
@@ -98,8 +98,8 @@ def spsa_pair(slots: Slots, seed: int, mu: float, zo: ZOConfig, fn: Callable[[in
 
 
 def zo_step(opt: TensorwiseOptimizer, params: Sequence[Tensor], seed: int, g: float, rng_device: str) -> None:
-    """θ ← opt(θ, ĝ) with ĝ = g · z, z regenerated tensor by tensor from ``seed``."""
-    opt.step(params, lambda i, p: reconstruct(p, i, [seed], [g], rng_device))
+    """θ ← opt(θ, ĝ) with ĝ = g · z, z regenerated group by group from ``seed``."""
+    opt.step(params, lambda ids, ps: reconstruct_group(ps, ids, [seed], [g], rng_device))
 
 
 def detached(act: Activation) -> Activation:

@@ -30,7 +30,7 @@ from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
-from hosfl_dist.core.optim import build_torch_optimizer
+from hosfl_dist.core.optim import build_torch_optimizer, client_impl
 from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.errors import ConfigError
@@ -206,7 +206,7 @@ class FSLSageWorker(ExchangeWorker):
         if "aux" in got:
             self.aux_params[client] = clone_params(got["aux"], False, self.device)
         interval = self.cfg.algorithm.server_update_interval
-        opt = build_torch_optimizer(self.cfg.clients.optim, params)
+        opt = build_torch_optimizer(self.cfg.clients.optim, params, client_impl(params))
         sent: list[Pending] = []
         with bound(self.aux_slots, self.aux_params.get(client, self.aux_init)):
             for j in range(steps):

@@ -44,7 +44,14 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, lr_at
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
-from hosfl_dist.core.zo import NoiseCache, Projector, perturbed, perturbed_batch, reconstruct, scalar_coefficients
+from hosfl_dist.core.zo import (
+    NoiseCache,
+    Projector,
+    perturbed,
+    perturbed_batch,
+    reconstruct_group,
+    scalar_coefficients,
+)
 from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
@@ -150,7 +157,7 @@ class ClientJob:
 def apply_update(
     rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
 ) -> None:
-    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated tensor by tensor (Eq. 15-16), or taken from the
+    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated group by group (Eq. 15-16), or taken from the
     round's ``cache`` of draws where it holds them. A v̄ of NaN is a round without a client step (skipped, or no
     scalars delivered): the replica moves to the next round and its optimizer does not step (AdamW would move θc on
     a zero gradient)."""
@@ -158,7 +165,7 @@ def apply_update(
         rep.round += 1
         return
     coeffs = scalar_coefficients(scalars, mu)
-    rep.opt.step(rep.params, lambda i, p: reconstruct(p, i, seeds, coeffs, rng_device, cache))
+    rep.opt.step(rep.params, lambda ids, ps: reconstruct_group(ps, ids, seeds, coeffs, rng_device, cache))
     rep.round += 1
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
-from hosfl_dist.core.optim import build_torch_optimizer
+from hosfl_dist.core.optim import build_torch_optimizer, client_impl
 from hosfl_dist.models import Activation, server_forward
 from hosfl_dist.transport.wire import DOWNLINK_GRADIENTS, DOWNLINK_MODEL, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
 
@@ -55,7 +55,7 @@ class SFLWorker(ExchangeWorker):
     server_class = SFLServer
 
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
-        opt = build_torch_optimizer(self.cfg.clients.optim, params)
+        opt = build_torch_optimizer(self.cfg.clients.optim, params, client_impl(params))
         for _ in range(steps):
             x, y = self.data.next_batch(client)
             act = self.client_forward(x)  # keeps the graph of f_c

@@ -421,6 +421,12 @@ class ServerConfig:
     """Largest number of tokens (samples for vision models) one server forward/backward holds: a round's activations
     are processed in micro-batches of whole samples and their gradients accumulated (same mean). 0 = the whole
     round (or a server rank's share of it) in one pass."""
+    loss_chunk_tokens: int = 0
+    """Hugging Face decoder LMs on a generation task: the server's LM loss over chunks of at most this many predicted
+    tokens, each chunk's (tokens, vocab) logits made, scored and dropped (a frozen head's gradient taken with them; a
+    trained head's logits recomputed for the backward), so float32 logits of the whole batch never exist (on a
+    151,936-token vocabulary, 0.6 MB a token). Loss and gradients equal the unchunked path up to float rounding.
+    0 = off (one logits tensor); other tasks and models ignore it."""
     activation_checkpointing: bool = False
     """Recompute each server decoder block in the backward instead of keeping its activations (hf models)."""
     reshard_after_forward: bool = True
@@ -435,6 +441,7 @@ class ServerConfig:
             check(1 <= getattr(self, key) <= 7 * 86400, key, getattr(self, key),
                   "must be between 1 s and a week: every wait on a peer is bounded by a timeout")  # fmt: skip
         check(self.micro_batch_tokens >= 0, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0 (0 = off)")
+        check(self.loss_chunk_tokens >= 0, "loss_chunk_tokens", self.loss_chunk_tokens, "must be >= 0 (0 = off)")
         check(self.min_clients >= 0, "min_clients", self.min_clients, "must be >= 0 (0 = clients.per_round)")
         check(math.isfinite(self.round_timeout_s) and 0 <= self.round_timeout_s <= 86400, "round_timeout_s",
               self.round_timeout_s, "must be between 0 (wait for all) and a day")  # fmt: skip

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from hosfl_dist.config import OptimConfig
+from hosfl_dist.core import foreach
+from hosfl_dist.core.params import groups
 
 
 def lr_at(cfg: OptimConfig, step: int, total: int) -> float:
@@ -66,11 +68,27 @@ def build_torch_optimizer(cfg: OptimConfig, params: Iterable[Tensor], impl: str 
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kind)
 
 
-class TensorwiseOptimizer:
-    """AdamW / SGD over a list of tensors, stepping one tensor at a time.
+GradsOf = Callable[[list[int], list[Tensor]], list[Tensor]]
+"""``grads_of(indices, params)``: the gradient slices of trainable tensors ``indices`` (``params``), in order."""
 
-    ``step(params, grad_of)`` calls ``grad_of(i, p)`` for each tensor and applies the update in place. The state
-    (step count, moments) lives here, not in the tensors, so a client replica is (tensors, optimizer state, round).
+
+def client_impl(params: Sequence[Tensor]) -> str:
+    """The ``impl`` of a first-order client's optimizer: ``foreach`` (one ``_foreach`` op per step phase instead of
+    a Python op per tensor) where torch's foreach step gives its loop's bits, float32 and float64 tensors (on the
+    CPU in torch 2.13 bfloat16 momentum and weight decay round differently), else torch's own choice."""
+    exact = all(p.dtype in (torch.float32, torch.float64) for p in params)
+    return "foreach" if exact and params else "auto"
+
+
+class TensorwiseOptimizer:
+    """AdamW / SGD over a list of tensors, stepping one group of tensors at a time.
+
+    ``step(params, grads_of)`` asks ``grads_of(indices, group)`` for the gradients of each group of
+    :func:`~hosfl_dist.core.params.groups` (consecutive tensors of one device and dtype, ~1 MiB together) and
+    applies the update in place with one op per group (:mod:`hosfl_dist.core.foreach`: ``torch._foreach_*`` where
+    that is the loop's kernel on each tensor, the loop elsewhere), so the numbers are the loop's, bit for bit,
+    without a Python op per tensor on the CPU; a gradient of the whole of θc never exists at once. The state (step
+    count, moments) lives here, not in the tensors, so a client replica is (tensors, optimizer state, round).
     """
 
     def __init__(self, cfg: OptimConfig, params: Sequence[Tensor], total_steps: int = 0) -> None:
@@ -81,44 +99,52 @@ class TensorwiseOptimizer:
         self.state: list[dict[str, Tensor]] = [{} for _ in params]
         self.lr = cfg.lr
 
-    def step(self, params: Sequence[Tensor], grad_of: Callable[[int, Tensor], Tensor]) -> None:
+    def step(self, params: Sequence[Tensor], grads_of: GradsOf) -> None:
         self.lr = lr_at(self.cfg, self.steps, self.total_steps) if self.cfg.scheduled else self.cfg.lr
         self.steps += 1
         with torch.no_grad():
-            for i, p in enumerate(params):
-                g = grad_of(i, p)
+            for run in groups(params):
+                ps = [params[i] for i in run]
+                gs = grads_of(run, ps)
                 if self.cfg.name == "adamw":
-                    self._adamw(i, p, g)
+                    self._adamw(run, ps, gs)
                 else:
-                    self._sgd(i, p, g)
+                    self._sgd(run, ps, gs)
 
-    def _adamw(self, i: int, p: Tensor, g: Tensor) -> None:
+    def _adamw(self, run: list[int], ps: list[Tensor], gs: list[Tensor]) -> None:
         c = self.cfg
-        st = self.state[i]
-        if not st:
-            st["exp_avg"] = torch.zeros_like(p)
-            st["exp_avg_sq"] = torch.zeros_like(p)
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        p.mul_(1.0 - self.lr * c.weight_decay)  # decoupled weight decay
-        m.mul_(c.beta1).add_(g, alpha=1.0 - c.beta1)
-        v.mul_(c.beta2).addcmul_(g, g, value=1.0 - c.beta2)
+        for i, p in zip(run, ps):
+            if not self.state[i]:
+                self.state[i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        ms = [self.state[i]["exp_avg"] for i in run]
+        vs = [self.state[i]["exp_avg_sq"] for i in run]
+        foreach.mul_(ps, 1.0 - self.lr * c.weight_decay)  # decoupled weight decay
+        foreach.mul_(ms, c.beta1)
+        foreach.add_(ms, gs, alpha=1.0 - c.beta1)
+        foreach.mul_(vs, c.beta2)
+        foreach.addcmul_(vs, gs, gs, value=1.0 - c.beta2)
         bias1 = 1.0 - c.beta1**self.steps
         bias2 = 1.0 - c.beta2**self.steps
-        denom = v.sqrt().div_(math.sqrt(bias2)).add_(c.eps)  # one θ-sized temporary; same kernels as sqrt()/x
-        p.addcdiv_(m, denom, value=-self.lr / bias1)
+        denom = foreach.sqrt(vs)  # one θ-sized temporary per group
+        foreach.div_(denom, math.sqrt(bias2))
+        foreach.add_scalar_(denom, c.eps)
+        foreach.addcdiv_(ps, ms, denom, value=-self.lr / bias1)
 
-    def _sgd(self, i: int, p: Tensor, g: Tensor) -> None:
+    def _sgd(self, run: list[int], ps: list[Tensor], gs: list[Tensor]) -> None:
         c = self.cfg
         if c.weight_decay:
-            g = g.add(p, alpha=c.weight_decay)
+            gs = foreach.added(gs, ps, alpha=c.weight_decay)
         if c.momentum:
-            st = self.state[i]
-            if "momentum" not in st:
-                st["momentum"] = g.clone()
-            else:
-                st["momentum"].mul_(c.momentum).add_(g)
-            g = st["momentum"]
-        p.add_(g, alpha=-self.lr)
+            held = [j for j, i in enumerate(run) if "momentum" in self.state[i]]
+            if held:
+                bufs = [self.state[run[j]]["momentum"] for j in held]
+                foreach.mul_(bufs, c.momentum)
+                foreach.add_(bufs, [gs[j] for j in held])
+            for i, g in zip(run, gs):  # the first step: the buffer starts as the gradient
+                if "momentum" not in self.state[i]:
+                    self.state[i]["momentum"] = g.clone()
+            gs = [self.state[i]["momentum"] for i in run]
+        foreach.add_(ps, gs, alpha=-self.lr)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "state": [{k: t.clone() for k, t in st.items()} for st in self.state]}

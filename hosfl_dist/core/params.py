@@ -57,3 +57,25 @@ def clone_params(
 ) -> list[nn.Parameter]:
     """Independent copies of ``tensors`` as parameters (a replica, a server copy, a downloaded model)."""
     return [nn.Parameter(t.detach().to(device).clone(), requires_grad=requires_grad) for t in tensors]
+
+
+GROUP_NUMEL = 1 << 18
+"""Elements per group of tensors that the zeroth-order passes treat as one flat buffer (1 MiB of float32): small
+tensors share one ``_foreach`` op per pass, while the scratch a pass holds stays near the largest tensor's size."""
+
+
+def groups(tensors: Sequence[Tensor], limit: int = GROUP_NUMEL) -> list[list[int]]:
+    """The indices of ``tensors`` as consecutive runs that share a device and dtype and hold at most ``limit``
+    elements together (a larger tensor is a run of its own); a tensor that is not contiguous is always alone."""
+    runs: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        if runs and t.is_contiguous() and size + t.numel() <= limit:
+            prev = tensors[runs[-1][-1]]
+            if prev.is_contiguous() and prev.device == t.device and prev.dtype == t.dtype:
+                runs[-1].append(i)
+                size += t.numel()
+                continue
+        runs.append([i])
+        size = t.numel()
+    return runs

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.core.params import Slots, bound, slot_tensors
+from hosfl_dist.core import foreach
+from hosfl_dist.core.params import Slots, bound, groups, slot_tensors
 from hosfl_dist.core.seeding import mix_seed
 
 
@@ -114,6 +115,62 @@ def perturbed_tensor(
     return noise_like(param, seed, index, rng_device, generator).mul_(mu).add_(param)
 
 
+def draw_flat(
+    params: Sequence[Tensor],
+    seed: int,
+    indices: Sequence[int],
+    rng_device: str | torch.device,
+    gen: torch.Generator,
+    out: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """The draws u_i of a group of tensors (``params[j]`` is trainable tensor ``indices[j]``, all of one device and
+    dtype) as one flat buffer and its views shaped like each param: (flat, views).
+
+    Each slice is :func:`noise_like`'s draw (one reseed per tensor), made into ``out`` (float32 on ``rng_device``,
+    at least the group's size) or a fresh buffer; a device or dtype change is one copy of the whole buffer instead
+    of one per tensor, and converts every element as the per-tensor copy did.
+    """
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    flat = torch.empty(total, device=rng_device, dtype=torch.float32) if out is None else out[:total]
+    offset = 0
+    for i, n in zip(indices, sizes):
+        gen.manual_seed(tensor_seed(seed, i))
+        torch.randn(n, generator=gen, out=flat[offset : offset + n])
+        offset += n
+    p0 = params[0]
+    if p0.dtype != flat.dtype or p0.device != flat.device:
+        flat = flat.to(device=p0.device, dtype=p0.dtype)
+    return flat, [u.view(p.shape) for u, p in zip(flat.split(sizes), params)]
+
+
+def perturbed_tensors(
+    params: Sequence[Tensor],
+    seed: int,
+    indices: Sequence[int],
+    mu: float,
+    rng_device: str | torch.device,
+    gen: torch.Generator,
+    cache: NoiseCache | None = None,
+) -> list[Tensor]:
+    """θ_i + μ·u_i for each of ``params`` (trainable tensors ``indices``), one op per pass over each group of
+    :func:`~hosfl_dist.core.params.groups` instead of one per tensor. The same numbers as :func:`perturbed_tensor`,
+    tensor by tensor: a product and a sum are each rounded once, however the kernel is vectorised, and the sums run
+    tensor by tensor as before (:mod:`hosfl_dist.core.foreach`). Without ``cache`` the results are views of one
+    buffer per group; with it, the kept draws are scaled into new tensors."""
+    out: list[Tensor] = []
+    for run in groups(params):
+        ps, ids = [params[j] for j in run], [indices[j] for j in run]
+        if cache is not None:
+            us = foreach.muled([cache.noise(p, seed, i, rng_device, gen) for p, i in zip(ps, ids)], mu)
+        else:
+            flat, us = draw_flat(ps, seed, ids, rng_device, gen)
+            flat.mul_(mu)
+        foreach.add_(us, ps)
+        out += us
+    return out
+
+
 @contextlib.contextmanager
 def perturbed(
     slots: Slots,
@@ -137,8 +194,9 @@ def perturbed(
         originals = [mod._parameters[name] for mod, name in slots]
         try:
             with torch.no_grad():
-                for i, ((mod, name), p) in enumerate(zip(slots, originals)):
-                    mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen, cache)
+                moved = perturbed_tensors(originals, seed, range(len(originals)), mu, rng_device, gen, cache)
+            for (mod, name), p in zip(slots, moved):
+                mod._parameters[name] = p
             yield
         finally:
             for (mod, name), p in zip(slots, originals):
@@ -158,10 +216,12 @@ def perturbed(
     def pre_hook(mod: nn.Module, args: object) -> None:
         entries = by_owner[id(mod)]
         saved[id(mod)] = [mod._parameters[name] for _, name in entries]
+        indices = [i for i, _ in entries]
         with torch.no_grad():
-            for (i, name), p in zip(entries, saved[id(mod)]):
-                mod._parameters[name] = perturbed_tensor(p, seed, i, mu, rng_device, gen, cache)
-                seen.add(i)
+            moved = perturbed_tensors(saved[id(mod)], seed, indices, mu, rng_device, gen, cache)
+        for (_, name), p in zip(entries, moved):
+            mod._parameters[name] = p
+        seen.update(indices)
 
     def post_hook(mod: nn.Module, args: object, out: object) -> None:
         for (_, name), p in zip(by_owner[id(mod)], saved.pop(id(mod))):
@@ -205,11 +265,13 @@ def perturbed_batch(
     (dropout) is refused by vmap, as are ops it cannot batch; their errors come from torch.
     """
     gen = torch.Generator(device=rng_device)
+    params = slot_tensors(slots)
     with torch.no_grad():
-        stacks = [
-            torch.stack([perturbed_tensor(p, s, i, mu, rng_device, gen, cache) for s in seeds])
-            for i, p in enumerate(slot_tensors(slots))
-        ]
+        stacks = [p.new_empty((len(seeds), *p.shape)) for p in params]
+        for k, s in enumerate(seeds):  # one seed's perturbed copies alive beside the stacks
+            moved = perturbed_tensors(params, s, range(len(params)), mu, rng_device, gen, cache)
+            torch._foreach_copy_([st[k] for st in stacks], moved)
+        del moved
 
     def at(tensors: list[Tensor]) -> Tensor:
         with bound(slots, tensors):
@@ -277,11 +339,37 @@ def reconstruct(
     The P draws share one generator and one float32 scratch buffer on ``rng_device`` (numbers as
     :func:`noise_like`'s), so the loop allocates nothing beyond ĝ_i itself.
     """
-    g = torch.zeros_like(param)
+    return reconstruct_group([param], [index], seeds, coeffs, rng_device, cache)[0]
+
+
+def reconstruct_group(
+    params: Sequence[Tensor],
+    indices: Sequence[int],
+    seeds: Sequence[int],
+    coeffs: Sequence[float],
+    rng_device: str | torch.device = "cpu",
+    cache: NoiseCache | None = None,
+) -> list[Tensor]:
+    """:func:`reconstruct` for a group of tensors of one device and dtype (trainable tensors ``indices``; one of
+    :func:`~hosfl_dist.core.params.groups`): per seed, the group's draws go into one float32 scratch buffer and
+    one op adds them to the ĝ_i (:func:`hosfl_dist.core.foreach.add_`), each sum the kernel :func:`reconstruct`'s
+    (so the same bits), without a Python op per tensor. The ĝ_i are views of one buffer where the params are
+    contiguous."""
+    total = sum(p.numel() for p in params)
+    if all(p.is_contiguous() for p in params):
+        g = list(torch.zeros(total, device=params[0].device, dtype=params[0].dtype).split([p.numel() for p in params]))
+        g = [gi.view(p.shape) for gi, p in zip(g, params)]
+    else:
+        g = [torch.zeros_like(p) for p in params]
     gen = torch.Generator(device=rng_device)
-    scratch = torch.empty(param.numel(), device=rng_device, dtype=torch.float32)
+    scratch = torch.empty(total, device=rng_device, dtype=torch.float32)
     for s, c in zip(seeds, coeffs):
-        u = noise_like(param, s, index, rng_device, gen, scratch) if cache is None else \
-            cache.noise(param, s, index, rng_device, gen, scratch)  # fmt: skip
-        g.add_(u, alpha=c)
+        if cache is None:
+            us = draw_flat(params, s, indices, rng_device, gen, scratch)[1]
+        else:
+            us, offset = [], 0
+            for p, i in zip(params, indices):
+                us.append(cache.noise(p, s, i, rng_device, gen, scratch[offset:]))
+                offset += p.numel()
+        foreach.add_(g, us, alpha=c)
     return g

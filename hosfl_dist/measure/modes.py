@@ -315,7 +315,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
     if step_kind(method) == "round":
         worker = profiled_worker(spec, setup, method)
         rep = worker.replicas[0]
-        rep.opt.step(rep.params, lambda i, p: torch.zeros_like(p))  # optimizer state as after round 0
+        rep.opt.step(rep.params, lambda ids, ps: [torch.zeros_like(p) for p in ps])  # optimizer state as after round 0
         state = rep.opt.state_tensors()
         rounds = iter(range(1, 1 << 62))
 

@@ -13,6 +13,8 @@ rotary tables, and OPT's mask-derived positions.
 f_s = decoder blocks k..L-1 + final norm (+ OPT's project_out) + lm_head (+ Gemma-3's final logit soft-capping).
 The server may add a side input of its own, ``"predict"`` (B, T) bool, computed from what it already holds (the
 labels, or the mask): the head then runs at those positions only, so no (B, T, V) logits exist (V is 150k for Qwen3).
+With ``"targets"`` (N,) as well (``server.loss_chunk_tokens``), f_s returns the N token losses instead of logits,
+computed over chunks of positions (:func:`chunked_token_losses`), so not even (N, V) float32 logits exist at once.
 
 Both parts call the model's own submodules, in the order and with the arguments of the unsplit forward
 (transformers 5.x), so client-then-server logits equal the unsplit logits bit for bit. Training uses no KV cache (the
@@ -24,11 +26,14 @@ the positions and masks the unsplit forward derives from a cache (``past_key_val
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -219,6 +224,62 @@ class HFClient(_Blocks):
         return {"z": z, "attention_mask": attention_mask}
 
 
+def chunked_token_losses(
+    head: Callable[[Tensor], Tensor], h: Tensor, targets: Tensor, chunk: int, head_params: Sequence[Tensor] = ()
+) -> Tensor:
+    """Float32 cross-entropy of ``head(h)`` (N, V) against ``targets`` (N,), per row, (N,), computed ``chunk`` rows at
+    a time, so that at most one chunk's (chunk, V) logits and their gradient are alive instead of (N, V) in the
+    model's dtype plus float32. ``head`` must act on each row alone (norm, linear, soft-capping do).
+
+    - the head frozen (no tensor of ``head_params`` trains: LoRA runs): each chunk's gradient ∂ce_i/∂h_i is taken
+      in the forward, beside its loss, and the logits dropped; the backward scales those rows by the upstream
+      gradient (Liger's fused linear cross-entropy). The head runs once forward and once backward, as unchunked;
+    - a trained head: the backward recomputes each chunk's logits (non-reentrant ``torch.utils.checkpoint``, random
+      state kept), the head's gradients accumulating across chunks; the head runs twice forward.
+
+    The numbers are the unchunked ``cross_entropy(head(h).float())``, its λ and gradients up to float rounding (a
+    matmul over fewer rows may block its sums differently, and a frozen head's λ is scaled after the matmul).
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be > 0, got {chunk}")
+
+    def piece(hc: Tensor, tc: Tensor) -> Tensor:
+        return F.cross_entropy(head(hc).float(), tc, reduction="none")  # (n,) float32
+
+    n = h.shape[0]
+    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)] or [(0, 0)]
+    if not (torch.is_grad_enabled() and h.requires_grad):
+        with torch.no_grad():
+            return torch.cat([piece(h[s:e], targets[s:e]) for s, e in spans])
+    if not any(p.requires_grad for p in head_params):
+        return _FrozenHeadLosses.apply(h, targets, piece, spans)
+    from torch.utils.checkpoint import checkpoint
+
+    return torch.cat([checkpoint(piece, h[s:e], targets[s:e], use_reentrant=False) for s, e in spans])
+
+
+class _FrozenHeadLosses(torch.autograd.Function):
+    """Token losses of a frozen, row-wise head with their gradients taken chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, targets: Tensor, piece: Callable, spans: list) -> Tensor:
+        losses, grads = [], []
+        for s, e in spans:
+            with torch.enable_grad():
+                hc = h[s:e].detach().requires_grad_(True)
+                ce = piece(hc, targets[s:e])  # (n,) float32
+                (g,) = torch.autograd.grad(ce.sum(), hc)  # row i: ∂ce_i/∂h_i (rows do not mix)
+            losses.append(ce.detach())
+            grads.append(g)
+        ctx.save_for_backward(torch.cat(grads))  # (N, D)
+        return torch.cat(losses)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (g,) = ctx.saved_tensors
+        return (grad.unsqueeze(-1) * g).to(g.dtype), None, None, None
+
+
 class HFServer(_Blocks):
     """f_s: decoder blocks k..L-1, final norm and lm_head of a Hugging Face causal LM."""
 
@@ -229,6 +290,9 @@ class HFServer(_Blocks):
         self.project_out = parts.project_out
         self.lm_head = lm_head
         self.softcap = parts.softcap
+        self.loss_chunk_tokens = 0
+        """Rows per chunk of the token losses when the activation carries ``"targets"`` (``server.loss_chunk_
+        tokens``; 0: all rows in one chunk)."""
 
     def forward(self, act: dict[str, Tensor], past_key_values: Cache | None = None) -> Tensor:
         """act: the client's message {"z": (B, T, D), "attention_mask": (B, T)} -> logits (B, T, V).
@@ -236,11 +300,20 @@ class HFServer(_Blocks):
         With ``act["predict"]`` (B, T) bool, the logits at the selected positions only, (N, V) in row-major order:
         the head runs inside this forward (where an FSDP-sharded root has its parameters gathered) on N states.
         ``past_key_values``: decode the newest positions with a KV cache (see :meth:`_Blocks.run_blocks`).
+        With ``act["targets"]`` (N,) as well, the float32 token losses (N,) against them instead of logits,
+        ``loss_chunk_tokens`` positions at a time (:func:`chunked_token_losses`).
         """
         h = self.run_blocks(act["z"], act["attention_mask"], past_key_values)  # (B, T, D)
         predict = act.get("predict")
         if predict is not None:
             h = h[predict.to(h.device)]  # (N, D); norm and head act per position
+        targets = act.get("targets")
+        if targets is not None:
+            if predict is None:
+                raise ValueError("token losses need the positions they are taken at (act['predict'])")
+            chunk = self.loss_chunk_tokens or max(1, h.shape[0])
+            params = [p for m in (self.norm, self.project_out, self.lm_head) if m is not None for p in m.parameters()]
+            return chunked_token_losses(self.head, h, targets.to(h.device), chunk, params)  # (N,) float32
         return self.head(h)
 
     def head(self, h: Tensor) -> Tensor:

@@ -145,7 +145,9 @@ def build(
     else:
         server_part = server
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        task = GenerationTask(load_tokenizer(source), cfg.data.padding_side, max_pos)
+        chunk = cfg.server.loss_chunk_tokens
+        task = GenerationTask(load_tokenizer(source), cfg.data.padding_side, max_pos, loss_chunk_tokens=chunk)
+        server.loss_chunk_tokens = chunk
     text = model.config.get_text_config()
     spec = ActivationSpec(
         {"z": (None, text.hidden_size), "attention_mask": (None,)},

@@ -34,20 +34,28 @@ def predicted_positions(labels: Tensor) -> Tensor:
     return predict
 
 
+def next_token_targets(labels: Tensor) -> Tensor:
+    """(B, T) token labels -> (N,) long: the label each :func:`predicted_positions` position predicts,
+    ``labels[t + 1]``, in row-major order."""
+    return labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
+
+
 def lm_sample_losses(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Per-sample causal LM loss: (sum of the float32 cross-entropies of its labelled tokens, their count), (B,) each.
 
     ``logits`` are either full (B, T, V), where position t predicts ``labels[t + 1]``, or (N, V) at the
     :func:`predicted_positions` of ``labels`` only, in row-major order (what the server's head computes when it is
-    given them); both give the same numbers.
+    given them); both give the same numbers. (N,) outputs are the token losses themselves, at those positions (what
+    the server computes when given :func:`next_token_targets` too: ``server.loss_chunk_tokens``).
     """
     predict = predicted_positions(labels.to(logits.device))  # (B, T)
     if logits.dim() == 3:
         logits = logits[predict]  # (N, V)
-    targets = torch.full_like(predict, IGNORE_INDEX, dtype=torch.long)
-    targets[:, :-1] = labels[:, 1:].to(logits.device)
     rows = torch.arange(predict.shape[0], device=logits.device).unsqueeze(1).expand_as(predict)
-    ce = F.cross_entropy(logits.float(), targets[predict], reduction="none")  # (N,) float32
+    if logits.dim() == 1:
+        ce = logits.float()  # (N,) token losses already
+    else:
+        ce = F.cross_entropy(logits.float(), next_token_targets(labels.to(logits.device)), reduction="none")  # (N,)
     sums = torch.zeros(predict.shape[0], dtype=torch.float32, device=logits.device).index_add(0, rows[predict], ce)
     return sums, predict.sum(dim=1).float()
 
@@ -76,8 +84,12 @@ class GenerationTask:
         padding_side: str,
         max_positions: int | None,
         max_new_tokens: int = MAX_NEW_TOKENS,
+        loss_chunk_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.loss_chunk_tokens = loss_chunk_tokens
+        """``server.loss_chunk_tokens``: above 0 the server's training forward is given the targets and returns
+        token losses computed in chunks (:func:`~hosfl_dist.models.hf_split.chunked_token_losses`)."""
         self.padding_side = padding_side
         self.max_positions = max_positions
         self.max_new_tokens = max_new_tokens
@@ -88,7 +100,10 @@ class GenerationTask:
     # -- training (server) -------------------------------------------------------------------------------------
     def server_inputs(self, labels: Tensor) -> dict[str, Tensor]:
         """Side inputs of f_s that the server computes from the labels: ``{"predict": (B, T) bool}``, the positions
-        whose logits the loss reads (the answer's), so the head computes (N, V) logits, not (B, T, V)."""
+        whose logits the loss reads (the answer's), so the head computes (N, V) logits, not (B, T, V); with
+        ``loss_chunk_tokens`` also ``"targets"`` (N,), so that f_s returns the N token losses, chunk by chunk."""
+        if self.loss_chunk_tokens:
+            return {"predict": predicted_positions(labels), "targets": next_token_targets(labels)}
         return {"predict": predicted_positions(labels)}
 
     def sample_counts(self, labels: Tensor) -> Tensor:
