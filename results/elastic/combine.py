@@ -1,6 +1,6 @@
 """Combine the four dropout levels' compare reports into one table.
 
-    python results/elastic/combine.py            # writes results/elastic/combined.md and combined.json
+    python results/elastic/combine.py      # writes results/elastic/combined.md, combined.json and elastic.png
 
 Reads results/elastic/dropout_<Q>/table.json (Q = 0, 0.1, 0.3, 0.5): rows = methods, columns = dropout, each cell the
 final eval accuracy (%) as mean ± sample std over the seeds that completed, with n. Where the (git-ignored) run
@@ -105,6 +105,36 @@ def main() -> None:
     (HERE / "combined.md").write_text("\n".join(lines) + "\n")
     (HERE / "combined.json").write_text(json.dumps(out, indent=1) + "\n")
     print("\n".join(lines))
+    plot(out)
+
+
+def plot(out: dict) -> None:
+    """elastic.png: final accuracy (mean, error bar = sample std over seeds) against dropout, a line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in METHODS:
+        xs, ys, es = [], [], []
+        for q in LEVELS:
+            c = out["cells"][m][q]
+            if c["n"]:
+                xs.append(float(q))
+                ys.append(100 * c["mean"])
+                es.append(100 * c["std"])
+        if xs:
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=NAMES[m].split(" (")[0])
+    ax.set_xlabel("clients.dropout (server.min_clients=1)")
+    ax.set_ylabel("final eval accuracy (%)")
+    ax.set_xticks([float(q) for q in LEVELS])
+    ax.set_title("Quickstart (Fashion-MNIST), 19.2k samples, seeds 0-2", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "elastic.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
