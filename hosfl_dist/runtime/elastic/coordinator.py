@@ -134,7 +134,6 @@ class Coordinator:
         self.lost = 0
         self.joined = 0
         self.next_key = WORKER_KEY_BASE
-        self.failure: str | None = None
         self.folder = Path(cfg.job.out_dir)
         self.written = 0.0
         self.round_s = self.waiting_s = 0.0
@@ -264,7 +263,7 @@ class Coordinator:
     def _lose(self, name: str, why: str) -> None:
         member = self.members.pop(name)
         self.lost += 1
-        self.server.client_round.pop(member.key, None)
+        self.endpoint.locked(lambda: self.server.client_round.pop(member.key, None))  # its rows need not be kept
         for m in member.clients:
             self.owner.pop(m, None)
         self._rebalance()
