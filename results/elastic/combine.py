@@ -90,8 +90,8 @@ def main() -> None:
             vals.append(f"{100 * (c['mean'] - base['mean']):+.2f}" if c["n"] and base["n"] else "—")
         lines.append(f"| {NAMES[m]} | " + " | ".join(vals) + " |")
     if any(out["cells"][m][q]["participation"] for m in METHODS for q in LEVELS):
-        lines += ["", "Rounds run / rounds skipped / fraction of sampled client-rounds delivered (means over the seeds, "
-                  "from each run's summary.json):", "",
+        lines += ["", "Rounds run / rounds skipped / fraction of sampled client-rounds delivered (means over the "
+                  "seeds, from each run's summary.json):", "",
                   "| method | " + " | ".join(f"dropout {q}" for q in LEVELS) + " |", "|---|" + "---:|" * len(LEVELS)]
         for m in METHODS:
             vals = []
