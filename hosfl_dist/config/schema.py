@@ -260,10 +260,12 @@ class ZOConfig:
     """HO-SFL: a worker's clients of a round in one pass: their z in one forward of their concatenated batches, and
     for each seed (or ``zo.perturb_batch`` of them) one perturbed forward whose rows each client projects with its own
     λ (every current replica holds θc^t and the round's clients share its P seeds). Uploads stay per client. K_w×
-    the forward's activations at once for a worker with K_w clients in the round, fewer and larger kernels; refused
-    where f_c normalises with batch statistics. A round whose clients' inputs do not stack (text batches trimmed to
-    different lengths) or that has one client runs client by client. The scalars may differ in their last bits from
-    client-by-client forwards, and depend on which clients share a worker, so it is part of the run's identity."""
+    the forward's activations at once for a worker with K_w clients in the round, fewer and larger kernels: for a
+    device a forward of one client's batch leaves idle (a GPU), not a CPU (no faster on 2 cores:
+    results/bench/changes.md#batch_clients). Refused where f_c normalises with batch statistics. A round whose
+    clients' inputs do not stack (text batches trimmed to different lengths) or that has one client runs client by
+    client. The scalars may differ in their last bits from client-by-client forwards, and depend on which clients
+    share a worker, so it is part of the run's identity."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
     """dtype of the zeroth-order client's forwards (z and every z̃): float32 keeps half-precision weights stored as
     they are and upcasts one module at a time; model = model.dtype; auto = float32 unless model.dtype is float32."""
