@@ -9,7 +9,16 @@ from hosfl_dist.algorithms.hosfl import HOSFLWorker, cat_inputs, rows_of
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.vision import BatchStatsNorm, _replace_bn
-from tiny import TINY_OVERRIDES, assert_same_as, run_in_process, run_one_thread, runner, torchrun
+from tiny import (
+    TINY_OVERRIDES,
+    assert_same_as,
+    lm_overrides,
+    run_in_process,
+    run_one_thread,
+    runner,
+    torchrun,
+    write_text_files,
+)
 
 KEYS = ("train_loss", "eval_loss", "eval_accuracy")
 
@@ -71,6 +80,32 @@ def test_inputs_that_do_not_stack_are_not_concatenated():
     assert cat_inputs([a, c]) is None
     assert cat_inputs([torch.zeros(2, 3, 4, 4), torch.zeros(2, 3, 8, 8)]) is None
     assert cat_inputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape == (3, 3)
+
+
+def test_a_tiny_lm_with_clients_in_one_pass_trains_as_client_by_client(tmp_path, monkeypatch):
+    """Dict inputs (input_ids, attention_mask) and a side input travelling with z (the mask): a round whose batches
+    have one length goes in one pass, one whose batches were trimmed to different lengths runs client by client; the
+    run is that of client by client up to rounding."""
+    files = write_text_files(tmp_path)
+    together = []
+    forward_together = HOSFLWorker._forward_together
+
+    def recorded(self, jobs):
+        together.append(forward_together(self, jobs))
+        return together[-1]
+
+    monkeypatch.setattr(HOSFLWorker, "_forward_together", recorded)
+    got = {}
+    for on in (False, True):
+        _, _, summary, rows = run_in_process([*lm_overrides(tmp_path / str(on), files),
+                                              f"zo.batch_clients={str(on).lower()}"])  # fmt: skip
+        assert summary["status"] == "completed"
+        got[on] = rows
+    assert sorted(together) == [False, True]  # at data.max_length=40: rounds of 27 + 40 tokens, and of 40 + 40
+    for a, b in zip(got[True], got[False], strict=True):
+        for key in KEYS:
+            if b.get(key) is not None:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
 
 
 def test_a_client_part_with_batch_statistics_is_refused_in_one_line():
