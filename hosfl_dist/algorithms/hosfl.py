@@ -15,6 +15,8 @@ Round t, as the code below runs it (a worker runs the client side for the sample
              runs the passes on one rank or over the server ranks)                               (Eq. 11)
   client     v_{m,p} = λ_mᵀ(f_c(x_m; θc^t + μu_p) − z_m), p = 1..P; with latency hiding (zo.overlap) the
              P perturbed forwards of each client whose λ_m is still away run once every z_m has gone up  (Eq. 12-13)
+             (zo.batch_clients: the worker's clients in one pass, their z in one forward and each seed's z̃ in
+             one, each client projecting its own rows)
   aggregate  v̄ = mean over the clients that deliver of their P scalars (:func:`mean_over_clients`), among the
              client workers: P scalars per client up, v̄ down                                   (Eq. 14)
   close      the leader posts v̄ (``finish_round``; nobody waits for it) and the server appends it to the history
@@ -55,6 +57,7 @@ from hosfl_dist.core.zo import (
 from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
+from hosfl_dist.models.vision import mixes_batch_rows
 from hosfl_dist.transport.wire import (
     CONTROL,
     DOWNLINK_GRADIENTS,
@@ -80,6 +83,24 @@ def mean_over_clients(rows: Tensor) -> Tensor:
     """
     kept = rows[torch.isfinite(rows).all(1)]
     return (kept.double().sum(0) / max(len(kept), 1)).float()
+
+
+def cat_inputs(xs: Sequence[Any]) -> Any:
+    """Client batches (tensors, or dicts of tensors) as one, rows in the given order; None where they do not stack
+    (a field's shape past the rows differs: text batches trimmed to their longest prompt)."""
+    first = xs[0]
+    if isinstance(first, dict):
+        if any(set(x) != set(first) or any(x[k].shape[1:] != first[k].shape[1:] for k in first) for x in xs):
+            return None
+        return {k: torch.cat([x[k] for x in xs]) for k in first}
+    if any(x.shape[1:] != first.shape[1:] for x in xs):
+        return None
+    return torch.cat(list(xs))
+
+
+def rows_of(x: Any) -> int:
+    """The rows (samples) of a client batch."""
+    return len(next(iter(x.values())) if isinstance(x, dict) else x)
 
 
 class SeedScalarHistory:
@@ -148,6 +169,10 @@ class ClientJob:
     """The client's batch (inputs)."""
     z: Tensor | None
     """z_m in the client's compute dtype (the projection's reference), dropped once projected."""
+    labels: Tensor | None = None
+    """y_m, until it goes up."""
+    upload: Any = None
+    """What goes up for z_m (the activation in the server's dtype), until it does."""
     answer: Any = None
     """The server's answer on its way (λ_m)."""
     z_tilde: list[Tensor] | None = None
@@ -415,6 +440,13 @@ class HOSFLWorker(WorkerBase):
                         "zo.rng_device=cuda, whose stream differs: all replicas of a run must use one)")  # fmt: skip
         self.perturb_mode = cfg.zo.perturb_mode
         self.perturb_batch = cfg.zo.perturb_batch
+        self.batch_clients = cfg.zo.batch_clients
+        if self.batch_clients and mixes_batch_rows(self.module):
+            raise ConfigError(
+                "invalid value for zo.batch_clients: true (f_c normalises with batch statistics: a client's z would "
+                "depend on the other clients' rows; use zo.batch_clients=false)"
+            )
+        self._unbatched_told = False
         self.K = cfg.clients.per_round
         self.per_client = cfg.clients.replicas == "per_client"
         ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.collective.is_leader else [])
@@ -532,54 +564,35 @@ class HOSFLWorker(WorkerBase):
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
         syncs = dict(zip(mine, self.server.sync.send_many(asks)))
         jobs: list[ClientJob] = []
-        uploads = []
-        for m in mine:  # catch-up and forward; every z_m goes up, in one message, before any perturbed forward runs,
-            # so the server's step (which needs the round's K uploads) starts as early as this worker can let it
+        for m in mine:  # catch-up and batch
             rep = self.replicas[m]
             if self.per_client and self.client_round[m] < t:  # a stale replica replays the history in the answer
                 got = syncs[m].wait()  # before its forward; a current one (shared, or sampled last round) needs no
                 self.replay(rep, got["hist_seeds"], got["hist_scalars"])  # answer before its perturbed forwards
             self.client_round[m] = t
             x, y = self.data.next_batch(m)
-            self.bind(rep.params)
-            act = self.zo_forward(x)
-            uploads.append({"t": t, "client": m, "act": self.precision.upload(act), "labels": y})
-            z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
-            del act
-            jobs.append(ClientJob(m, rep, x, z))
-            del z
+            jobs.append(ClientJob(m, rep, x, None, y))
+        # every z_m goes up, in one message, before any perturbed forward runs, so the server's step (which needs
+        # the round's K uploads) starts as early as this worker can let it
+        batched = self.batch_clients and len(jobs) > 1 and self._forward_together(jobs)
+        if not batched:
+            self._forward_one_by_one(jobs)
+        uploads = [{"t": t, "client": job.client, "act": job.upload, "labels": job.labels} for job in jobs]
+        for job in jobs:
+            job.upload = job.labels = None
         for i, answer in enumerate(self.server.submit.send_many(uploads)):
             jobs[i].answer = answer  # (no loop variable keeps a job, and with it its z, alive past its projection)
         del uploads
         # the round's seeds, from answers that came back while the forwards ran
         seeds = {m: syncs[m].wait()["seeds"].tolist() for m in mine}
-        if self.overlap_round(jobs):
-            # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
-            # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
-            for job in jobs:
-                if not job.answer.done() and job.client in round_t.delivered:
-                    self.bind(job.replica.params)
-                    job.z_tilde = self.zo_activations(job.x, seeds[job.client])
 
         counted, delivered = round_t.counted, round_t.delivered
         rows = torch.zeros(len(counted), self.P, dtype=torch.float32)
         slot = {m: i for i, m in enumerate(counted)}
-        while jobs:  # scalars, client by client; each job's z and z̃ are freed once projected
-            job = jobs.pop(0)
-            m, answer = job.client, job.answer.wait()
-            if answer.get("skip") or m not in delivered:  # left out of the round by the server, or dropped after
-                # its upload (its scalars never arrive): left out of the aggregation
-                rows[slot[m]] = float("nan")
-                del job
-                continue
-            proj = Projector(answer["lam"].to(job.z.device), job.z)
-            job.z = None  # only λ and the z̃ being projected stay alive
-            self.bind(job.replica.params)
-            v = self.zo_scalars(job.x, seeds[m], proj, job.z_tilde)
-            del job, proj
-            if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
-            rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
+        if batched:
+            self._project_together(t, jobs, seeds, rows, slot, delivered)
+        else:
+            self._project_one_by_one(t, jobs, seeds, rows, slot, delivered)
         if delivered:  # v̄ over the clients that delivered (the rows of the others are NaN)
             vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine if m in delivered},
                                              mean_over_clients)  # fmt: skip
@@ -605,6 +618,126 @@ class HOSFLWorker(WorkerBase):
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
         return n
+
+    def _forward_one_by_one(self, jobs: Sequence[ClientJob]) -> None:
+        """z_m = f_c(x_m; θc^t) client by client (Eq. 1): the upload, and z in the compute dtype for Eq. 13."""
+        for job in jobs:
+            self.bind(job.replica.params)
+            act = self.zo_forward(job.x)
+            job.upload = self.precision.upload(act)
+            job.z = act["z"]  # in the compute dtype: the projection does not see the upload's rounding
+            del act
+
+    def _forward_together(self, jobs: Sequence[ClientJob]) -> bool:
+        """The z_m of ``jobs`` from one forward of their concatenated batches (``zo.batch_clients``), split back into
+        one upload per client; False (nothing done) where their inputs do not stack or an activation field does not
+        have their rows first. Every current replica holds θc^t, so the first one's tensors stand for all."""
+        x = cat_inputs([job.x for job in jobs])
+        if x is None:
+            return self._unbatched("their inputs do not stack")
+        sizes = [rows_of(job.x) for job in jobs]
+        self.bind(jobs[0].replica.params)
+        act = self.zo_forward(x)  # (Σ B_m, ...)
+        del x
+        if any(v.dim() == 0 or v.shape[0] != sum(sizes) for v in act.values()):
+            return self._unbatched(f"an activation field does not have the clients' {sum(sizes)} rows first")
+        upload = self.precision.upload(act)
+        parts = {k: v.split(sizes) for k, v in upload.items()}
+        zs = act["z"].split(sizes)
+        for i, job in enumerate(jobs):  # copies: a view would carry the whole batch's storage on the wire
+            job.upload = {k: p[i].clone() for k, p in parts.items()}
+            job.z = zs[i]
+        return True
+
+    def _unbatched(self, why: str) -> bool:
+        if not self._unbatched_told:
+            self._unbatched_told = True
+            logger.info(f"zo.batch_clients: a round runs client by client ({why}); later such rounds are not logged")
+        return False
+
+    def _project_one_by_one(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]], rows: Tensor,
+                            slot: dict[int, int], delivered: Sequence[int]) -> None:  # fmt: skip
+        """v_m (Eq. 12-13) into ``rows`` client by client; each job's z and z̃ are freed once projected."""
+        if self.overlap_round(jobs):
+            # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
+            # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
+            for job in jobs:
+                if not job.answer.done() and job.client in delivered:
+                    self.bind(job.replica.params)
+                    job.z_tilde = self.zo_activations(job.x, seeds[job.client])
+        while jobs:
+            job = jobs.pop(0)
+            m, answer = job.client, job.answer.wait()
+            if answer.get("skip") or m not in delivered:  # left out of the round by the server, or dropped after
+                # its upload (its scalars never arrive): left out of the aggregation
+                rows[slot[m]] = float("nan")
+                del job
+                continue
+            proj = Projector(answer["lam"].to(job.z.device), job.z)
+            job.z = None  # only λ and the z̃ being projected stay alive
+            self.bind(job.replica.params)
+            v = self.zo_scalars(job.x, seeds[m], proj, job.z_tilde)
+            del job, proj
+            self._record(t, m, v, rows, slot)
+
+    def _project_together(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]], rows: Tensor,
+                          slot: dict[int, int], delivered: Sequence[int]) -> None:  # fmt: skip
+        """v_m (Eq. 12-13) into ``rows`` with the clients in one pass (``zo.batch_clients``): each perturbed forward
+        runs on the concatenated batches of the clients that deliver, and client m projects its rows with λ_m.
+        Without latency hiding every λ is awaited first, and one z̃ of Σ B_m rows is alive at a time (one batch of
+        them with ``zo.perturb_batch`` > 1); with it, the P z̃ of all of them run while λ is away."""
+        shared = seeds[jobs[0].client]
+        if any(seeds[job.client] != shared for job in jobs):
+            raise ProtocolError(f"round {t}: the clients of one worker got different seeds: {seeds}")
+        early = None
+        if self.overlap_round(jobs):
+            ahead = [job for job in jobs if job.client in delivered]
+            if ahead and not all(job.answer.done() for job in ahead):
+                self.bind(ahead[0].replica.params)
+                early = (self.zo_activations(cat_inputs([job.x for job in ahead]), shared),
+                           [rows_of(job.x) for job in ahead], [job.client for job in ahead])  # fmt: skip
+        projs: dict[int, Projector] = {}
+        kept: list[ClientJob] = []
+        while jobs:
+            job = jobs.pop(0)
+            m, answer = job.client, job.answer.wait()
+            if answer.get("skip") or m not in delivered:  # as client by client: left out of the aggregation
+                rows[slot[m]] = float("nan")
+                continue
+            projs[m] = Projector(answer["lam"].to(job.z.device), job.z)
+            job.z = None
+            kept.append(job)
+        if not kept:
+            return
+        vals: dict[int, list[Tensor]] = {job.client: [] for job in kept}
+        if early is not None:
+            z_all, sizes, order = early
+            del early
+            for zt in z_all:  # (Σ B_m, ...) per seed
+                for m, part in zip(order, zt.split(sizes)):
+                    if m in projs:
+                        vals[m].append(projs[m](part))
+            del z_all
+        else:
+            self.bind(kept[0].replica.params)
+            x, sizes = cat_inputs([job.x for job in kept]), [rows_of(job.x) for job in kept]
+            for batch in self._batches(shared):
+                if self.perturb_batch == 1:
+                    z_batch = self.perturbed_forward(x, batch[0]).unsqueeze(0)  # (1, Σ B_m, ...)
+                else:
+                    z_batch = self.perturbed_batch(x, batch)  # (k, Σ B_m, ...)
+                for zt in z_batch:
+                    for job, part in zip(kept, zt.split(sizes)):
+                        vals[job.client].append(projs[job.client](part))
+                del z_batch  # before the next batch is computed
+        del projs
+        for job in kept:
+            self._record(t, job.client, torch.stack(vals[job.client]).float(), rows, slot)
+
+    def _record(self, t: int, m: int, v: Tensor, rows: Tensor, slot: dict[int, int]) -> None:
+        if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
+        rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
     def _catch_up(self, t: int, client: int) -> None:
@@ -675,6 +808,7 @@ register(
         skips_nonfinite=True,
         lr_schedules=True,
         batches_perturbations=True,
+        batches_clients=True,
         drops_clients=True,
     )
 )

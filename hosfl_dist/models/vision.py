@@ -126,6 +126,13 @@ def uses_batch_stats(module: nn.Module) -> bool:
     return any(isinstance(m, BatchStatsNorm) for m in module.modules())
 
 
+def mixes_batch_rows(module: nn.Module) -> bool:
+    """Whether a forward of ``module`` may depend on the other rows of its batch: a BatchNorm layer other than
+    :class:`FrozenBatchNorm` normalises with batch statistics in train mode (a plug-in's plain one included)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, FrozenBatchNorm)
+               for m in module.modules())  # fmt: skip
+
+
 def running_stat_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """(layer, buffer name) of the running statistics that train-mode forwards of ``module`` update."""
     return [(m, name) for m in module.modules() if isinstance(m, BatchStatsNorm)

@@ -60,6 +60,7 @@ of drawing them again; a server group may keep gathered weights instead of gathe
 computes."""
 ADDED_KEYS = {
     ("zo", "perturb_batch"): 1,
+    ("zo", "batch_clients"): False,
     ("clients", "dropout"): 0.0,
     ("clients", "dropout_stage"): "before_upload",
     ("clients", "over_select"): 0.0,

@@ -122,6 +122,8 @@ def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
               f"not algorithm.name={spec.name}")  # fmt: skip
     check(cfg.zo.perturb_batch == 1 or spec.batches_perturbations, "zo.perturb_batch", cfg.zo.perturb_batch,
           f"batched perturbed forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
+    check(not cfg.zo.batch_clients or spec.batches_clients, "zo.batch_clients", cfg.zo.batch_clients,
+          f"clients batched in one pass are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
     check(
         cfg.train.on_nonfinite == "stop" or spec.skips_nonfinite,
         "train.on_nonfinite",
