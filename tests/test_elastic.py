@@ -185,6 +185,7 @@ def test_participation_decided_live_is_the_plan_of_every_part(tmp_path):
         (["server.round_timeout_s=-1"], "server.round_timeout_s"),
         (["server.worker_timeout_s=0"], "server.worker_timeout_s"),
         (["checkpoint.interval_samples=120"], "checkpoint.interval_samples: elastic runs"),
+        (["zo.batch_clients=true"], "zo.batch_clients: true (an elastic worker"),
     ],
 )
 def test_what_an_elastic_server_refuses_is_one_line(tmp_path, capsys, args, expected):

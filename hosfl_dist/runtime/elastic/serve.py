@@ -65,6 +65,9 @@ def check_elastic(cfg: Config) -> None:
     if cfg.comm.speed_spread and not cfg.comm.inject_delay:
         raise ConfigError(f"invalid value for comm.speed_spread: {cfg.comm.speed_spread:g} (per-client links are "
                           "emulated with comm.inject_delay=true)")  # fmt: skip
+    if cfg.zo.batch_clients:
+        raise ConfigError("invalid value for zo.batch_clients: true (an elastic worker serves its clients one by one; "
+                          "set it to false with --serve)")  # fmt: skip
     if cfg.checkpoint.interval_samples:
         raise ConfigError("invalid value for checkpoint.interval_samples: elastic runs write no checkpoints yet "
                           "(checkpoint.interval_samples=0)")  # fmt: skip
