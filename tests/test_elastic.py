@@ -63,6 +63,14 @@ class Job:
     def joined(self, n: int) -> None:
         self.wait_for(lambda: self.said().count(" joined at round ") >= n, f"{n} joins")
 
+    def training_with(self, n: int) -> list[subprocess.Popen]:
+        """``n`` workers started, joined, and a metrics row written after they all took part."""
+        workers = [self.join() for _ in range(n)]
+        self.joined(n)
+        rows = self.rows()
+        self.wait_for(lambda: self.rows() > rows, f"a round evaluated with {n} workers")
+        return workers
+
     def rows(self) -> int:
         """The metrics rows written so far (one per evaluation)."""
         try:
@@ -131,10 +139,7 @@ def test_a_killed_worker_is_replaced_and_a_late_one_takes_clients(tmp_path):
     overrides = [*ELASTIC, "server.min_workers=3", "train.budget_samples=19200", "train.eval_every_samples=2400",
                  "server.min_clients=1"]  # fmt: skip
     job = Job(tmp_path, overrides)
-    workers = [job.join() for _ in range(3)]
-    job.joined(3)
-    rows = job.rows()
-    job.wait_for(lambda: job.rows() > rows, "a round evaluated with three workers")
+    workers = job.training_with(3)
     workers[1].send_signal(signal.SIGKILL)
     job.wait_for(lambda: " lost at round " in job.said(), "the loss noticed")
     job.join()
@@ -152,10 +157,7 @@ def test_a_stopped_worker_is_left_behind_then_catches_up(tmp_path):
     overrides = [*TINY_OVERRIDES, "server.min_workers=3", "train.budget_samples=9600", "train.eval_every_samples=2400",
                  "server.min_clients=1", "server.round_timeout_s=0.5", "server.worker_timeout_s=60"]  # fmt: skip
     job = Job(tmp_path, overrides)
-    workers = [job.join() for _ in range(3)]
-    job.joined(3)
-    rows = job.rows()
-    job.wait_for(lambda: job.rows() > rows, "a round evaluated with three workers")
+    workers = job.training_with(3)
     workers[0].send_signal(signal.SIGSTOP)
     time.sleep(3)
     workers[0].send_signal(signal.SIGCONT)
