@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 check_elastic(cfg)
                 parse_address(args.address)
+            else:
+                from hosfl_dist.runtime.checks import check_fixed_runtime
+
+                check_fixed_runtime(cfg)
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)
