@@ -242,7 +242,8 @@ def test_real_time_keys_are_refused_by_the_fixed_runtimes_unless_replaying(tmp_p
         assert len(err) == 1 and "only elastic runs, --serve" in err[0], err
     assert main(["--check", *TINY_OVERRIDES, "server.round_timeout_s=2", f"job.out_dir={tmp_path / 'r'}"]) == 2
     assert "only elastic runs, --serve" in capsys.readouterr().err  # --check says what the run would
-    assert main(["--serve", "--check", *TINY_OVERRIDES, "server.round_timeout_s=2", f"job.out_dir={tmp_path / 'r'}"]) == 0
+    out = f"job.out_dir={tmp_path / 'r'}"
+    assert main(["--serve", "--check", *TINY_OVERRIDES, "server.round_timeout_s=2", out]) == 0
     capsys.readouterr()
     assert main(["--serve", *TINY_OVERRIDES, "comm.speed_spread=1", f"job.out_dir={tmp_path / 'r'}"]) == 2
     assert "emulated with comm.inject_delay=true" in capsys.readouterr().err
