@@ -93,15 +93,29 @@ def test_a_stop_signal_in_the_last_round_lets_the_run_complete(tmp_path, monkeyp
         ("zo_sfl", []),
         ("mu_splitfed", []),
         # clients dropping at both stages, late ones, skipped rounds (docs/participation.md)
-        ("hosfl", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
-                   "server.min_clients=2"]),
-        ("fsl_sage", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
-                      "server.min_clients=2"]),
+        (
+            "hosfl",
+            ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5", "server.min_clients=2"],
+        ),
+        (
+            "fsl_sage",
+            ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5", "server.min_clients=2"],
+        ),
         # frozen parameters (BatchNorm's affine ones), which checkpoints leave out, and running statistics that
         # training updates (freeze_bn=client): five rounds, evaluated every second
-        *[pytest.param("hosfl", ["model.name=resnet18", f"model.freeze_bn={bn}", "train.budget_samples=120",
-                                 "train.eval_every_samples=48"], marks=pytest.mark.slow)  # ~30 s each
-          for bn in ("all", "client")],  # fmt: skip
+        *[
+            pytest.param(
+                "hosfl",
+                [
+                    "model.name=resnet18",
+                    f"model.freeze_bn={bn}",
+                    "train.budget_samples=120",
+                    "train.eval_every_samples=48",
+                ],
+                marks=pytest.mark.slow,
+            )  # ~30 s each
+            for bn in ("all", "client")
+        ],  # fmt: skip
         # a first-order client's running statistics, which travel and are averaged with θc (freeze_bn=code)
         pytest.param("sfl", ["model.name=resnet18", "model.freeze_bn=code"], marks=pytest.mark.slow),
     ],
@@ -190,7 +204,7 @@ def poison(monkeypatch, client: int, round_idx: int) -> None:
 
     def client_forward(self, x):
         act = real_forward(self, x)
-        if now.get("t") == round_idx and now.get("m") == client:
+        if now.get("t") == round_idx and now.get("x") is x:  # the batch the client drew, whenever it goes forward
             act["z"] = act["z"].clone().fill_(float("nan"))
         return act
 
@@ -201,8 +215,10 @@ def poison(monkeypatch, client: int, round_idx: int) -> None:
     real_batch = FederatedData.next_batch
 
     def next_batch(self, m):
-        now["m"] = m
-        return real_batch(self, m)
+        x, y = real_batch(self, m)
+        if m == client:
+            now["x"] = x
+        return x, y
 
     monkeypatch.setattr(FederatedData, "next_batch", next_batch)
 

@@ -103,6 +103,15 @@ def rows_of(x: Any) -> int:
     return len(next(iter(x.values())) if isinstance(x, dict) else x)
 
 
+def _take_uploads(t: int, jobs: Sequence[ClientJob]) -> list[dict[str, Any]]:
+    """The round's submit calls from the jobs' uploads, which the jobs let go of."""
+    uploads = []
+    for job in jobs:
+        uploads.append({"t": t, "client": job.client, "act": job.upload, "labels": job.labels})
+        job.upload = job.labels = None
+    return uploads
+
+
 class SeedScalarHistory:
     """(s_p^τ, v̄_p^τ) for τ = offset..; rows below the oldest replica that may still replay them are dropped.
 
@@ -577,9 +586,7 @@ class HOSFLWorker(WorkerBase):
         batched = self.batch_clients and len(jobs) > 1 and self._forward_together(jobs)
         if not batched:
             self._forward_one_by_one(jobs)
-        uploads = [{"t": t, "client": job.client, "act": job.upload, "labels": job.labels} for job in jobs]
-        for job in jobs:
-            job.upload = job.labels = None
+        uploads = _take_uploads(t, jobs)  # (no loop variable here keeps the last job, and its z, alive)
         for i, answer in enumerate(self.server.submit.send_many(uploads)):
             jobs[i].answer = answer  # (no loop variable keeps a job, and with it its z, alive past its projection)
         del uploads
