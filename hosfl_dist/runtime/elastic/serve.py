@@ -18,6 +18,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data
@@ -107,6 +109,7 @@ class ElasticServer:
                                                 meter)  # fmt: skip
         self.evaluating = spec.worker(cfg, split, data, [], transport, collective)
         params = sum(p.numel() for m in (split.client, split.server) for p in m.parameters())
+        self.threads_before = torch.get_num_threads()  # restored by close: the process is left as it was
         threads, why = set_threads(cfg, params)
         self.front.open()
         logger.info(f"threads: {threads} intra-op ({why})")
@@ -148,6 +151,7 @@ class ElasticServer:
 
     def close(self) -> None:
         self.front.close()
+        torch.set_num_threads(self.threads_before)
 
 
 def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
