@@ -7,6 +7,12 @@ import os
 import re
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's first line (its type's name when it has no message), at most ``limit`` characters: what a
+    one-line error quotes of an error from below (torch, RPC, a library)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 class HosflError(Exception):
     """Base of the errors the command line reports in one line, without a traceback."""
 

@@ -54,7 +54,7 @@ from hosfl_dist.core.zo import (
     reconstruct_group,
     scalar_coefficients,
 )
-from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError
+from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError, first_line
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.models.vision import mixes_batch_rows
@@ -514,7 +514,7 @@ class HOSFLWorker(WorkerBase):
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            why = first_line(exc)
             raise ConfigError(
                 f"invalid value for zo.perturb_batch: {self.perturb_batch} (this client's forward cannot run batched "
                 f"under torch.func.vmap: {why}; use zo.perturb_batch=1)"

@@ -47,6 +47,7 @@ from hosfl_dist.transport.wire import (
     UPLINK_ACTIVATIONS,
     UPLINK_SCALARS,
     CommMeter,
+    payload_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,16 +55,6 @@ logger = logging.getLogger(__name__)
 WORKER_KEY_BASE = -1000
 """A worker's replica in the server's ``client_round`` (so the history is kept until it has replayed it)."""
 POLL_S = 0.05
-
-
-def tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 @dataclass
@@ -76,7 +67,6 @@ class Member:
     clients: set[int] = field(default_factory=set)
     joined_at: int = 0
     digest: str | None = None
-    memory: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -157,16 +147,15 @@ class Coordinator:
             logger.info(f"{name} joined at round {self.t}: {len(self.members)} worker(s), clients "
                         f"{self._describe_owners()}")  # fmt: skip
             self.cond.notify_all()
-        self.meter.add(DOWNLINK_SCALARS_SEEDS, tensor_bytes(state))
+        self.meter.add(DOWNLINK_SCALARS_SEEDS, payload_bytes(state))
         return state
 
     def _base_state(self, key: int) -> dict[str, Any]:
-        s = self.server
-        seeds, scalars = s.history.window(s.history.offset, s.history.end)
-        base = s.base
-        s.client_round[key] = base.round  # the history is kept from here until this worker has replayed it
-        return {"params": [p.detach().clone() for p in base.params], "opt": base.opt.state_dict(),
-                "round": base.round, "hist_seeds": seeds, "hist_scalars": scalars}  # fmt: skip
+        """What a resuming worker is given (:meth:`HOSFLServer.resume_payload`: the base replica and the history after
+        it); the history is kept from the base's round until this worker has replayed it."""
+        state = self.server.resume_payload([], leader=False)
+        self.server.client_round[key] = state["base"]["round"]
+        return state
 
     def beat(self, name: str) -> bool:
         with self.cond:
@@ -191,7 +180,7 @@ class Coordinator:
         with self.cond:
             known = self._touch(name)
             r = self.current
-            self.meter.add(UPLINK_ACTIVATIONS, tensor_bytes([(u["act"], u["labels"]) for u in uploads]), len(uploads))
+            self.meter.add(UPLINK_ACTIVATIONS, payload_bytes([(u["act"], u["labels"]) for u in uploads]), len(uploads))
             if not known or r is None or r.t != t or r.decided is not None:
                 fut.set_result({u["client"]: {"late": True} for u in uploads})
                 return fut
@@ -215,7 +204,7 @@ class Coordinator:
         with self.cond:
             known = self._touch(name)
             r = self.current
-            self.meter.add(UPLINK_SCALARS, tensor_bytes(list(rows.values())), len(rows))
+            self.meter.add(UPLINK_SCALARS, payload_bytes(list(rows.values())), len(rows))
             if not known or r is None or r.t != t or r.decided is None or r.closed:
                 fut.set_result({"counted": []})
                 return fut
@@ -233,11 +222,11 @@ class Coordinator:
             self.cond.notify_all()
         return fut
 
-    def final(self, name: str, digest: str, memory: dict[str, Any]) -> None:
+    def final(self, name: str, digest: str) -> None:
         with self.cond:
             member = self.members.get(name)
             if member is not None:
-                member.digest, member.memory = digest, memory
+                member.digest = digest
                 self.cond.notify_all()
 
     def leave(self, name: str) -> None:
@@ -335,7 +324,7 @@ class Coordinator:
                         if m in self.data_state and self.data_state[m][1] != name}  # fmt: skip
                 answer = {"t": r.t, "clients": mine, "seeds": self.server.seeds_of(r.t), "data": data,
                           **self._window(member, since, r.t)}  # fmt: skip
-                self.meter.add(DOWNLINK_SCALARS_SEEDS, tensor_bytes([answer["seeds"], answer["hist_seeds"],
+                self.meter.add(DOWNLINK_SCALARS_SEEDS, payload_bytes([answer["seeds"], answer["hist_seeds"],
                                                                      answer["hist_scalars"]]))  # fmt: skip
                 fut.set_result(answer)
             else:
@@ -432,7 +421,7 @@ class Coordinator:
         finally:
             self.cond.acquire()
         for m in p.counted:
-            self.meter.add(DOWNLINK_GRADIENTS, tensor_bytes(answers[m]))
+            self.meter.add(DOWNLINK_GRADIENTS, payload_bytes(answers[m]))
             state = r.uploads[m].get("data")
             if state is not None:
                 self.data_state[m] = (state, r.served_by[m])

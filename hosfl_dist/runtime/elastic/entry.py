@@ -66,9 +66,9 @@ def scalars(token: str, name: str, t: int, rows: dict[int, Any]) -> Future:
 
 
 @rpc.functions.async_execution
-def final(token: str, name: str, digest: str, memory: dict[str, Any]) -> Future:
+def final(token: str, name: str, digest: str) -> Future:
     c, refused = _coordinator(token, "final")
-    return refused or _answer(lambda: c.final(name, str(digest), from_wire(memory)))
+    return refused or _answer(lambda: c.final(name, str(digest)))
 
 
 @rpc.functions.async_execution

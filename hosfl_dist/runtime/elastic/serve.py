@@ -23,7 +23,7 @@ import torch
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import ConfigError, Interrupted
+from hosfl_dist.errors import ConfigError, Interrupted, first_line
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
@@ -168,7 +168,7 @@ def run_serve(cfg: Config, address: str) -> tuple[dict[str, Any], str]:
             try:
                 serve_rpc(host, port, cfg.server.rpc_timeout_s)
             except (RuntimeError, OSError) as exc:  # the port is taken, the host is not this machine's
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                first = first_line(exc)
                 raise ConfigError(f"invalid value for --address: {host}:{port} (cannot serve there: {first})") from None
             fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:

@@ -35,19 +35,18 @@ from hosfl_dist.algorithms.hosfl import _load_replica
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.core.zo import Projector
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import ConfigError, HosflError, NonFiniteError, ProtocolError
+from hosfl_dist.errors import ConfigError, HosflError, NonFiniteError, ProtocolError, first_line
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.elastic import entry
 from hosfl_dist.runtime.elastic.membership import SERVER_NAME, join_rpc, leave_rpc
 from hosfl_dist.runtime.checks import check_config
-from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads
 from hosfl_dist.runtime.rpc import from_wire, to_wire
 from hosfl_dist.config.schema import link_delay_s
 from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.inprocess import LocalCollective
 from hosfl_dist.transport.link import client_speed
-from hosfl_dist.transport.wire import CommMeter
+from hosfl_dist.transport.wire import CommMeter, payload_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class RPCLink:
         try:
             _, self.name = join_rpc(host, port, self.timeout)
         except (RuntimeError, ValueError) as exc:  # a store or agent that cannot be reached
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            first = first_line(exc)
             raise ProtocolError(f"cannot join the run in {self.run_dir}: its server at {host}:{port} does not "
                                 f"answer ({first}); is it still running? (python -m hosfl_dist.run --status "
                                 f"{self.run_dir})") from None  # fmt: skip
@@ -191,8 +190,7 @@ class ElasticWorker:
         if state.get("end"):
             return False
         rep = self.replica
-        _load_replica(rep, state)
-        rep.round = state["round"]
+        _load_replica(rep, state["base"])
         self.zo.replay(rep, state["hist_seeds"], state["hist_scalars"])
         logger.info(f"{self.name} joined {self.run_dir} at round {rep.round} (θc by replaying "
                     f"{len(state['hist_seeds'])} round(s) of the server's history)")  # fmt: skip
@@ -215,7 +213,7 @@ class ElasticWorker:
             t = task["t"]
             if task.get("end"):
                 digest = self.replica.digest()
-                self._call("final", digest, process_memory(0, "worker", self.split.client, None))
+                self._call("final", digest)
                 logger.info(f"{self.name}: the run ended after round {t}; θc {digest[:12]}")
                 return took_part
             if task["clients"]:
@@ -243,7 +241,7 @@ class ElasticWorker:
         except HosflError:
             raise
         except RuntimeError as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            first = first_line(exc)
             raise ProtocolError(f"{self.name}: the server of {self.run_dir} did not answer {what} (gone, or "
                                 f"stopped: {first})") from None  # fmt: skip
 
@@ -272,7 +270,7 @@ class ElasticWorker:
             upload = {"client": m, "act": zo.precision.upload(act), "labels": y, "data": self.data.state_dict([m])[m]}
             jobs[m] = (x, act["z"])
             if delayed:  # this client's upload leaves after its link time
-                nbytes = sum(v.numel() * v.element_size() for v in (*upload["act"].values(), y))
+                nbytes = payload_bytes((upload["act"], y))
                 sent.append(self._send(self._link_s(m, nbytes, up=True), "upload", t, [upload]))
             else:
                 uploads.append(upload)
@@ -298,13 +296,13 @@ class ElasticWorker:
             x, z = jobs.pop(m)
             lam = answer["lam"]
             if delayed:  # λ reaches this client after its downlink time
-                time.sleep(self._link_s(m, lam.numel() * lam.element_size(), up=False))
+                time.sleep(self._link_s(m, payload_bytes(lam), up=False))
             proj = Projector(lam.to(z.device), z)
             v = zo.zo_scalars(x, seeds, proj, early.pop(m, None))
             if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
                 raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
             if delayed:
-                scalars_sent.append(self._send(self._link_s(m, v.numel() * 4, up=True), "scalars", t, {m: v}))
+                scalars_sent.append(self._send(self._link_s(m, payload_bytes(v), up=True), "scalars", t, {m: v}))
             else:
                 rows[m] = v
         if rows:
