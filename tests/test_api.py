@@ -22,7 +22,7 @@ import hosfl_dist
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import CallbackError, ConfigError
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
-from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun
+from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun, user_folder
 
 PLUGIN = page_block('register(AlgorithmSpec("my_method"')
 """The method written outside the repository, as the page shows it (architecture.md's "Adding a method" links it)."""
@@ -70,12 +70,7 @@ class Boom(hosfl_dist.Callback):
 @pytest.fixture
 def user_modules(tmp_path, monkeypatch):
     """mymethod.py and watch.py in a folder of the user's, importable here and by every process started from here."""
-    folder = tmp_path / "user"
-    folder.mkdir()
-    (folder / "mymethod.py").write_text(PLUGIN)
-    (folder / "watch.py").write_text(WATCH)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
+    folder = user_folder(tmp_path, monkeypatch, {"mymethod": PLUGIN, "watch": WATCH})
     monkeypatch.setenv("EVENTS_DIR", str(tmp_path))
     yield folder
     from hosfl_dist import algorithms

@@ -5,7 +5,6 @@ built-in it derives from."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,17 @@ from hosfl_dist.data import TaskSpec, TensorData, register_task
 from hosfl_dist.errors import ConfigError, DataError
 from hosfl_dist.models import ModelSpec, register_model
 from hosfl_dist.runtime.checks import load_run_config
-from tiny import ROOT, TINY_OVERRIDES, lm_overrides, page_block, read_run, rows_of, torchrun, write_text_files
+from tiny import (
+    ROOT,
+    TINY_OVERRIDES,
+    lm_overrides,
+    page_block,
+    read_run,
+    rows_of,
+    torchrun,
+    user_folder,
+    write_text_files,
+)
 
 PARTS = page_block('register_task(TaskSpec("blobs"')
 """The task and the model written outside the repository, as the page shows them."""
@@ -29,14 +38,7 @@ PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8"
 @pytest.fixture
 def user_modules(tmp_path, monkeypatch):
     """myparts.py and mymethod.py in a folder of the user's, importable here and by every process started from here."""
-    folder = tmp_path / "user"
-    folder.mkdir()
-    (folder / "myparts.py").write_text(PARTS)
-    (folder / "mymethod.py").write_text(METHOD)
-    (folder / "mysource.py").write_text(SOURCE)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
-    yield folder
+    yield user_folder(tmp_path, monkeypatch, {"myparts": PARTS, "mymethod": METHOD, "mysource": SOURCE})
     from hosfl_dist import algorithms
     from hosfl_dist.data import registry as tasks
     from hosfl_dist.models import registry as models

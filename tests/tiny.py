@@ -220,3 +220,15 @@ def lm_overrides(out_dir: Path, files: Path, task: str = "sst2", arch: str = "ll
         "job.plots=false",
         f"job.out_dir={out_dir}",
     ]
+
+
+def user_folder(tmp_path: Path, monkeypatch: Any, modules: dict[str, str]) -> Path:
+    """The user's modules (name -> source) in a folder of theirs, importable here and by every process started from
+    here (the caller's fixture takes them out of ``sys.modules`` and the registries when it ends)."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    for name, source in modules.items():
+        (folder / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
+    return folder
