@@ -194,6 +194,10 @@ def test_a_tasks_metric_is_named_eval_something_and_only_a_vision_task_takes_one
             TaskSpec("t", load=myparts.load_blobs, metrics={name: mytask.top2})
     with pytest.raises(ValueError, match="loss and metrics are for the vision family"):
         TaskSpec("t", build=lambda cfg, clients, evaluation: None, family="hf", loss=mytask.smoothed)
+    from hosfl_dist.cli.run import dry_run
+
+    built = json.loads(json.dumps(dry_run(load_run_config(None, [*PLUGGED, "data.name=soft_blobs"]))))  # --dry-run's
+    assert built["task_metrics"] == ["eval_top2_accuracy"] and built["data"]["num_classes"] == 3
 
 
 def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, user_modules):
@@ -231,12 +235,15 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
 @pytest.mark.multiprocess
 @pytest.mark.slow  # a run in one process and a torchrun job: 22 s on the 2-core machine
 def test_a_plugin_task_and_model_under_torchrun_equal_the_one_process_run(tmp_path, user_modules):
-    one = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'one'}"], plugins=["myparts"])
-    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path}/dist"])
+    """mytask.py's task (its own loss and metric, over myparts.py's blobs) and myparts.py's model."""
+    soft = [*PLUGGED, "data.name=soft_blobs"]
+    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=["mytask"])
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "mytask", *soft, f"job.out_dir={tmp_path}/dist"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(tmp_path / "dist")
     assert summary["status"] == "completed" and summary["engine"] != one.summary["engine"]
     assert rows == rows_of(one.out_dir)  # every metrics row, and θc: each worker's digest the one process's
+    assert all("eval_top2_accuracy" in r for r in rows)  # the server rank scores with the task's own metric
     assert set(summary["client_digests"].values()) == set(one.summary["client_digests"].values())
 
 
