@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -380,12 +382,17 @@ def test_check_refuses_bad_input_in_one_line_and_changes_nothing(tmp_path, capsy
     assert not out.exists() and sorted(p.name for p in held.iterdir()) == ["summary.json"]
 
 
-def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused():
+def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused(caplog):
     from hosfl_dist.data import FederatedData, build_data
 
     cfg = load_config(None, [*TINY_OVERRIDES, "data.train_max_samples=30", "clients.batch_size=8"])
-    with pytest.warns(UserWarning, match=r"batch_size=8 is larger than the training samples of 6 of the 6 clients"):
-        build_data(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a line in the run's log, not a Python warning with its source line
+        with caplog.at_level(logging.WARNING, logger="hosfl_dist"):
+            build_data(cfg)
+    (said,) = [r.getMessage() for r in caplog.records if "is larger than" in r.getMessage()]
+    assert said.startswith("clients.batch_size=8 is larger than the training samples of 6 of the 6 clients")
+    assert "\n" not in said
     x, y = torch.zeros(4, 1), torch.zeros(4, dtype=torch.long)
     with pytest.raises(DataError, match="client 1 has no training samples"):
         FederatedData(x, y, x, y, [torch.arange(4).numpy(), torch.arange(0).numpy()], 2, 0, {})

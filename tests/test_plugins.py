@@ -5,15 +5,18 @@ built-in it derives from."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import hosfl_dist
-from hosfl_dist.data import TaskSpec, TensorData, register_task
+from hosfl_dist.data import TaskSpec, TensorData, build_data, register_task
 from hosfl_dist.errors import ConfigError, DataError
-from hosfl_dist.models import ModelSpec, register_model
+from hosfl_dist.models import ModelSpec, build_split_model, register_model
 from hosfl_dist.runtime.checks import load_run_config
 from tiny import (
     ROOT,
@@ -31,6 +34,8 @@ PARTS = page_block('register_task(TaskSpec("blobs"')
 """The task and the model written outside the repository, as the page shows them."""
 METHOD = page_block('register(AlgorithmSpec("my_method"')
 SOURCE = page_block('register_source(SourceSpec("toy"')
+SCORED = page_block('register_task(TaskSpec("soft_blobs"')
+"""A task of the user's with its own loss (label smoothing) and metric (top-2 accuracy), over myparts.py's blobs."""
 PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
 """The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
 
@@ -38,17 +43,19 @@ PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8"
 @pytest.fixture
 def user_modules(tmp_path, monkeypatch):
     """myparts.py and mymethod.py in a folder of the user's, importable here and by every process started from here."""
-    yield user_folder(tmp_path, monkeypatch, {"myparts": PARTS, "mymethod": METHOD, "mysource": SOURCE})
+    yield user_folder(tmp_path, monkeypatch, {"myparts": PARTS, "mymethod": METHOD, "mysource": SOURCE,
+                                                  "mytask": SCORED})
     from hosfl_dist import algorithms
     from hosfl_dist.data import registry as tasks
     from hosfl_dist.models import registry as models
     from hosfl_dist.models import sources
 
     tasks._TASKS.pop("blobs", None)  # the registries list the package's own to the other tests
+    tasks._TASKS.pop("soft_blobs", None)
     models._MODELS.pop("mlp", None)
     algorithms._REGISTRY.pop("my_method", None)
     sources._SOURCES.pop("toy", None)
-    for name in ("myparts", "mymethod", "mysource"):
+    for name in ("myparts", "mymethod", "mysource", "mytask"):
         sys.modules.pop(name, None)
 
 
@@ -119,15 +126,124 @@ def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
         TensorData(data.train_inputs, data.train_labels.float(), data.eval_inputs, data.eval_labels)
 
 
+def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_study(tmp_path, user_modules):
+    from hosfl_dist.experiments import compare
+    from hosfl_dist.experiments.runs import resolve
+    from hosfl_dist.runtime.inprocess import InProcessRunner
+
+    config = tmp_path / "soft.yaml"
+    config.write_text("job:\n  name: soft\n")
+    sets = [x for o in [*PLUGGED, "data.name=soft_blobs"] for x in ("--set", o)]
+    argv = ["--config", str(config), "--methods", "hosfl", "--plugin", "mytask", "--out", str(tmp_path / "cmp"),
+            "--metric", "eval_top2_accuracy", *sets]  # fmt: skip
+    specs, _, _ = compare.build(compare.parse_args(argv))
+    (spec,) = specs["hosfl"]
+    InProcessRunner(resolve(str(config), spec)).setup().run()  # the run the study then reuses, in this process
+    rows, summary = read_run(spec.out_dir)
+    assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 5, 10]
+    assert all(r["eval_accuracy"] <= r["eval_top2_accuracy"] <= 1.0 for r in rows)  # top-2 holds top-1
+    assert summary["final"]["eval_top2_accuracy"] == rows[-1]["eval_top2_accuracy"]
+    assert compare.main(argv) == 0
+    table = json.loads((tmp_path / "cmp" / "table.json").read_text())
+    assert table["rows"][0]["final"] == [rows[-1]["eval_top2_accuracy"]]
+
+    # eval_loss is the task's loss: round 0's is the smoothed cross-entropy of the initial model over the held out
+    import mytask
+
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    data = build_data(cfg)
+    split = build_split_model(cfg, data.info, zeroth_order_client=True)
+    with torch.no_grad():
+        out = split.server(split.client(data.eval_inputs))
+    assert rows[0]["eval_loss"] == pytest.approx(mytask.smoothed(out, data.eval_labels).mean().item(), rel=1e-5)
+    assert rows[0]["eval_loss"] != pytest.approx(F.cross_entropy(out, data.eval_labels).item(), rel=1e-3)
+
+
+def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
+    from hosfl_dist.algorithms.compute import Upload
+    from hosfl_dist.runtime.server_compute import GroupCompute
+
+    import mytask
+
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    data = build_data(cfg)
+    split = build_split_model(cfg, data.info, zeroth_order_client=True)
+    x, y = data.next_batch(0)
+    z = split.client_forward(x)["z"].detach()  # (B, width)
+    passes = GroupCompute(split.server, split.task, cfg.server).forward_backward({0: Upload({"z": z}, y)},
+                                                                                {0: float(len(y))})  # fmt: skip
+
+    def lam(loss):
+        zz = z.clone().requires_grad_(True)
+        value = loss(split.server(zz), y).mean()
+        (grad,) = torch.autograd.grad(value, zz)
+        return value.item(), grad
+
+    smoothed, plain = lam(mytask.smoothed), lam(lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    assert passes.losses[0] == pytest.approx(smoothed[0], rel=1e-5)  # ℓ_m: the task's loss, not cross-entropy
+    torch.testing.assert_close(passes.lams[0], smoothed[1])  # λ_m = ∂ℓ_m/∂z_m through it
+    assert not torch.allclose(passes.lams[0], plain[1], rtol=1e-3, atol=1e-6)
+
+
+def test_a_tasks_metric_is_named_eval_something_and_only_a_vision_task_takes_one(user_modules):
+    import myparts
+    import mytask
+
+    for name in ("top2", "eval_loss", "eval_accuracy"):
+        with pytest.raises(ValueError, match=f"metric {name!r} must be named eval_<something>"):
+            TaskSpec("t", load=myparts.load_blobs, metrics={name: mytask.top2})
+    with pytest.raises(ValueError, match="loss and metrics are for the vision family"):
+        TaskSpec("t", build=lambda cfg, clients, evaluation: None, family="hf", loss=mytask.smoothed)
+    from hosfl_dist.cli.run import dry_run
+
+    built = json.loads(json.dumps(dry_run(load_run_config(None, [*PLUGGED, "data.name=soft_blobs"]))))  # --dry-run's
+    assert built["task_metrics"] == ["eval_top2_accuracy"] and built["data"]["num_classes"] == 3
+
+
+def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, user_modules):
+    from safetensors.torch import load_file
+
+    from hosfl_dist.export.cli import main as export_main
+
+    run = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'run'}"], plugins=["myparts"])
+    out = tmp_path / "export"
+    assert export_main([str(run.out_dir), "--out", str(out)]) == 0
+    described = json.loads((out / "vision.json").read_text())
+    assert described["model"] == "mlp" and described["plugins"] == ["myparts"]
+    assert described["config"]["split"]["cut"] == 1 and described["config"]["model"]["width"] == 8
+    weights = load_file(str(out / "model.safetensors"))
+    assert {k.split(".")[0] for k in weights} == {"client", "server"}  # f_c and f_s, whole
+    # a fresh interpreter rebuilds it from vision.json (importing myparts) and scores the run's held-out accuracy
+    score = (
+        "import json, sys, torch\n"
+        "from hosfl_dist.export import load_vision\n"
+        "from hosfl_dist.data import build_data\n"
+        "from hosfl_dist.runtime.checks import load_run_config\n"
+        "model = load_vision(sys.argv[1])\n"
+        "cfg = load_run_config(None, json.loads(sys.argv[2]))\n"
+        "data = build_data(cfg)\n"
+        "with torch.no_grad():\n"
+        "    hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in data.eval_batches(64))\n"
+        "print(hits / len(data.eval_labels))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", score, str(out), json.dumps([*PLUGGED, "job.plugins=[myparts]"])],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert float(res.stdout) == run.metrics[-1]["eval_accuracy"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow  # a run in one process and a torchrun job: 22 s on the 2-core machine
 def test_a_plugin_task_and_model_under_torchrun_equal_the_one_process_run(tmp_path, user_modules):
-    one = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'one'}"], plugins=["myparts"])
-    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path}/dist"])
+    """mytask.py's task (its own loss and metric, over myparts.py's blobs) and myparts.py's model."""
+    soft = [*PLUGGED, "data.name=soft_blobs"]
+    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=["mytask"])
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "mytask", *soft, f"job.out_dir={tmp_path}/dist"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(tmp_path / "dist")
     assert summary["status"] == "completed" and summary["engine"] != one.summary["engine"]
     assert rows == rows_of(one.out_dir)  # every metrics row, and θc: each worker's digest the one process's
+    assert all("eval_top2_accuracy" in r for r in rows)  # the server rank scores with the task's own metric
     assert set(summary["client_digests"].values()) == set(one.summary["client_digests"].values())
 
 

@@ -69,7 +69,7 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
 
     from hosfl_dist.core.digest import file_sha256
     from hosfl_dist.core.seeding import Stream, generator
-    from hosfl_dist.data import load_vision_data
+    from hosfl_dist.data import get_task, load_vision_data
     from hosfl_dist.models import build_whole_vision_model, pretrainable_models
     from hosfl_dist.runtime.checks import load_run_config
     from hosfl_dist.tasks.classification import ClassificationTask
@@ -92,7 +92,7 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     data = load_vision_data(cfg.data, cfg.job.seed)
     device = torch.device(cfg.job.device)
     net = build_whole_vision_model(cfg.model, data.info, cfg.job.seed, cfg.job.device).train()
-    task = ClassificationTask()
+    task = get_task(cfg.data.name).scoring().get("task") or ClassificationTask()  # a plug-in task's loss, if any
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay)
     n = len(data.train_y)
     steps_per_epoch = max(1, -(-n // args.batch_size))

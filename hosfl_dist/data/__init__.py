@@ -6,7 +6,7 @@ bottom of this module; a plug-in's with :func:`~hosfl_dist.data.registry.registe
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,8 @@ from hosfl_dist.data.registry import TaskSpec, get_task, register_task
 from hosfl_dist.data.text import CUSTOM
 from hosfl_dist.data.text import TASKS as TEXT_TASKS
 from hosfl_dist.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
 
 
 class ClientStream:
@@ -158,13 +160,12 @@ def _check_shards(shards: Sequence[np.ndarray], batch_size: int) -> None:
     if sizes and min(sizes) == 0:
         raise DataError(f"client {sizes.index(0)} has no training samples: use fewer clients (clients.total)")
     small = [m for m, n in enumerate(sizes) if n < batch_size]
-    if small:
-        warnings.warn(
+    if small:  # one line in the run's log (no source line, as a Python warning would add)
+        logger.warning(
             f"clients.batch_size={batch_size} is larger than the training samples of {len(small)} of the "
             f"{len(sizes)} clients (the fewest: client {min(small, key=sizes.__getitem__)}, {min(sizes)} samples): "
-            "their batches repeat "
-            "samples within a step; lower clients.batch_size or clients.total, or train on more data",
-            stacklevel=3,
+            "their batches repeat samples within a step; lower clients.batch_size or clients.total, or train on "
+            "more data"
         )
 
 
@@ -187,13 +188,13 @@ VISION_INFO = {
 
 
 def data_info(cfg: Config) -> dict[str, Any]:
-    """What the model builders need from the data (classes, input shape, label words), without loading the data: a
-    server loads no training data."""
+    """What the model builders need from the data (classes, input shape, label words; a plug-in task's own loss and
+    metrics as ``task``), without loading the data: a server loads no training data."""
     task = get_task(cfg.data.name)
     if task.info is not None:
-        return task.info(cfg)
+        return {**task.info(cfg), **task.scoring()}
     if task.load is not None:  # loaded only for its shape (synthetic images are generated, a plug-in's as it says)
-        return select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed).info
+        return {**select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed).info, **task.scoring()}
     return task.build(cfg, [], False).info
 
 
@@ -229,8 +230,9 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
     if not evaluation:
         vx, vy = vx[:0], vy[:0]
     train_tf, eval_tf = data.train_transform, data.eval_transform
+    info = {**data.info, **task.scoring()}
     return FederatedData(
-        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, data.info, train_tf, eval_tf, row_of=row_of
+        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
     )
 
 

@@ -4,18 +4,20 @@ plug-in's.
 A task of the ``vision`` family gives its examples as tensors (:class:`~hosfl_dist.data.TensorData`, from its
 ``load``); the package keeps ``data.classes``, draws ``data.train_max_samples`` / ``data.eval_max_samples``,
 partitions the training set over the clients (``data.partition``) and batches it, and the server scores it as
-classification (cross-entropy, accuracy). A task of the ``hf`` family builds its own tokenised data (``build``) for a
-decoder LM. A plug-in (``job.plugins``, ``--plugin``) registers its own with :func:`register_task`; the config check,
-both runtimes and the run's identity then know it like the package's own.
+classification: cross-entropy and ``eval_accuracy``, or the task's own ``loss``, and its ``metrics`` beside them. A
+task of the ``hf`` family builds its own tokenised data (``build``) for a decoder LM. A plug-in (``job.plugins``,
+``--plugin``) registers its own with :func:`register_task`; the config check, both runtimes and the run's identity
+then know it like the package's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.core.registry import Registry
+from hosfl_dist.tasks.classification import ClassificationTask, Loss, Score
 
 if TYPE_CHECKING:
     from hosfl_dist.config import Config, DataConfig
@@ -42,12 +44,31 @@ class TaskSpec:
     build: Callable[[Config, Sequence[int] | None, bool], FederatedData] | None = None
     """Instead of ``load``: (config, hosted clients or None for all, holds the evaluation split) -> the federated
     data, built and partitioned by the task itself (the text tasks)."""
+    loss: Loss | None = None
+    """A ``vision`` task's training loss: (outputs (B, C), labels (B,)) -> (B,) per-sample loss, a differentiable torch
+    function; the server trains on its mean (λ = ∂ℓ/∂z) and reports it as ``eval_loss``. None: cross-entropy."""
+    metrics: Mapping[str, Score] = field(default_factory=dict)
+    """A ``vision`` task's own evaluation metrics: name (``eval_...``) -> (outputs, labels) -> (B,) per-sample score;
+    each is the mean over the held-out samples, written beside ``eval_accuracy`` and ``eval_loss``."""
 
     def __post_init__(self) -> None:
         if self.family not in TASK_FAMILIES:
             raise ValueError(f"task {self.name!r}: family {self.family!r} is not one of {list(TASK_FAMILIES)}")
         if (self.load is None) == (self.build is None):
             raise ValueError(f"task {self.name!r}: give load (tensors the package partitions) or build, not both")
+        if (self.loss is not None or self.metrics) and self.family != "vision":
+            raise ValueError(f"task {self.name!r}: loss and metrics are for the vision family (hf ones score alone)")
+        for name in self.metrics:
+            if not name.startswith("eval_") or name in ("eval_loss", "eval_accuracy"):
+                raise ValueError(f"task {self.name!r}: metric {name!r} must be named eval_<something> other than "
+                                 "eval_loss and eval_accuracy (the metrics rows' own)")  # fmt: skip
+
+    def scoring(self) -> dict[str, Any]:
+        """What the model builders attach to a vision split (``data_info``'s ``task``): the task's loss and metrics,
+        or nothing for the package's default (cross-entropy, accuracy)."""
+        if self.loss is None and not self.metrics:
+            return {}
+        return {"task": ClassificationTask(self.loss, self.metrics)}
 
 
 _TASKS: Registry[TaskSpec] = Registry("task", "data.name")

@@ -68,8 +68,12 @@ def final_metric(run: RunData, metric: str) -> float:
     raise KeyError(f"run {run.spec.out_dir} has no {metric!r} in metrics.jsonl")
 
 
+LOWER_IS_BETTER = ("loss", "perplexity", "error", "mae", "mse")
+"""Words in a metric's name that make it an error (a plug-in task's ``eval_mae``): its best is its lowest."""
+
+
 def higher_is_better(metric: str) -> bool:
-    return not any(word in metric for word in ("loss", "perplexity"))
+    return not any(word in metric for word in LOWER_IS_BETTER)
 
 
 def best_metric(run: RunData, metric: str) -> tuple[float, int | None]:

@@ -7,6 +7,11 @@ torchvision's layout). Its BatchNorm layers are plain ones: in eval mode they no
 which is what every ``model.freeze_bn`` mode does in evaluation.
 
     model = load_vision("exported/")        # nn.Module in eval mode; inputs normalised as vision.json says
+
+A plug-in's model (``register_model``, ``job.plugins``) has no whole model of the package's to load into: its export
+is its two parts in one module (:class:`Joined`, state dict keys ``client.*`` and ``server.*``), and vision.json names
+the plug-in modules, the model and the run's config, from which :func:`load_vision` imports the plug-ins and rebuilds
+the parts with the model's own builder.
 """
 
 from __future__ import annotations
@@ -23,6 +28,21 @@ from hosfl_dist.export.restore import ExportError, Restored
 WEIGHTS = "model.safetensors"
 DESCRIPTION = "vision.json"
 """What :func:`load_vision` builds: model name, classes, input shape, width, and the inputs' normalisation."""
+
+
+BUILT_IN = ("small_cnn", "resnet18")
+"""The package's vision models, exported as the whole model (the others, a plug-in's, as :class:`Joined`)."""
+
+
+class Joined(nn.Module):
+    """A plug-in model's f_c then f_s, as one module: inputs -> class scores."""
+
+    def __init__(self, client: nn.Module, server: nn.Module) -> None:
+        super().__init__()
+        self.client, self.server = client, server
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.server(self.client(x))
 
 
 def whole_model(name: str, num_classes: int, input_shape: tuple[int, ...], width: int) -> nn.Module:
@@ -52,6 +72,8 @@ def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
 
     cfg = restored.cfg
     info = _info(restored)
+    if cfg.model.name not in BUILT_IN:
+        return _write_joined(restored, info, out)
     net = whole_model(cfg.model.name, info["num_classes"], info["input_shape"], cfg.model.width)
     client, server = _halves(net, cfg.model.name, cfg.split.cut)
     for half, part in ((client, restored.split.client), (server, restored.split.server)):
@@ -70,6 +92,51 @@ def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
     }
     (out / DESCRIPTION).write_text(json.dumps(description, indent=2) + "\n")
     return {"format": "state_dict", "parameters": sum(v.numel() for v in state.values())}
+
+
+def _write_joined(restored: Restored, info: dict[str, Any], out: Path) -> dict[str, Any]:
+    """model.safetensors (f_c and f_s, as :class:`Joined`'s state dict) and vision.json with what rebuilds them: the
+    plug-in modules, the model, the run's config and whether its client was zeroth-order (the builder is told)."""
+    from safetensors.torch import save_file
+
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.config.dump import config_to_dict
+
+    cfg = restored.cfg
+    net = Joined(restored.split.client, restored.split.server)
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    description = {
+        "model": cfg.model.name,
+        "num_classes": info["num_classes"],
+        "input_shape": list(info["input_shape"]),
+        "width": cfg.model.width,
+        "normalize": _normalisation(restored),
+        "plugins": list(cfg.job.plugins),
+        "zeroth_order_client": get_algorithm(cfg.algorithm.name).zeroth_order_client,
+        "config": config_to_dict(cfg),
+    }
+    (out / DESCRIPTION).write_text(json.dumps(description, indent=2, default=str) + "\n")
+    return {"format": "state_dict", "parameters": sum(v.numel() for v in state.values())}
+
+
+def _joined(d: dict[str, Any]) -> nn.Module:
+    """A plug-in model rebuilt from vision.json: its plug-ins imported, its parts built as the run built them."""
+    from hosfl_dist.algorithms import load_plugins
+    from hosfl_dist.config.load import build_config
+    from hosfl_dist.errors import HosflError
+    from hosfl_dist.models.registry import get_model
+
+    try:
+        load_plugins(d["plugins"], "vision.json plugins")
+        cfg = build_config(d["config"])
+        spec = get_model(d["model"])
+    except HosflError as exc:
+        raise ExportError(f"cannot rebuild {d['model']!r}: {exc}") from None
+    assert spec.build is not None  # a vision model's spec has its builder (ModelSpec.__post_init__)
+    info = {"num_classes": int(d["num_classes"]), "input_shape": tuple(d["input_shape"])}
+    client, server = spec.build(cfg, info, bool(d["zeroth_order_client"]))
+    return Joined(client, server)
 
 
 def _info(restored: Restored) -> dict[str, Any]:
@@ -95,7 +162,8 @@ def _normalisation(restored: Restored) -> dict[str, list[float]] | None:
 def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_unsigned: bool = False) -> nn.Module:
     """The exported vision model in ``folder``, whole, in eval mode: ``(B, C, H, W)`` normalised images -> logits.
     vision.json's ``normalize`` says how: ``(pixels / 255 - mean) / std`` per channel. The folder is verified against
-    its signed manifest first (``allow_unsigned``: read one without a signature)."""
+    its signed manifest first (``allow_unsigned``: read one without a signature). A plug-in's model imports the
+    plug-in modules vision.json names (they must be importable here, as for the run) and is rebuilt by its builder."""
     from safetensors.torch import load_file
 
     from hosfl_dist.errors import ConfigError
@@ -112,7 +180,10 @@ def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_un
         state = load_file(str(folder / WEIGHTS))
     except (OSError, ValueError) as exc:
         raise ExportError(f"{folder} holds no exported vision model ({DESCRIPTION}, {WEIGHTS}): {exc}") from None
-    net = whole_model(d["model"], int(d["num_classes"]), tuple(d["input_shape"]), int(d["width"]))
+    if "plugins" in d:
+        net = _joined(d)
+    else:
+        net = whole_model(d["model"], int(d["num_classes"]), tuple(d["input_shape"]), int(d["width"]))
     net.load_state_dict(state, strict=True)
     return net.to(device).eval()
 

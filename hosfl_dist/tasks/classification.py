@@ -3,36 +3,62 @@ the last real token of each prompt (MeZO's prompt-based classification)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+Loss = Callable[[Tensor, Tensor], Tensor]
+"""(outputs (B, C), labels (B,)) -> (B,) per-sample loss, differentiable in the outputs (λ = ∂ℓ/∂z flows through it)."""
+Score = Callable[[Tensor, Tensor], Tensor]
+"""(outputs (B, C), labels (B,)) -> (B,) per-sample score; the metric is its mean over the held-out samples."""
+
+
 class ClassificationTask:
+    """Class scores against int64 labels: ``loss`` (per sample; default cross-entropy) is what the server trains on,
+    and evaluation reports ``eval_loss`` (its mean), ``eval_accuracy`` and each of ``metrics`` (name -> per-sample
+    score, a mean over the held-out samples), which a plug-in task gives (``TaskSpec.loss``, ``TaskSpec.metrics``)."""
+
+    def __init__(self, loss: Loss | None = None, metrics: Mapping[str, Score] | None = None) -> None:
+        self.custom_loss = loss
+        """None: cross-entropy, through torch's own reductions (the package's runs stay as they were)."""
+        self.metrics = dict(metrics or {})
+
     def loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
-        return F.cross_entropy(outputs, labels)
+        if self.custom_loss is None:
+            return F.cross_entropy(outputs, labels)
+        return self.custom_loss(outputs, labels).mean()  # ℓ of the batch
 
     def sample_counts(self, labels: Tensor) -> Tensor:
         """What each sample's loss is a mean over: one prediction."""
         return torch.ones(labels.shape[0])
 
     def sample_losses(self, outputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample (loss sum, count) in float32: the cross-entropy of each sample, count 1."""
-        sums = F.cross_entropy(outputs.float(), labels, reduction="none")
+        """Per-sample (loss sum, count) in float32: the loss of each sample, count 1."""
+        if self.custom_loss is None:
+            sums = F.cross_entropy(outputs.float(), labels, reduction="none")
+        else:
+            sums = self.custom_loss(outputs.float(), labels).float()
         return sums, torch.ones_like(sums)
 
     def eval_stats(self, outputs: Tensor, labels: Tensor) -> dict[str, float]:
-        return {
-            "loss_sum": F.cross_entropy(outputs, labels, reduction="sum").item(),
+        stats = {
+            "loss_sum": (F.cross_entropy(outputs, labels, reduction="sum") if self.custom_loss is None
+                         else self.custom_loss(outputs, labels).sum()).item(),
             "correct": (outputs.argmax(-1) == labels).sum().item(),
             "count": float(labels.numel()),
         }
+        for name, score in self.metrics.items():
+            stats[f"{name}_sum"] = float(score(outputs, labels).sum().item())
+        return stats
 
     def finalize(self, stats: dict[str, float]) -> dict[str, float]:
         n = max(stats.get("count", 0.0), 1.0)
-        return {"eval_accuracy": stats.get("correct", 0.0) / n, "eval_loss": stats.get("loss_sum", 0.0) / n}
+        out = {"eval_accuracy": stats.get("correct", 0.0) / n, "eval_loss": stats.get("loss_sum", 0.0) / n}
+        out.update({name: stats.get(f"{name}_sum", 0.0) / n for name in self.metrics})
+        return out
 
 
 def last_real_index(attention_mask: Tensor) -> Tensor:

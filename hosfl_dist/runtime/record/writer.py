@@ -179,6 +179,7 @@ class RunRecord:
             "processed_samples": processed,
             "final": {
                 **{k: last.get(k) for k in ("eval_accuracy", "eval_loss", "train_loss")},
+                **{k: v for k, v in last.items() if k.startswith("eval_") and k not in ("eval_accuracy", "eval_loss")},
                 **{k: last[k] for k in BEST_KEYS if k in last},
             },
             "comm": {"bytes": comm, "training_total_bytes": sum(comm[c] for c in PAPER_CATEGORIES)},
