@@ -73,6 +73,22 @@ def test_a_compile_failure_stops_in_one_line_naming_the_key(monkeypatch):
                               "(RuntimeError: no compiler here); use zo.compile=off")  # fmt: skip
 
 
+@pytest.mark.slow  # ~20 s with a cold inductor cache
+def test_outputs_of_the_graph_mode_outlive_the_next_call():
+    """reduce-overhead replays CUDA graphs into static buffers: each call's output is a copy, so a kept z is not the
+    next call's z̃. (Off CUDA torch compiles without graphs: this runs the copying path, the GPU test the graphs.)"""
+    m = tiny_client()
+    fwd = CompiledForward(m, "reduce-overhead")
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        z = fwd(x)["z"]
+        with perturbed(trainable_slots(m), seed=7, mu=1e-1, mode="copy"):
+            z_tilde = fwd(x)["z"]
+            torch.testing.assert_close(z_tilde, m(x), **TOL)
+        torch.testing.assert_close(z, m(x), **TOL)
+    assert (z_tilde - z).abs().max() > 0
+
+
 def zo_steps(spec: ProfileSpec, rounds: int = 2) -> tuple[list, list[torch.Tensor]]:
     """(z, v) of each of ``rounds`` HO-SFL client steps of the profiled worker (a stand-in λ), and θc after them."""
     setup = build_setup(spec)
@@ -83,7 +99,7 @@ def zo_steps(spec: ProfileSpec, rounds: int = 2) -> tuple[list, list[torch.Tenso
         seeds = round_seeds(spec.seed, t, spec.P)
         w.bind(rep.params)
         z = w.zo_forward(setup.inputs)["z"]
-        lam = torch.randn(z.shape, generator=torch.Generator().manual_seed(t))
+        lam = torch.randn(z.shape, generator=torch.Generator().manual_seed(t)).to(z.device)
         v = w.zo_scalars(setup.inputs, seeds, Projector(lam, z), None)
         w.apply_update(rep, seeds, v)
         got.append((z, v))

@@ -34,6 +34,9 @@ class CompiledForward:
         self.compiled = torch.compile(module, mode=mode)
 
     def __call__(self, inputs: Any) -> Activation:
+        graphs = self.mode == "reduce-overhead"
+        if graphs:  # each call a step of its own: a CUDA graph's replay writes its outputs' static buffers again
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             out = self.compiled(**inputs) if isinstance(inputs, dict) else self.compiled(inputs)
         except torch._dynamo.exc.TorchDynamoException as exc:  # the backend's and Dynamo's failures, not the model's
@@ -42,4 +45,7 @@ class CompiledForward:
                 f"zo.compile={self.mode}: torch.compile could not compile the client's forward "
                 f"({type(cause).__name__}: {first_line(cause)}); use zo.compile=off"
             ) from exc
-        return as_activation(out)
+        act = as_activation(out)
+        # z is kept while the P z̃ run, and with latency hiding the z̃ too: copies, not the buffers the next replay
+        # overwrites
+        return {k: v.clone() for k, v in act.items()} if graphs else act
