@@ -58,6 +58,21 @@ def test_compiled_forward_sees_weights_swapped_in_and_written_in_place():
         assert (z_tilde - z).abs().max() > 0  # the perturbation reached the compiled forward
 
 
+@pytest.mark.slow  # ~20 s with a cold inductor cache
+def test_hooks_added_after_compiling_are_not_run_which_is_why_hooks_mode_is_refused():
+    """Dynamo does not guard on submodules' hooks (skip_nnmodule_hook_guards): perturb_mode=hooks under a compiled
+    f_c gives z back for z̃, silently. Should torch start running them, the refusal can be reconsidered."""
+    m = tiny_client()
+    fwd = CompiledForward(m, "default")
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        z = fwd(x)["z"]
+        with perturbed(trainable_slots(m), seed=7, mu=1e-1, mode="hooks"):
+            z_tilde, want = fwd(x)["z"], m(x)
+    torch.testing.assert_close(z_tilde, z, rtol=0, atol=0)
+    assert (want - z).abs().max() > 1e-3
+
+
 def test_a_compile_failure_stops_in_one_line_naming_the_key(monkeypatch):
     """A backend that fails is not hidden behind an eager fallback: the forward raises, naming zo.compile."""
 

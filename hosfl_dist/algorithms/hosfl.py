@@ -508,8 +508,8 @@ class HOSFLWorker(WorkerBase):
         if self.precision.compute is not None:
             raise ConfigError(
                 f"invalid value for zo.compile: {mode} (the client upcasts its stored weights to "
-                f"{str(self.precision.compute).removeprefix('torch.')} one module at a time in hooks, which would "
-                "break the compiled graph at every module; use zo.compute_dtype=model or zo.compile=off)"
+                f"{str(self.precision.compute).removeprefix('torch.')} one module at a time in hooks, which a "
+                "compiled f_c does not run; use zo.compute_dtype=model or zo.compile=off)"
             )
         return CompiledForward(self.module, mode)
 

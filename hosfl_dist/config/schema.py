@@ -271,9 +271,10 @@ class ZOConfig:
     compile: Literal["off", "default", "reduce-overhead"] = "off"
     """HO-SFL: the client's no-grad forwards of the ZO step (z and every z̃) through ``torch.compile`` in this mode
     (reduce-overhead: CUDA graphs, job.device=cuda only), for a small client whose step is launch-bound on a GPU.
-    Needs zo.perturb_mode=copy and zo.perturb_batch=1 (the swaps of hooks would break the graph at every module) and
-    weights stored in the compute dtype. The first round compiles (seconds to minutes); evaluation stays eager. The
-    scalars may differ in their last bits from eager forwards (other kernels), so it is part of the run's identity."""
+    Needs zo.perturb_mode=copy and zo.perturb_batch=1 (a compiled f_c does not run hooks added after it was compiled:
+    with hooks every z̃ would be z) and weights stored in the compute dtype. The first round compiles (seconds to
+    minutes); evaluation stays eager. The scalars may differ in their last bits from eager forwards (other kernels),
+    so it is part of the run's identity."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
     """dtype of the zeroth-order client's forwards (z and every z̃): float32 keeps half-precision weights stored as
     they are and upcasts one module at a time; model = model.dtype; auto = float32 unless model.dtype is float32."""
@@ -298,8 +299,8 @@ class ZOConfig:
               "must be an integer >= 1: the perturbed forwards batched together (1: one at a time)")  # fmt: skip
         check(isinstance(self.batch_clients, bool), "batch_clients", self.batch_clients, "expected true or false")
         check(self.compile == "off" or self.perturb_mode == "copy", "compile", self.compile,
-              f"needs zo.perturb_mode=copy, not {self.perturb_mode} (the hooks' swaps would break the compiled graph "
-              "at every module)")  # fmt: skip
+              f"needs zo.perturb_mode=copy, not {self.perturb_mode} (a compiled f_c does not run the hooks that "
+              "perturb it, so every z̃ would be z)")  # fmt: skip
         check(self.compile == "off" or self.perturb_batch == 1, "compile", self.compile,
               f"compiles one-at-a-time forwards; use zo.perturb_batch=1, not {self.perturb_batch}")  # fmt: skip
 

@@ -3,12 +3,13 @@
 ``torch.compile(module)`` shares the module: its parameters stay where they are, and Dynamo reads them from the
 module's slots at every call as inputs of the compiled graph (``inline_inbuilt_nn_modules``, always on in torch
 2.13), so a replica bound into the slots, a perturbed copy swapped in (``zo.perturb_mode=copy``) and an optimizer
-step that writes θc in place are all seen without recompiling (``tests/test_compile.py`` checks each).
+step that writes θc in place are all seen (one recompile, for the copies' tensor type; ``tests/test_compile.py``).
 No freezing: frozen weights would be constants of the graph.
 
-What such a forward may not hold is a hook that swaps tensors while it runs (``zo.perturb_mode=hooks``, the upcast of
-half-precision weights under ``zo.compute_dtype``): Dynamo would break the graph at every module. Those are refused
-where the config is checked and where the worker is built.
+What such a forward may not rely on is a hook added after it was compiled (``zo.perturb_mode=hooks``, the upcast of
+half-precision weights under ``zo.compute_dtype``): Dynamo does not guard on submodules' hooks
+(``skip_nnmodule_hook_guards``), so the compiled graph runs without them, silently (with hooks, every z̃ came out as
+z: ``tests/test_compile.py``). Those are refused where the config is checked and where the worker is built.
 """
 
 from __future__ import annotations
