@@ -68,6 +68,33 @@ def _batched(name: str, options: tuple[str, ...], where: str, target: float | No
     )
 
 
+def _compiled(name: str, options: tuple[str, ...], where: str, gpu: bool) -> Benchmark:
+    """The ZO step with its forwards compiled (zo.compile) and eager, both perturbing by copy, in one invocation,
+    each against P+1 eager no-grad forwards."""
+    floor = "1 + drawing the noise (P·d_c normal draws, twice) / (P+1) eager fwds"
+    what = "ZO client step / ((P+1) eager no-grad client forwards), zo.perturb_mode=copy"
+    clients = (
+        ("quickstart_cnn", "quickstart CNN cut 1, B=32, P=5"),
+        ("tiny_llama_lora", "tiny Llama cut 2 + LoRA, B=32 T=128, P=2"),
+        ("tiny_llama_full", "tiny Llama cut 2 full fine-tuning, P=2"),
+        ("resnet18_cut2", "ResNet-18 cut 2, CIFAR B=32, P=5"),
+        ("smollm2_cut5", "SmolLM2-135M cut 5 + LoRA, B=16 T=64, P=2"),
+    )
+    figures = []
+    for c, label in clients:
+        figures.append(Figure(c, X, f"{what}, forwards compiled (zo.compile): {label}", 1.10, "<=", floor))
+        figures.append(Figure(f"{c}_off", X, f"{what}, eager forwards (zo.compile=off): {label}", floor=floor))
+    return Benchmark(
+        name=name,
+        module="bench.zo_step",
+        options=options,
+        measures=f"the HO-SFL client step with its forwards compiled against eager ones, {where}",
+        takes="~3 min (the first step of each client compiles)",
+        figures=tuple(figures),
+        gpu=gpu,
+    )
+
+
 def _server_step() -> Benchmark:
     run = "bf16, cut 5, LoRA r=8 q/v, B=8 T=512, LM loss over the vocabulary"
     figures = []
@@ -334,6 +361,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             1.0,
             True,
         ),  # fmt: skip
+        _compiled("zo_step_compile", ("--compile", "default", "--tune-malloc"),
+                  "one thread, glibc keeping freed memory (a CPU is not launch-bound: reported)", False),
+        _compiled("gpu_zo_step_compile", ("--compile", "reduce-overhead", "--device", "cuda", "--reps", "20",
+                                          "--rng-device", "cuda"),
+                  "on a CUDA GPU with CUDA graphs (zo.compile=reduce-overhead), noise drawn there", True),  # fmt: skip
         _server_step(),
         _server_loss(),
         _memory(),

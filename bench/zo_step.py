@@ -3,12 +3,18 @@
     python -m bench.zo_step [--reps 40] [--clients NAME ...] [--tune-malloc] [--clock cpu|wall] [--out bench/out]
     python -m bench.zo_step --perturb-batch 64 [--P 10] [--device cuda --rng-device cuda]   # zo.perturb_batch
     python -m bench.zo_step --tune-malloc --noise-cache-mb 64                                # zo.noise_cache_mb
+    python -m bench.zo_step --compile default [--device cuda --compile reduce-overhead]      # zo.compile
 
 With ``--perturb-batch k`` the step's perturbed forwards run k at a time as one batched forward (``zo.perturb_batch``)
 and the record is ``zo_step_batched`` (``gpu_zo_step_batched`` on CUDA); the floor stays (P+1) sequential forwards,
 so a ratio below 1 is what batching buys. ``--P`` sets every client's P. With ``--noise-cache-mb`` above 0 (on the
 CPU) the round keeps its draws for the update and the record is ``zo_step_noise_cache``: its floor has one pass of
-draws instead of two, and beside ``zo_step_tuned`` of the same invocation it says what keeping them saves.
+draws instead of two, and beside ``zo_step_tuned`` of the same invocation it says what keeping them saves. With
+``--compile MODE`` each client is measured twice in the same invocation, perturbing by copy (``zo.perturb_mode=copy``,
+which ``zo.compile`` needs): with eager forwards (figure ``<client>_off``), then with the ZO step's forwards compiled
+(``zo.compile=MODE``, figure ``<client>``; the first warm-up step compiles). The floor's block stays P+1 eager
+forwards, so the two ratios read against the same yardstick, and their quotient is what compiling buys the step.
+The record is ``zo_step_compile`` (``gpu_zo_step_compile`` on CUDA).
 
 One HO-SFL client step is what HOSFLWorker.run_round does for a sampled client, with a stand-in server (the memory
 profiler's): z = f_c(x), the P perturbed forwards (zo_activations), the P projections v_p = λᵀ(z̃_p − z), and the
@@ -146,8 +152,7 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "
     def phases(seeds: list[int]) -> dict[str, float]:
         worker.bind(rep.params)
         t1 = now()
-        with torch.no_grad():
-            z = worker.client_forward(x)["z"]
+        z = worker.zo_forward(x)["z"]  # (compiled with zo.compile)
         t2 = now()
         lam = torch.randn(z.shape, generator=gen).to(z.device)  # the stand-in's λ (not timed: it comes over the link)
         t3 = now()
@@ -196,13 +201,22 @@ def measure_client(spec: ProfileSpec, reps: int, warmup: int = 2, clock: str = "
 
 
 def figures(data: dict) -> tuple[dict, dict]:
-    """The ratio of each client measured, and its floor (1 + the noise draws measured beside it)."""
+    """The ratio of each client measured, and its floor (1 + the noise draws measured beside it); with --compile
+    also the eager ratio of the same invocation (``<client>_off``)."""
     rows = data["clients"]
-    return {r["client"]: r["ratio"] for r in rows}, {r["client"]: r["floor_with_noise"] for r in rows}
+    values = {r["client"]: r["ratio"] for r in rows}
+    floors = {r["client"]: r["floor_with_noise"] for r in rows}
+    for r in rows:
+        if "off" in r:
+            values[f"{r['client']}_off"] = r["off"]["ratio"]
+            floors[f"{r['client']}_off"] = r["off"]["floor_with_noise"]
+    return values, floors
 
 
 def record_name(args: argparse.Namespace) -> str:
     """The suite's benchmark this command measures (its record's name): on a GPU, by where the noise is drawn."""
+    if args.compile != "off":
+        return "gpu_zo_step_compile" if args.device.startswith("cuda") else "zo_step_compile"
     if args.perturb_batch > 1:
         return "gpu_zo_step_batched" if args.device.startswith("cuda") else "zo_step_batched"
     if args.device.startswith("cuda"):
@@ -210,6 +224,19 @@ def record_name(args: argparse.Namespace) -> str:
     if args.noise_cache_mb > 0:
         return "zo_step_noise_cache"
     return "zo_step_tuned" if args.tune_malloc else "zo_step"
+
+
+def report(name: str, r: dict) -> None:
+    """One client's line: its ratio, the floor, and the step phase by phase."""
+    m = r["median_s"]
+    print(
+        f"{name:16s} ratio {r['ratio']:.3f} (of minima {r['ratio_of_minima']:.3f}; "
+        f"floor+noise {r['floor_with_noise']:.3f}) "
+        f"fwd {m['forward'] * 1e3:.2f} ms, step {m['step'] * 1e3:.2f} ms = z {m['z'] * 1e3:.2f} + perturbed "
+        f"{m['perturbed'] * 1e3:.2f} + project {m['project'] * 1e3:.2f} + update {m['update'] * 1e3:.2f}; "
+        f"d_c {r['d_c']}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="zo.perturb_batch: perturbed forwards batched together (default 1, the config's; >1 writes "
                    "the *_batched record)")
     p.add_argument("--P", type=int, default=0, help="perturbations per step for every client (default: each one's)")
+    p.add_argument("--compile", default="off", choices=["off", "default", "reduce-overhead"],
+                   help="zo.compile: measure each client with eager forwards and then compiled ones, both perturbing "
+                   "by copy (writes the *_compile record)")
     p.add_argument(
         "--tune-malloc",
         action="store_true",
@@ -242,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--clock cuda needs --device cuda")
     if args.perturb_batch < 1 or args.P < 0:
         p.error("--perturb-batch must be >= 1 and --P >= 1 (0: each client's own)")
+    if args.compile != "off" and args.perturb_batch > 1:
+        p.error("--compile compiles one-at-a-time forwards: leave --perturb-batch at 1")
     rec = Recorder(BENCHMARKS[record_name(args)], argv, args.via)
     torch.set_num_threads(args.threads)
     if args.tune_malloc:
@@ -256,20 +288,24 @@ def main(argv: list[str] | None = None) -> int:
             skipped[name] = f"{spec.model}: package not installed"
             print(f"{name}: skipped ({skipped[name]})", flush=True)
             continue
-        r = measure_client(spec, min(args.reps, client.max_reps or args.reps), clock=args.clock)
-        rows.append({"client": name, **r})
-        m = r["median_s"]
-        print(
-            f"{name:16s} ratio {r['ratio']:.3f} (of minima {r['ratio_of_minima']:.3f}; "
-            f"floor+noise {r['floor_with_noise']:.3f}) "
-            f"fwd {m['forward'] * 1e3:.2f} ms, step {m['step'] * 1e3:.2f} ms = z {m['z'] * 1e3:.2f} + perturbed "
-            f"{m['perturbed'] * 1e3:.2f} + project {m['project'] * 1e3:.2f} + update {m['update'] * 1e3:.2f}; "
-            f"d_c {r['d_c']}",
-            flush=True,
-        )
+        reps = min(args.reps, client.max_reps or args.reps)
+        if args.compile == "off":
+            r = measure_client(spec, reps, clock=args.clock)
+            rows.append({"client": name, **r})
+            report(name, r)
+            continue
+        off = measure_client(replace(spec, perturb_mode="copy"), reps, clock=args.clock)
+        report(f"{name} (compile off)", off)
+        r = measure_client(replace(spec, perturb_mode="copy", compile=args.compile), reps, clock=args.clock)
+        report(f"{name} (compile {args.compile})", r)
+        speedup = off["median_s"]["step"] / r["median_s"]["step"]
+        rows.append({"client": name, **r, "off": off, "step_off_over_on": speedup})
+        print(f"{name}: step with zo.compile={args.compile} {r['ratio']:.3f}x the floor's forwards, off "
+              f"{off['ratio']:.3f}x; the eager step takes {speedup:.3f}x the compiled one", flush=True)
     data = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "tune_malloc": args.tune_malloc,
             "clock": args.clock, "reps": args.reps, "device": args.device, "rng_device": args.rng_device,
             "noise_cache_mb": args.noise_cache_mb, "perturb_batch": args.perturb_batch, "P": args.P or None,
+            "compile": args.compile,
             "gpu": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None,
             "clients": rows, "skipped": skipped}  # fmt: skip
     rec.write(args.out, data, *figures(data))

@@ -52,6 +52,8 @@ class AlgorithmSpec:
     """Can run its perturbed forwards batched (``zo.perturb_batch`` > 1); else that is refused."""
     batches_clients: bool = False
     """Can run a worker's clients of a round in one pass (``zo.batch_clients``); else that is refused."""
+    compiles_client: bool = False
+    """Can run its client's zeroth-order forwards through ``torch.compile`` (``zo.compile``); else that is refused."""
     lr_schedules: bool = False
     """Follows ``optim.schedule`` and ``optim.warmup_rounds`` (its optimizers step once a round); else they are
     refused."""

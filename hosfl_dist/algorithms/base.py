@@ -16,7 +16,7 @@ theirs either (:mod:`hosfl_dist.evaluation`); a worker only says which θc is ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,8 +250,9 @@ class WorkerBase:
         """Copies of the trainable tensors as initialised (every replica starts from the same θc^0)."""
         return [nn.Parameter(p.detach().clone(), requires_grad=requires_grad) for p in self.current_params()]
 
-    def client_forward(self, inputs: Any) -> Activation:
-        return self.split.client_forward(_to(inputs, self.device))
+    def client_forward(self, inputs: Any, forward: Callable[[Any], Activation] | None = None) -> Activation:
+        """f_c(inputs) on the client's device, through ``forward`` where given (a compiled f_c)."""
+        return (forward or self.split.client_forward)(_to(inputs, self.device))
 
     @property
     def device(self) -> torch.device:

@@ -56,6 +56,7 @@ from hosfl_dist.core.zo import (
 )
 from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError, first_line
 from hosfl_dist.models import Activation, SplitModel
+from hosfl_dist.models.compiled import CompiledForward
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.models.vision import mixes_batch_rows
 from hosfl_dist.transport.wire import (
@@ -456,6 +457,7 @@ class HOSFLWorker(WorkerBase):
                 "depend on the other clients' rows; use zo.batch_clients=false)"
             )
         self._unbatched_told = False
+        self.compiled = None if cfg.zo.compile == "off" else self._compiled_forward(cfg.zo.compile)
         self.K = cfg.clients.per_round
         self.per_client = cfg.clients.replicas == "per_client"
         ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.collective.is_leader else [])
@@ -496,9 +498,20 @@ class HOSFLWorker(WorkerBase):
         replay(rep, hist_seeds, hist_scalars, self.mu, self.rng_device)
 
     def zo_forward(self, x: Any) -> Activation:
-        """f_c(x) at the bound θc in the client's compute dtype, without an autograd graph (Eq. 1, 12)."""
+        """f_c(x) at the bound θc in the client's compute dtype, without an autograd graph (Eq. 1, 12); compiled
+        with ``zo.compile``."""
         with torch.no_grad(), self.precision.computing(self.module, self.slots):
-            return self.client_forward(x)
+            return self.client_forward(x, self.compiled)
+
+    def _compiled_forward(self, mode: str) -> CompiledForward:
+        """``zo.compile``: f_c through ``torch.compile``; refused where the forward would swap weights in hooks."""
+        if self.precision.compute is not None:
+            raise ConfigError(
+                f"invalid value for zo.compile: {mode} (the client upcasts its stored weights to "
+                f"{str(self.precision.compute).removeprefix('torch.')} one module at a time in hooks, which a "
+                "compiled f_c does not run; use zo.compute_dtype=model or zo.compile=off)"
+            )
+        return CompiledForward(self.module, mode)
 
     def perturbed_forward(self, x: Any, seed: int) -> Tensor:
         """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc."""
@@ -816,6 +829,7 @@ register(
         lr_schedules=True,
         batches_perturbations=True,
         batches_clients=True,
+        compiles_client=True,
         drops_clients=True,
     )
 )

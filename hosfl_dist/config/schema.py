@@ -22,6 +22,8 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 MAX_PERTURBATIONS = 10_000
+COMPILE_MODES = ("off", "default", "reduce-overhead")
+"""zo.compile: eager, or a ``torch.compile`` mode."""
 MIN_MU = 1e-9
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}")
 """A name that becomes one folder (job.name: runs/<job.name>/): no separator, no leading dot (., .., hidden)."""
@@ -266,6 +268,13 @@ class ZOConfig:
     clients' inputs do not stack (text batches trimmed to different lengths) or that has one client runs client by
     client. The scalars may differ in their last bits from client-by-client forwards, and depend on which clients
     share a worker, so it is part of the run's identity."""
+    compile: Literal["off", "default", "reduce-overhead"] = "off"
+    """HO-SFL: the client's no-grad forwards of the ZO step (z and every z̃) through ``torch.compile`` in this mode
+    (reduce-overhead: CUDA graphs, job.device=cuda only), for a small client whose step is launch-bound on a GPU.
+    Needs zo.perturb_mode=copy and zo.perturb_batch=1 (a compiled f_c does not run hooks added after it was compiled:
+    with hooks every z̃ would be z) and weights stored in the compute dtype. The first round compiles (seconds to
+    minutes); evaluation stays eager. The scalars may differ in their last bits from eager forwards (other kernels),
+    so it is part of the run's identity."""
     compute_dtype: Literal["auto", "float32", "model"] = "auto"
     """dtype of the zeroth-order client's forwards (z and every z̃): float32 keeps half-precision weights stored as
     they are and upcasts one module at a time; model = model.dtype; auto = float32 unless model.dtype is float32."""
@@ -289,6 +298,11 @@ class ZOConfig:
               and self.perturb_batch >= 1, "perturb_batch", self.perturb_batch,
               "must be an integer >= 1: the perturbed forwards batched together (1: one at a time)")  # fmt: skip
         check(isinstance(self.batch_clients, bool), "batch_clients", self.batch_clients, "expected true or false")
+        check(self.compile == "off" or self.perturb_mode == "copy", "compile", self.compile,
+              f"needs zo.perturb_mode=copy, not {self.perturb_mode} (a compiled f_c does not run the hooks that "
+              "perturb it, so every z̃ would be z)")  # fmt: skip
+        check(self.compile == "off" or self.perturb_batch == 1, "compile", self.compile,
+              f"compiles one-at-a-time forwards; use zo.perturb_batch=1, not {self.perturb_batch}")  # fmt: skip
 
     def overlap_on(self, held_bytes: float) -> bool:
         """Whether a round overlaps (:attr:`overlap`), where keeping its z̃ takes ``held_bytes`` (P·Σ|z_m|)."""

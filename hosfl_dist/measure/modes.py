@@ -86,6 +86,10 @@ class ProfileSpec:
     where they fit; 0, the config default: drawn again)."""
     perturb_batch: int = 1
     """hosfl: zo.perturb_batch, the perturbed forwards run together as one batched forward (1: one at a time)."""
+    perturb_mode: str = "hooks"
+    """zo.perturb_mode: hooks (one module perturbed at a time) or copy (a perturbed copy of θc)."""
+    compile: str = "off"
+    """hosfl: zo.compile, the client's ZO forwards through ``torch.compile`` in this mode (needs perturb_mode=copy)."""
     plugins: tuple[str, ...] = ()
     """Modules imported first (``--plugin``, as ``job.plugins``): the methods they register are modes too."""
 
@@ -250,12 +254,13 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
             "zo": {
                 "num_perturbations": spec.P,
                 "mu": spec.mu,
-                "perturb_mode": "hooks",
+                "perturb_mode": spec.perturb_mode,
                 "overlap": spec.overlap,
                 "compute_dtype": spec.compute_dtype,
                 "rng_device": spec.rng_device,
                 "noise_cache_mb": spec.noise_cache_mb,
                 "perturb_batch": spec.perturb_batch,
+                "compile": spec.compile,
             },
             "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
             "train": {"budget_samples": spec.batch},

@@ -61,6 +61,7 @@ computes."""
 ADDED_KEYS = {
     ("zo", "perturb_batch"): 1,
     ("zo", "batch_clients"): False,
+    ("zo", "compile"): "off",
     ("clients", "dropout"): 0.0,
     ("clients", "dropout_stage"): "before_upload",
     ("clients", "over_select"): 0.0,

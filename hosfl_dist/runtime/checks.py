@@ -124,6 +124,10 @@ def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
           f"batched perturbed forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
     check(not cfg.zo.batch_clients or spec.batches_clients, "zo.batch_clients", cfg.zo.batch_clients,
           f"clients batched in one pass are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
+    check(cfg.zo.compile == "off" or spec.compiles_client, "zo.compile", cfg.zo.compile,
+          f"compiled client forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
+    check(cfg.zo.compile != "reduce-overhead" or cfg.job.device.startswith("cuda"), "zo.compile", cfg.zo.compile,
+          f"captures CUDA graphs, which job.device={cfg.job.device} has none of; use zo.compile=default")  # fmt: skip
     check(
         cfg.train.on_nonfinite == "stop" or spec.skips_nonfinite,
         "train.on_nonfinite",
