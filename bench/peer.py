@@ -32,6 +32,9 @@ turn (ABBA) so that load from other processes falls on each alike:
 Warm-up rounds (``--warmup``) are left out of every timing; samples/s is K·B per round over the wall time from the
 end of the last warm-up round to the end of the last round, one figure per turn; the record keeps every turn, the
 figures are medians, and each ratio is the median of the per-turn ratios (both sides measured in the same turn).
+Beside it, samples per CPU second of the process (``time.process_time``; of the authors' command's processes with
+``--peer-samples``): on shared cores a one-thread process waits for a core while others run, which moves its wall time
+by tens of percent from one turn to the next and its CPU time far less.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -76,16 +80,21 @@ class RoundClock(Callback):
     """When each round ended, and its samples (``on_round_end`` of the trainer)."""
 
     def __init__(self) -> None:
-        self.ends: list[tuple[float, int]] = []
+        self.ends: list[tuple[float, float, int]] = []
 
     def on_round_end(self, round: int, info: dict) -> None:  # noqa: A002 - the Callback's name for it
-        self.ends.append((time.perf_counter(), info["samples"]))
+        self.ends.append((time.perf_counter(), time.process_time(), info["samples"]))
 
 
-def samples_per_s(ends: list[tuple[float, int]], warmup: int) -> float:
-    """Samples of the rounds after the warm-up over the wall time from the last warm-up round's end to the last end."""
-    measured = ends[warmup:]
-    return sum(n for _, n in measured) / (measured[-1][0] - ends[warmup - 1][0])
+def rates(ends: list[tuple[float, float, int]], warmup: int) -> dict[str, float]:
+    """Samples of the rounds after the warm-up over the wall time (and the process's CPU time) from the last warm-up
+    round's end to the last end."""
+    measured, start = ends[warmup:], ends[warmup - 1]
+    samples = sum(n for _, _, n in measured)
+    return {
+        "samples_per_s": samples / (measured[-1][0] - start[0]),
+        "samples_per_cpu_s": samples / (measured[-1][1] - start[1]),
+    }
 
 
 def run_ours(cfg: Config, rounds: int, warmup: int) -> dict:
@@ -94,7 +103,7 @@ def run_ours(cfg: Config, rounds: int, warmup: int) -> dict:
         run = train(load_config(cfg, [f"job.out_dir={tmp}/run"]), callbacks=[clock])
         last = {k: v for k, v in run.metrics[-1].items() if k.startswith(("eval_", "train_"))}
     assert len(clock.ends) == rounds, f"ran {len(clock.ends)} rounds, asked for {rounds}"
-    return {"samples_per_s": samples_per_s(clock.ends, warmup), "last_metrics": last}
+    return {**rates(clock.ends, warmup), "last_metrics": last}
 
 
 # -- reference: a plain-PyTorch HO-SFL loop (written here, not the authors' code) --------------------------------------
@@ -240,28 +249,41 @@ def run_reference(cfg: Config, rounds: int, warmup: int) -> dict:
     ends, losses = [], []
     for _ in range(rounds):
         losses.append(loop.round())
-        ends.append((time.perf_counter(), loop.per_round * loop.batch))
-    return {"samples_per_s": samples_per_s(ends, warmup), "losses": losses, "same_model": same_model(cfg, loop)}
+        ends.append((time.perf_counter(), time.process_time(), loop.per_round * loop.batch))
+    return {**rates(ends, warmup), "losses": losses, "same_model": same_model(cfg, loop)}
 
 
 # -- authors: their code, where someone has it -------------------------------------------------------------------------
 RATE = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*samples/s|samples/s\s*[:=]\s*([0-9]+(?:\.[0-9]*)?)")
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the finished child processes (and theirs) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_authors(command: str, code: str, samples: int | None, timeout: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _children_cpu()
     got = subprocess.run(command, shell=True, cwd=code, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
     out = got.stdout + got.stderr
     if got.returncode != 0:
         raise RuntimeError(f"--peer-command exited {got.returncode}: {out.strip().splitlines()[-1:] or ''}")
     if samples is not None:
-        return {"samples_per_s": samples / wall, "wall_s": wall, "how": f"{samples} samples / wall time"}
-    rates = [float(a or b) for a, b in RATE.findall(out)]
-    if not rates:
+        per_cpu = samples / cpu if cpu > 0 else None
+        return {"samples_per_s": samples / wall, "samples_per_cpu_s": per_cpu, "wall_s": wall,
+                "how": f"{samples} samples / wall time (CPU time)"}  # fmt: skip
+    printed = [float(a or b) for a, b in RATE.findall(out)]
+    if not printed:
         raise RuntimeError("--peer-command printed no samples/s and --peer-samples was not given")
-    return {"samples_per_s": rates[-1], "wall_s": wall, "how": "the last samples/s it printed"}
+    return {
+        "samples_per_s": printed[-1],
+        "samples_per_cpu_s": None,
+        "wall_s": wall,
+        "how": "the last samples/s it printed",
+    }
 
 
 # -- the invocation ----------------------------------------------------------------------------------------------------
@@ -273,6 +295,7 @@ def figures(data: dict) -> tuple[dict, dict]:
         "ours_samples_per_s": med.get("ours"),
         "reference_samples_per_s": med.get("reference"),
         "ours_vs_reference": med.get("ours_vs_reference"),
+        "ours_vs_reference_cpu": med.get("ours_vs_reference_cpu"),
         "authors_samples_per_s": med.get("authors"),
         "ours_vs_authors": med.get("ours_vs_authors"),
         "same_model": data["same_model"],
@@ -318,12 +341,19 @@ def main(argv: list[str] | None = None) -> int:
                 row[way] = run_reference(cfg, args.rounds, args.warmup)
             else:
                 row[way] = run_authors(args.peer_command, code, args.peer_samples, args.peer_timeout)
-            print(f"turn {turn} {way:9s} {row[way]['samples_per_s']:8.1f} samples/s", flush=True)
+            cpu = row[way]["samples_per_cpu_s"]
+            print(f"turn {turn} {way:9s} {row[way]['samples_per_s']:8.1f} samples/s"
+                  + (f"  {cpu:8.1f} samples/CPU s" if cpu else ""), flush=True)  # fmt: skip
         turns.append(row)
     med = {w: statistics.median(r[w]["samples_per_s"] for r in turns) for w in ways}
     for other in ways[1:]:
-        ratios = [r["ours"]["samples_per_s"] / r[other]["samples_per_s"] for r in turns]
-        med[f"ours_vs_{other}"] = statistics.median(ratios)
+        med[f"ours_vs_{other}"] = statistics.median(
+            r["ours"]["samples_per_s"] / r[other]["samples_per_s"] for r in turns
+        )
+        if all(r[other]["samples_per_cpu_s"] for r in turns):
+            med[f"ours_vs_{other}_cpu"] = statistics.median(
+                r["ours"]["samples_per_cpu_s"] / r[other]["samples_per_cpu_s"] for r in turns
+            )
     data = {
         "setting": {"config": args.config, "overrides": list(args.overrides), "replicas": args.replicas,
                     "M": cfg.clients.total, "K": cfg.clients.per_round, "B": cfg.clients.batch_size,
@@ -343,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ours (hosfl_dist in-process, clients.replicas={args.replicas}): {med['ours']:.1f} samples/s")
     print(f"  reference ({REFERENCE}): {med['reference']:.1f} samples/s; "
           f"same model: {str(data['same_model']).lower()}")  # fmt: skip
-    print(f"  ours / reference: {med['ours_vs_reference']:.2f}x (median of the per-turn ratios)")
+    print(f"  ours / reference: {med['ours_vs_reference']:.2f}x wall, {med['ours_vs_reference_cpu']:.2f}x CPU time "
+          "(medians of the per-turn ratios)")  # fmt: skip
     if args.peer_command:
         print(
             f"  authors' code ({code}): {med['authors']:.1f} samples/s; ours / authors: {med['ours_vs_authors']:.2f}x"

@@ -328,6 +328,11 @@ def _peer() -> Benchmark:
             Figure("reference_samples_per_s", "samples/s", f"{ref}, {run}"),
             Figure("ours_vs_reference", X, "ours / reference, median of the per-turn ratios (turns alternate)"),
             Figure(
+                "ours_vs_reference_cpu",
+                X,
+                "the same with samples per CPU second of the process (what other processes' load moves least)",
+            ),
+            Figure(
                 "authors_samples_per_s",
                 "samples/s",
                 f"the authors' published code, {run} (only with --peer-command: their code is not in this repository)",

@@ -57,6 +57,8 @@ def test_one_invocation_records_ours_the_reference_and_their_ratio_and_says_the_
     turn = record["data"]["turns"][0]
     ratio = turn["ours"]["samples_per_s"] / turn["reference"]["samples_per_s"]
     assert figures["ours_vs_reference"] == pytest.approx(ratio, rel=1e-5)
+    cpu = turn["ours"]["samples_per_cpu_s"] / turn["reference"]["samples_per_cpu_s"]
+    assert figures["ours_vs_reference_cpu"] == pytest.approx(cpu, rel=1e-5)
     assert figures["authors_samples_per_s"] is None and figures["ours_vs_authors"] is None
     assert record["figures"]["ours_vs_authors"]["met"] is None and figures["same_model"] is True
     assert record["data"]["authors"] == NOT_MEASURED
