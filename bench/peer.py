@@ -1,8 +1,8 @@
 """HO-SFL at the authors' code's CIFAR-10 setting, hosfl_dist beside a plain reference loop (and the authors' code
 where someone has it), samples/s in one invocation.
 
-    python -m bench.peer                                   # ~4 min on 2 shared cores: bench/out/peer.json
-    python -m bench.peer --rounds 8 --warmup 1 --repeat 3
+    python -m bench.peer                                   # ~2-4 min on 2 shared cores: bench/out/peer.json
+    python -m bench.peer --replicas per_client --rounds 12 --warmup 2 --repeat 2
     python -m bench.peer --peer-code ~/HO-SFL --peer-command "python main.py ..." --peer-samples 19200
 
 The setting is ``configs/repro/resnet18_cifar10_code.yaml``, the one in which the authors' published code was run
@@ -60,6 +60,7 @@ from bench.suite import BENCHMARKS
 from hosfl_dist.cli.api import train
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.config.schema import OptimConfig
+from hosfl_dist.data.vision import load_cifar10_npz
 from hosfl_dist.models.vision import resnet18_split
 from hosfl_dist.runtime.callbacks import Callback
 
@@ -138,6 +139,10 @@ def plain_resnet18_split(num_classes: int, cut: int) -> tuple[nn.Sequential, nn.
     return client.eval(), server.train()  # the client's BatchNorm on fixed statistics, the server's on the batch's
 
 
+def trainable(module: nn.Module) -> list[Tensor]:
+    return [w for w in module.parameters() if w.requires_grad]
+
+
 def draw(params: list[Tensor], seed: int) -> list[Tensor]:
     """u_p ~ N(0, I) regenerated from its seed s_p, tensor by tensor."""
     g = torch.Generator().manual_seed(seed)
@@ -165,16 +170,13 @@ class ReferenceLoop:
 
     @classmethod
     def build(cls, cfg: Config) -> ReferenceLoop:
-        from hosfl_dist.data.vision import load_cifar10_npz
-
         data = load_cifar10_npz(cfg.data.root)
         client, server = plain_resnet18_split(data.num_classes, cfg.split.cut)
 
         def adamw(module: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
             if o.name != "adamw" or o.schedule != "constant" or o.warmup_rounds:
                 raise ValueError("the reference loop steps AdamW at a constant rate (the authors' code's setting)")
-            trainable = [p for p in module.parameters() if p.requires_grad]
-            return torch.optim.AdamW(trainable, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
+            return torch.optim.AdamW(trainable(module), o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
 
         return cls(
             client, server, data.train_x, data.train_y,
@@ -195,8 +197,7 @@ class ReferenceLoop:
         K, P, mu = self.per_round, self.P, self.mu
         seeds = torch.randint(0, 2**62, (P,), generator=self.rng).tolist()  # s_p^t, broadcast
         sampled = torch.randperm(self.clients, generator=self.rng)[:K].tolist()  # S_t
-        theta_c = [p for p in self.client.parameters() if p.requires_grad]
-        theta_s = [p for p in self.server.parameters() if p.requires_grad]
+        theta_c, theta_s = trainable(self.client), trainable(self.server)
         v = torch.empty(K, P)
         losses = []
         self.server_optim.zero_grad(set_to_none=True)
@@ -210,22 +211,21 @@ class ReferenceLoop:
             lam = z.grad.flatten()
             losses.append(loss.item())
             with torch.no_grad():
-                for p, s in enumerate(seeds):  # ZOScalar, Algorithm 2
+                for i, s in enumerate(seeds):  # ZOScalar, Algorithm 2
                     u = draw(theta_c, s)
                     torch._foreach_add_(theta_c, u, alpha=mu)
                     z_p = self.client(x)  # z̃_mp = f_c(x_m; θc + μu_p)
                     torch._foreach_sub_(theta_c, u, alpha=mu)
-                    v[k, p] = lam @ (z_p.flatten() - z.detach().flatten())  # v_mp = λᵀ(z̃ − z), Eq. 12
-        for p in theta_s:
-            p.grad.div_(K)  # the mean of the K clients' gradients
+                    v[k, i] = lam @ (z_p.flatten() - z.detach().flatten())  # v_mp = λᵀ(z̃ − z), Eq. 12
+        torch._foreach_div_([w.grad for w in theta_s], K)  # the mean of the K clients' gradients
         self.server_optim.step()
         v_bar = v.mean(0)  # v̄_p, Eq. 14
         with torch.no_grad():
-            g_hat = [torch.zeros_like(p) for p in theta_c]
-            for p, s in enumerate(seeds):  # ĝ_c = 1/(Pμ) Σ_p v̄_p u_p, Eq. 15
-                torch._foreach_add_(g_hat, draw(theta_c, s), alpha=float(v_bar[p]) / (P * mu))
-        for p, g in zip(theta_c, g_hat):
-            p.grad = g
+            g_hat = [torch.zeros_like(w) for w in theta_c]
+            for i, s in enumerate(seeds):  # ĝ_c = 1/(Pμ) Σ_p v̄_p u_p, Eq. 15
+                torch._foreach_add_(g_hat, draw(theta_c, s), alpha=float(v_bar[i]) / (P * mu))
+        for w, g in zip(theta_c, g_hat):
+            w.grad = g
         self.client_optim.step()  # Eq. 16, with the client's AdamW
         return sum(losses) / K
 
@@ -233,10 +233,8 @@ class ReferenceLoop:
 def same_model(cfg: Config, loop: ReferenceLoop) -> bool:
     """Whether the reference's f_c and f_s have hosfl_dist's trainable tensors (shapes, in order) and z."""
     ours = resnet18_split(loop.server[-1].out_features, 3, cfg.split.cut, cfg.model.freeze_bn)
-    for theirs, mine in zip(ours, (loop.client, loop.server)):
-        if [p.shape for p in theirs.parameters() if p.requires_grad] != [
-            p.shape for p in mine.parameters() if p.requires_grad
-        ]:
+    for part, mine in zip(ours, (loop.client, loop.server)):
+        if [w.shape for w in trainable(part)] != [w.shape for w in trainable(mine)]:
             return False
     x = torch.zeros(1, 3, 32, 32)
     with torch.no_grad():
@@ -305,9 +303,9 @@ def figures(data: dict) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=6, help="rounds per run, warm-up included [6]")
+    p.add_argument("--rounds", type=int, default=7, help="rounds per run, warm-up included [7]")
     p.add_argument("--warmup", type=int, default=1, help="rounds left out of the timing [1]")
-    p.add_argument("--repeat", type=int, default=2, help="turns of every way of running (medians kept) [2]")
+    p.add_argument("--repeat", type=int, default=4, help="turns of every way of running (medians kept) [4]")
     p.add_argument("--replicas", choices=("shared", "per_client"), default="shared", help="ours: clients.replicas")
     p.add_argument("--config", default=CONFIG, help=f"the setting [{CONFIG}]")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the setting, both loops (clients.total=4)")

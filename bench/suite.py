@@ -322,7 +322,7 @@ def _peer() -> Benchmark:
         module="bench.peer",
         measures="HO-SFL at the authors' code's CIFAR-10 setting: hosfl_dist's in-process round beside a plain "
         "reference loop (and the authors' code, where --peer-command runs it), samples/s in one invocation",
-        takes="~4 min",
+        takes="~3 min",
         figures=(
             Figure("ours_samples_per_s", "samples/s", f"hosfl_dist.train, clients.replicas=shared, {run}"),
             Figure("reference_samples_per_s", "samples/s", f"{ref}, {run}"),
