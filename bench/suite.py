@@ -341,6 +341,39 @@ def _scale() -> Benchmark:
     )
 
 
+def _peer() -> Benchmark:
+    run = "HO-SFL, ResNet-18 cut 2, M=100 K=10 B=32 P=5 μ=1e-3, AdamW, freeze_bn=code, 1 thread"
+    ref = "the reference loop written in bench/peer.py (plain PyTorch, Algorithm 1-2; not the authors' code)"
+    return Benchmark(
+        name="peer",
+        module="bench.peer",
+        measures="HO-SFL at the authors' code's CIFAR-10 setting: hosfl_dist's in-process round beside a plain "
+        "reference loop (and the authors' code, where --peer-command runs it), samples/s in one invocation",
+        takes="~3 min",
+        figures=(
+            Figure("ours_samples_per_s", "samples/s", f"hosfl_dist.train, clients.replicas=shared, {run}"),
+            Figure("reference_samples_per_s", "samples/s", f"{ref}, {run}"),
+            Figure("ours_vs_reference", X, "ours / reference, median of the per-turn ratios (turns alternate)"),
+            Figure(
+                "ours_vs_reference_cpu",
+                X,
+                "the same with samples per CPU second of the process (what other processes' load moves least)",
+            ),
+            Figure(
+                "authors_samples_per_s",
+                "samples/s",
+                f"the authors' published code, {run} (only with --peer-command: their code is not in this repository)",
+            ),
+            Figure(
+                "ours_vs_authors", X, "ours / the authors' code, median of the per-turn ratios (issue 37)", 1.5, ">="
+            ),
+            Figure(
+                "same_model", "bool", "the reference's f_c, f_s and z have hosfl_dist's trainable shapes", True, "="
+            ),
+        ),  # fmt: skip
+    )
+
+
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b
     for b in (
@@ -377,6 +410,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         _checkpoint_cost(),
         _generation(),
         _scale(),
+        _peer(),
     )
 }
 
