@@ -204,8 +204,8 @@ def poison(monkeypatch, client: int, round_idx: int) -> None:
         now["t"] = t
         return real_round(self, t)
 
-    def client_forward(self, x):
-        act = real_forward(self, x)
+    def client_forward(self, x, forward=None):
+        act = real_forward(self, x, forward)
         if now.get("t") == round_idx and now.get("x") is x:  # the batch the client drew, whenever it goes forward
             act["z"] = act["z"].clone().fill_(float("nan"))
         return act
