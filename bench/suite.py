@@ -14,6 +14,16 @@ from bench.common import Benchmark, Figure
 X = "×"
 
 
+ZO_CLIENTS = (
+    ("quickstart_cnn", "quickstart CNN cut 1, B=32, P=5"),
+    ("tiny_llama_lora", "tiny Llama cut 2 + LoRA, B=32 T=128, P=2"),
+    ("tiny_llama_full", "tiny Llama cut 2 full fine-tuning, P=2"),
+    ("resnet18_cut2", "ResNet-18 cut 2, CIFAR B=32, P=5"),
+    ("smollm2_cut5", "SmolLM2-135M cut 5 + LoRA, B=16 T=64, P=2"),
+)
+"""bench.zo_step's clients (its --clients names) and how the batched and compiled rows label them."""
+
+
 def _zo_step(name: str, options: tuple[str, ...], alloc: str) -> Benchmark:
     floor = "1 + drawing the noise (P·d_c normal draws; twice where zo.noise_cache_mb cannot keep them) / (P+1) fwds"
     what = "ZO client step / ((P+1) no-grad client forwards)"
@@ -50,20 +60,13 @@ def _batched(name: str, options: tuple[str, ...], where: str, target: float | No
     """The ZO step with all P perturbed forwards in one batched forward (zo.perturb_batch >= P), against P+1
     sequential forwards: below 1 where the device has parallelism the sequential forwards leave idle."""
     what = "ZO client step, P perturbed forwards batched (zo.perturb_batch), / ((P+1) sequential no-grad forwards)"
-    clients = (
-        ("quickstart_cnn", "quickstart CNN cut 1, B=32, P=5"),
-        ("tiny_llama_lora", "tiny Llama cut 2 + LoRA, B=32 T=128, P=2"),
-        ("tiny_llama_full", "tiny Llama cut 2 full fine-tuning, P=2"),
-        ("resnet18_cut2", "ResNet-18 cut 2, CIFAR B=32, P=5"),
-        ("smollm2_cut5", "SmolLM2-135M cut 5 + LoRA, B=16 T=64, P=2"),
-    )
     return Benchmark(
         name=name,
         module="bench.zo_step",
         options=("--perturb-batch", "64", *options),
         measures=f"the HO-SFL client step with its perturbed forwards batched, {where}",
         takes="~1.5 min",
-        figures=tuple(Figure(c, X, f"{what}: {label}", target, "<=") for c, label in clients),
+        figures=tuple(Figure(c, X, f"{what}: {label}", target, "<=") for c, label in ZO_CLIENTS),
         gpu=gpu,
     )
 
@@ -73,15 +76,8 @@ def _compiled(name: str, options: tuple[str, ...], where: str, gpu: bool) -> Ben
     each against P+1 eager no-grad forwards."""
     floor = "1 + drawing the noise (P·d_c normal draws, twice) / (P+1) eager fwds"
     what = "ZO client step / ((P+1) eager no-grad client forwards), zo.perturb_mode=copy"
-    clients = (
-        ("quickstart_cnn", "quickstart CNN cut 1, B=32, P=5"),
-        ("tiny_llama_lora", "tiny Llama cut 2 + LoRA, B=32 T=128, P=2"),
-        ("tiny_llama_full", "tiny Llama cut 2 full fine-tuning, P=2"),
-        ("resnet18_cut2", "ResNet-18 cut 2, CIFAR B=32, P=5"),
-        ("smollm2_cut5", "SmolLM2-135M cut 5 + LoRA, B=16 T=64, P=2"),
-    )
     figures = []
-    for c, label in clients:
+    for c, label in ZO_CLIENTS:
         figures.append(Figure(c, X, f"{what}, forwards compiled (zo.compile): {label}", 1.10, "<=", floor))
         figures.append(Figure(f"{c}_off", X, f"{what}, eager forwards (zo.compile=off): {label}", floor=floor))
     return Benchmark(

@@ -68,7 +68,6 @@ def _halves(net: nn.Module, name: str, cut: int) -> tuple[nn.Module, nn.Module]:
 
 def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
     """model.safetensors (the whole model's state dict) and vision.json."""
-    from safetensors.torch import save_file
 
     cfg = restored.cfg
     info = _info(restored)
@@ -81,29 +80,32 @@ def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
             half.load_state_dict(part.state_dict(), strict=True)
         except RuntimeError as exc:
             raise ExportError(f"the restored parts do not fit the whole {cfg.model.name}: {exc}") from None
-    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    description = {
-        "model": cfg.model.name,
-        "num_classes": info["num_classes"],
-        "input_shape": list(info["input_shape"]),
-        "width": cfg.model.width,
-        "normalize": _normalisation(restored),
-    }
-    (out / DESCRIPTION).write_text(json.dumps(description, indent=2) + "\n")
-    return {"format": "state_dict", "parameters": sum(v.numel() for v in state.values())}
+    return _write(net, restored, info, out)
 
 
 def _write_joined(restored: Restored, info: dict[str, Any], out: Path) -> dict[str, Any]:
     """model.safetensors (f_c and f_s, as :class:`Joined`'s state dict) and vision.json with what rebuilds them: the
     plug-in modules, the model, the run's config and whether its client was zeroth-order (the builder is told)."""
-    from safetensors.torch import save_file
 
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.config.dump import config_to_dict
 
     cfg = restored.cfg
-    net = Joined(restored.split.client, restored.split.server)
+    plugin = {
+        "plugins": list(cfg.job.plugins),
+        "zeroth_order_client": get_algorithm(cfg.algorithm.name).zeroth_order_client,
+        "config": config_to_dict(cfg),
+    }
+    return _write(Joined(restored.split.client, restored.split.server), restored, info, out, plugin)
+
+
+def _write(
+    net: nn.Module, restored: Restored, info: dict[str, Any], out: Path, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``net``'s state dict as model.safetensors and vision.json describing it (plus ``extra``)."""
+    from safetensors.torch import save_file
+
+    cfg = restored.cfg
     state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
     description = {
@@ -112,9 +114,7 @@ def _write_joined(restored: Restored, info: dict[str, Any], out: Path) -> dict[s
         "input_shape": list(info["input_shape"]),
         "width": cfg.model.width,
         "normalize": _normalisation(restored),
-        "plugins": list(cfg.job.plugins),
-        "zeroth_order_client": get_algorithm(cfg.algorithm.name).zeroth_order_client,
-        "config": config_to_dict(cfg),
+        **(extra or {}),
     }
     (out / DESCRIPTION).write_text(json.dumps(description, indent=2, default=str) + "\n")
     return {"format": "state_dict", "parameters": sum(v.numel() for v in state.values())}
