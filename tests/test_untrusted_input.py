@@ -546,6 +546,14 @@ def test_check_refuses_what_the_build_refuses_for_an_lm(lm_files, capsys):
     (lm_files / "bad.jsonl").write_text(json.dumps({"review": "x", "y": [1]}) + "\n")
     assert_refused(lm_check(lm_files, f"data.eval_path={lm_files / 'bad.jsonl'}"), capsys,
                    "bad.jsonl: example 0 has label [1]; sst2 labels are 0..1")  # fmt: skip
+
+
+def test_dry_run_of_a_text_task_prints_what_it_built(lm_files, capsys):
+    """A text task's data info names the task (a string, not a plug-in scorer): --dry-run prints it as built."""
+    assert main(["--dry-run", *lm_check(lm_files)[1:]]) == 0
+    built = json.loads(capsys.readouterr().out.split("# built:", 1)[1])
+    assert built["data"]["task"] == "sst2" and "task_metrics" not in built
+    assert built["client_trainable_params"] > 0
     (lm_files / "twice.jsonl").write_text('{"review": "x", "y": 0, "y": 1}\n')
     assert_refused(lm_check(lm_files, f"data.train_path={lm_files / 'twice.jsonl'}"), capsys,
                    "line 1: the key 'y' twice in one object")  # fmt: skip

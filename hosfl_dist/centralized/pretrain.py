@@ -92,7 +92,7 @@ def pretrain(args: argparse.Namespace, command: str) -> dict[str, Any]:
     data = load_vision_data(cfg.data, cfg.job.seed)
     device = torch.device(cfg.job.device)
     net = build_whole_vision_model(cfg.model, data.info, cfg.job.seed, cfg.job.device).train()
-    task = get_task(cfg.data.name).scoring().get("task") or ClassificationTask()  # a plug-in task's loss, if any
+    task = get_task(cfg.data.name).scoring().get("scorer") or ClassificationTask()  # a plug-in task's loss, if any
     opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay)
     n = len(data.train_y)
     steps_per_epoch = max(1, -(-n // args.batch_size))

@@ -285,10 +285,10 @@ def dry_run(cfg: Config) -> dict:
     def count(m, trainable: bool) -> int:
         return sum(p.numel() for p in m.parameters() if p.requires_grad or not trainable)
 
-    task = data.info.get("task")  # a plug-in task's loss and metrics: named, not printed as an object
+    scorer = data.info.get("scorer")  # a plug-in task's loss and metrics: named, not printed as an object
     return {
-        "data": {k: v for k, v in data.info.items() if k != "task"},
-        **({"task_metrics": sorted(task.metrics)} if task is not None else {}),
+        "data": {k: v for k, v in data.info.items() if k != "scorer"},
+        **({"task_metrics": sorted(scorer.metrics)} if scorer is not None else {}),
         "client_params": count(split.client, False),
         "client_trainable_params": count(split.client, True),
         "server_params": count(split.server, False),

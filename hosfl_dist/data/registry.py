@@ -64,11 +64,11 @@ class TaskSpec:
                                  "eval_loss and eval_accuracy (the metrics rows' own)")  # fmt: skip
 
     def scoring(self) -> dict[str, Any]:
-        """What the model builders attach to a vision split (``data_info``'s ``task``): the task's loss and metrics,
-        or nothing for the package's default (cross-entropy, accuracy)."""
+        """What the model builders attach to a vision split (``data_info``'s ``scorer``; a text task's ``task`` is its
+        name): the task's loss and metrics, or nothing for the package's default (cross-entropy, accuracy)."""
         if self.loss is None and not self.metrics:
             return {}
-        return {"task": ClassificationTask(self.loss, self.metrics)}
+        return {"scorer": ClassificationTask(self.loss, self.metrics)}
 
 
 _TASKS: Registry[TaskSpec] = Registry("task", "data.name")

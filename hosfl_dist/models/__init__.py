@@ -120,7 +120,7 @@ def build_split_model(
     tensors). ``shard`` is applied to f_s before its weights exist (FSDP2 over the server group), so a server rank
     materialises only its shard. Vision models are small: built whole, then sharded. A server normalising with batch
     statistics needs one server rank and whole client batches (:func:`hosfl_dist.runtime.checks.check_config`).
-    A vision split scores with ``data_info["task"]`` where the data gives one (a plug-in task's loss and metrics),
+    A vision split scores with ``data_info["scorer"]`` where the data gives one (a plug-in task's loss and metrics),
     classification otherwise.
     """
     model = get_model(cfg.model.name)
@@ -141,7 +141,7 @@ def build_split_model(
     server = server.to(device)
     if shard is not None:
         shard(server)
-    return SplitModel(client.to(device), server, data_info.get("task") or ClassificationTask(), spec)
+    return SplitModel(client.to(device), server, data_info.get("scorer") or ClassificationTask(), spec)
 
 
 def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed: int, device: str) -> nn.Module:
