@@ -189,7 +189,7 @@ VISION_INFO = {
 
 def data_info(cfg: Config) -> dict[str, Any]:
     """What the model builders need from the data (classes, input shape, label words; a plug-in task's own loss and
-    metrics as ``task``), without loading the data: a server loads no training data."""
+    metrics as ``scorer``), without loading the data: a server loads no training data."""
     task = get_task(cfg.data.name)
     if task.info is not None:
         return {**task.info(cfg), **task.scoring()}
