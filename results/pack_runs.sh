@@ -24,7 +24,7 @@ exps=("$@")
 for e in "${exps[@]}"; do
   mapfile -t dirs < <(members "$e")
   tar --sort=name --mtime='2026-11-25 00:00:00Z' --owner=0 --group=0 --numeric-owner --mode='a+rX,u+w,go-w' \
-    --format=gnu --exclude=checkpoints --exclude=.active_run.sh --exclude=__pycache__ --exclude=curves.png \
+    --format=gnu --exclude=checkpoints --exclude=.active_run.sh --exclude=.lock --exclude=__pycache__ --exclude=curves.png \
     -C "results/$e" -cf - "${dirs[@]}" | xz -9e -T1 -c > "results/$e/runs.tar.xz"
   echo "results/$e/runs.tar.xz: ${#dirs[@]} folders, $(tar tJf "results/$e/runs.tar.xz" | grep -vc '/$') files," \
     "$(stat -c %s "results/$e/runs.tar.xz") bytes"
