@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates results/finetune/ from the repository root (issue 12: the paper's claims in the fine-tuning regime):
-#   bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]   (default: all, in order)
+#   bash results/finetune/run.sh [pretrain|table|code_bn|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]   (default: all, in order)
 # Finished runs are reused (a run folder whose summary says completed for the same config), so an interrupted call
 # picks up where it stopped; delete a run folder to redo it. Two runs at a time, one torch thread each. The committed
 # runs are in runs.tar.xz (README.md, "Raw runs"): a checkout with no run folder yet unpacks it first, so they are
@@ -35,6 +35,17 @@ table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~
     --out "$OUT/mu_splitfed_paper_sgd" || true
 }
 
+code_bn() {  # the method table again with BatchNorm per method as the authors' code runs it, and frozen_client
+  # (issue 34: model.freeze_bn=code), IID and Dirichlet(1), 3 seeds, 32k samples (~2.5 h)
+  for part in iid dirichlet; do
+    local name=$part; [ "$part" = dirichlet ] && name=Dirichlet\(1\)
+    "${COMPARE[@]}" --config "configs/finetune/hosfl_${part}.yaml" \
+      --methods hosfl,sfl,frozen_client,fsl_sage,mu_splitfed,zo_sfl --seeds 0,1,2 --no-paper-defaults \
+      --title "Fine-tuning ResNet-18 (CIFAR-10 0-4 -> 5-9), cut 2 (d_c = 681k), ${name}, 32k samples, BatchNorm per method as the authors' code runs it (freeze_bn=code)" \
+      --out "$OUT/${part}_code_bn" model.freeze_bn=code
+  done
+}
+
 settings() {  # the paper text's settings beside the authors' code's, HO-SFL and SFL, IID, 2 seeds (~70 min)
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl,sfl --seeds 0,1 \
     clients.optim.lr=1e-5 server.optim.lr=1e-5 \
@@ -55,6 +66,12 @@ settings() {  # the paper text's settings beside the authors' code's, HO-SFL and
   "${COMPARE[@]}" --config configs/finetune/hosfl_iid.yaml --methods hosfl --seeds 0,1 clients.optim.lr=1e-12 \
     --title "HO-SFL with the client part held at its pretrained weights (client lr 1e-12)" \
     --out "$OUT/settings/client_frozen"
+  # issue 34: SFL at the code's settings, its client's BatchNorm on fixed statistics against trained as the code does
+  "${SWEEP[@]}" --config configs/finetune/hosfl_iid.yaml --grid model.freeze_bn=client,code --seeds 0 \
+    algorithm.name=sfl clients.optim.lr=1e-3 clients.optim.weight_decay=1e-4 server.optim.lr=1e-3 \
+    server.optim.weight_decay=1e-4 \
+    --title "SFL at the authors' code's settings (lr 1e-3, wd 1e-4): client BatchNorm on fixed statistics (client) vs trained as the code does (code)" \
+    --out "$OUT/settings/code_sfl_bn"
 }
 
 pmu() {  # P and mu of HO-SFL (paper App. ablation, its fixed values: mu = 1e-4 for P, P = 10 for mu), IID, 2 seeds
@@ -118,6 +135,7 @@ what=${1:-all}
 case "$what" in
   pretrain) pretrain ;;
   table) pretrain; table ;;
+  code_bn) pretrain; code_bn ;;
   settings) pretrain; settings ;;
   pmu) pretrain; pmu ;;
   depth) pretrain; depth ;;
@@ -125,8 +143,8 @@ case "$what" in
   zo_dim) pretrain; zo_dim ;;
   pmu_code) pretrain; pmu_code ;;
   gemma) gemma ;;
-  all) pretrain; table; settings; depth; depth_lm; depth_lm_frozen; zo_dim; pmu; pmu_code; gemma ;;
-  *) echo "usage: bash results/finetune/run.sh [pretrain|table|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]" >&2
+  all) pretrain; table; code_bn; settings; depth; depth_lm; depth_lm_frozen; zo_dim; pmu; pmu_code; gemma ;;
+  *) echo "usage: bash results/finetune/run.sh [pretrain|table|code_bn|settings|depth|depth_lm|zo_dim|pmu|pmu_code|gemma|all]" >&2
      exit 2 ;;
 esac
 "$PY" results/finetune/summarize.py > /dev/null  # summary.md and the depth figures from what has finished

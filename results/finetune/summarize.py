@@ -24,7 +24,7 @@ from hosfl_dist.experiments.runs import safe_name
 
 HERE = Path(__file__).resolve().parent
 NAMES = {"hosfl": "HO-SFL", "sfl": "SFL", "fsl_sage": "FSL-SAGE", "zo_sfl": "ZO-SFL", "mu_splitfed": "MU-SplitFed",
-         "splitlora": "SplitLoRA"}  # fmt: skip
+         "splitlora": "SplitLoRA", "frozen_client": "frozen_client"}  # fmt: skip
 ORDER = ["sfl", "fsl_sage", "zo_sfl", "mu_splitfed", "hosfl"]
 # the paper's Table 3 (App. "More results on vision tasks"): CIFAR-10 test accuracy (%), mean (std) over seeds
 PAPER = {
@@ -91,6 +91,34 @@ def method_table(lines: list[str]) -> None:
               "ResNet-18 on CIFAR-10 (10 classes: chance 10%), 160k samples.", ""]  # fmt: skip
 
 
+def code_bn_table(lines: list[str]) -> None:
+    """The method tables again with BatchNorm per method as the authors' code runs it (freeze_bn=code, issue 34)."""
+    order = [*ORDER, "frozen_client"]
+    parts = {p: table(Path(f"{p}_code_bn")) for p in ("iid", "dirichlet")}
+    lines += ["## Methods with BatchNorm per method as the authors' code runs it (`model.freeze_bn=code`)", ""]
+    if not all(parts.values()):
+        lines += [f"(not run yet: {', '.join(f'{p}_code_bn' for p, t in parts.items() if t is None)})", ""]
+    head = "| | " + " | ".join(NAMES[m] for m in order) + " | SFL − HO-SFL (points) |"
+    lines += [head, "|---" * (len(order) + 2) + "|"]
+    for p, t in parts.items():
+        if t is None:
+            continue
+        by = rows_by_variant(t)
+        for what, mean_key, std_key in (("final", "mean", "std"), ("best", "best_mean", "best_std")):
+            cells = [pct(by[m][mean_key], by[m][std_key], len(by[m]["seeds"])) if m in by else "–" for m in order]
+            both = {"sfl", "hosfl"} <= by.keys()
+            gap = f"{100 * (by['sfl'][mean_key] - by['hosfl'][mean_key]):+.1f}" if both else "–"
+            lines.append(f"| here, {p}, {what} (%) | " + " | ".join(cells) + f" | {gap} |")
+        paper = PAPER[p]
+        lines.append(f"| paper CIFAR-10 {'IID' if p == 'iid' else 'Non-IID'} (%) | "
+                     + " | ".join(f"{paper[m][0]} ± {paper[m][1]}" for m in ORDER)
+                     + f" | – | {paper['sfl'][0] - paper['hosfl'][0]:+.1f} |")  # fmt: skip
+    lines += ["", "The table above's setting (lr 1e-4, wd 5e-4, 32k samples, seeds 0-2) with `model.freeze_bn=code`: "
+              "the server's BatchNorm and a first-order client's train on batch statistics (the client's running "
+              "statistics averaged with θc), a zeroth-order client's stay fixed; frozen_client = HO-SFL with the "
+              "client never updated. Weights: the third pretraining's (`pretrain_rerun.json`).", ""]  # fmt: skip
+
+
 def pretraining(lines: list[str]) -> None:
     """The two pretraining records: the one the method tables used, and the one of the later experiment sets."""
     lines += ["## Pretrained weights", "", "| record | used by | held-out accuracy (classes 0-4) | wall s | SHA-256 |",
@@ -99,7 +127,9 @@ def pretraining(lines: list[str]) -> None:
                            "`settings/code`"),
                           ("pretrain.json", "`settings/anchor`, `settings/bn_client`, `settings/client_frozen`, "
                            "`ablation_P`, `ablation_mu`, `ablation_P_code*`, `depth_resnet18`, "
-                           "`zo_dimension_resnet18`")):  # fmt: skip
+                           "`zo_dimension_resnet18`"),
+                          ("pretrain_rerun.json", "`settings/code_sfl_bn`, `iid_code_bn`, "
+                           "`dirichlet_code_bn`")):  # fmt: skip
         path = HERE / name
         if not path.is_file():
             continue
@@ -107,7 +137,8 @@ def pretraining(lines: list[str]) -> None:
         lines.append(f"| `{name}` | {used_by} | {100 * r['final_eval_accuracy']:.1f} % | {r['wall_time_s']:.0f} | "
                      f"{r.get('sha256', 'not recorded')[:16]} |")  # fmt: skip
     lines += ["", "The same command, seed and thread count on one machine give the same weights; another machine's CPU "
-              "kernels gave other ones (the first record was made in an earlier session).", ""]  # fmt: skip
+              "kernels gave other ones (each record was made in another session; a fourth run, in a later session, "
+              "repeated the third's weights bit for bit).", ""]  # fmt: skip
 
 
 SETTINGS = [
@@ -305,6 +336,7 @@ def main() -> int:
              "the experiment folders beside it (`bash results/finetune/run.sh` makes them).", ""]  # fmt: skip
     pretraining(lines)
     method_table(lines)
+    code_bn_table(lines)
     settings_table(lines)
     ablation_table(lines, "ablation_P", "P", "μ = 1e-4 as the paper's P ablation")
     ablation_table(lines, "ablation_mu", "μ", "P = 10 as the paper's μ ablation")
