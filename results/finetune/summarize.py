@@ -69,22 +69,33 @@ def mean_accuracy(rows: list[dict[str, Any]]) -> float:
     return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0])) if len(x) > 1 else float(y[0])
 
 
-def method_table(lines: list[str]) -> None:
-    parts = {p: table(Path(p)) for p in ("iid", "dirichlet")}
-    lines += ["## Methods in the fine-tuning regime (beside the paper's Table 3)", ""]
+def method_rows(lines: list[str], suffix: str, order: list[str], gap: bool) -> None:
+    """The IID and Dirichlet(1) method tables of folders ``iid<suffix>`` and ``dirichlet<suffix>`` beside the paper's
+    Table 3 (methods the paper does not have get "–"); with ``gap``, a last column SFL − HO-SFL in points."""
+    parts = {p: table(Path(f"{p}{suffix}")) for p in ("iid", "dirichlet")}
     if not all(parts.values()):
-        lines += [f"(not run yet: {', '.join(p for p, t in parts.items() if t is None)})", ""]
-    head = "| | " + " | ".join(NAMES[m] for m in ORDER) + " |"
-    lines += [head, "|---" * (len(ORDER) + 1) + "|"]
+        lines += [f"(not run yet: {', '.join(f'{p}{suffix}' for p, t in parts.items() if t is None)})", ""]
+    last = " SFL − HO-SFL (points) |" if gap else ""
+    lines += ["| | " + " | ".join(NAMES[m] for m in order) + " |" + last, "|---" * (len(order) + 1 + gap) + "|"]
     for p, t in parts.items():
         if t is None:
             continue
         by = rows_by_variant(t)
         for what, mean_key, std_key in (("final", "mean", "std"), ("best", "best_mean", "best_std")):
-            cells = [pct(by[m][mean_key], by[m][std_key], len(by[m]["seeds"])) if m in by else "–" for m in ORDER]
+            cells = [pct(by[m][mean_key], by[m][std_key], len(by[m]["seeds"])) if m in by else "–" for m in order]
+            if gap:
+                both = {"sfl", "hosfl"} <= by.keys()
+                cells.append(f"{100 * (by['sfl'][mean_key] - by['hosfl'][mean_key]):+.1f}" if both else "–")
             lines.append(f"| here, {p}, {what} (%) | " + " | ".join(cells) + " |")
-        lines.append(f"| paper CIFAR-10 {'IID' if p == 'iid' else 'Non-IID'} (%) | "
-                     + " | ".join(f"{PAPER[p][m][0]} ± {PAPER[p][m][1]}" for m in ORDER) + " |")  # fmt: skip
+        paper = [f"{PAPER[p][m][0]} ± {PAPER[p][m][1]}" if m in PAPER[p] else "–" for m in order]
+        if gap:
+            paper.append(f"{PAPER[p]['sfl'][0] - PAPER[p]['hosfl'][0]:+.1f}")
+        lines.append(f"| paper CIFAR-10 {'IID' if p == 'iid' else 'Non-IID'} (%) | " + " | ".join(paper) + " |")
+
+
+def method_table(lines: list[str]) -> None:
+    lines += ["## Methods in the fine-tuning regime (beside the paper's Table 3)", ""]
+    method_rows(lines, "", ORDER, gap=False)
     lines += ["", "Here: ResNet-18 pretrained on CIFAR-10 classes 0-4, fine-tuned on classes 5-9 (5 classes: chance is "
               "20%), cut after stage 2 (d_c = 681,152), 32k processed samples, mean ± sample std over 3 seeds; "
               "final = the last evaluation, best = the best evaluation of each run. Paper: ImageNet-pretrained "
@@ -93,26 +104,8 @@ def method_table(lines: list[str]) -> None:
 
 def code_bn_table(lines: list[str]) -> None:
     """The method tables again with BatchNorm per method as the authors' code runs it (freeze_bn=code, issue 34)."""
-    order = [*ORDER, "frozen_client"]
-    parts = {p: table(Path(f"{p}_code_bn")) for p in ("iid", "dirichlet")}
     lines += ["## Methods with BatchNorm per method as the authors' code runs it (`model.freeze_bn=code`)", ""]
-    if not all(parts.values()):
-        lines += [f"(not run yet: {', '.join(f'{p}_code_bn' for p, t in parts.items() if t is None)})", ""]
-    head = "| | " + " | ".join(NAMES[m] for m in order) + " | SFL − HO-SFL (points) |"
-    lines += [head, "|---" * (len(order) + 2) + "|"]
-    for p, t in parts.items():
-        if t is None:
-            continue
-        by = rows_by_variant(t)
-        for what, mean_key, std_key in (("final", "mean", "std"), ("best", "best_mean", "best_std")):
-            cells = [pct(by[m][mean_key], by[m][std_key], len(by[m]["seeds"])) if m in by else "–" for m in order]
-            both = {"sfl", "hosfl"} <= by.keys()
-            gap = f"{100 * (by['sfl'][mean_key] - by['hosfl'][mean_key]):+.1f}" if both else "–"
-            lines.append(f"| here, {p}, {what} (%) | " + " | ".join(cells) + f" | {gap} |")
-        paper = PAPER[p]
-        lines.append(f"| paper CIFAR-10 {'IID' if p == 'iid' else 'Non-IID'} (%) | "
-                     + " | ".join(f"{paper[m][0]} ± {paper[m][1]}" for m in ORDER)
-                     + f" | – | {paper['sfl'][0] - paper['hosfl'][0]:+.1f} |")  # fmt: skip
+    method_rows(lines, "_code_bn", [*ORDER, "frozen_client"], gap=True)
     lines += ["", "The table above's setting (lr 1e-4, wd 5e-4, 32k samples, seeds 0-2) with `model.freeze_bn=code`: "
               "the server's BatchNorm and a first-order client's train on batch statistics (the client's running "
               "statistics averaged with θc), a zeroth-order client's stay fixed; frozen_client = HO-SFL with the "
