@@ -1,5 +1,6 @@
 """The documentation still runs: every command line shown in README.md and docs/*.md parses, every relative link
-resolves, and docs/configuration.md is what the config tree generates.
+resolves, docs/configuration.md is what the config tree generates, and a packed experiment's archive
+(results/<experiment>/runs.tar.xz) holds every run its tables list.
 
 A command line is read from fenced ``bash`` / ``sh`` / ``shell`` / ``console`` blocks (in ``console`` blocks only the
 ``$ `` lines), from indented code, and from inline code that starts with ``python -m`` or ``torchrun``; backslash
@@ -489,3 +490,28 @@ def test_configuration_page_is_generated_from_the_config_tree():
 
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text() == markdown_config(), f"docs/configuration.md is out of date: run `{MARKDOWN_COMMAND}`"
+
+
+@pytest.mark.parametrize("experiment", ["finetune", "studies"])
+def test_a_packed_experiments_tables_have_their_runs_in_its_archive(experiment: str):
+    """results/<experiment>/runs.tar.xz holds every run its tables list: a table whose run folders were never packed
+    stops the experiment's summarize.py (and run.sh, which ends with it) on a fresh checkout."""
+    import json
+    import tarfile
+
+    from hosfl_dist.experiments.runs import safe_name
+
+    root = ROOT / "results" / experiment
+    with tarfile.open(root / "runs.tar.xz") as archive:
+        packed = set(archive.getnames())
+    tables = sorted(root.glob("**/table.json"))
+    assert tables
+    missing = [
+        f"{t.parent.relative_to(root).as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}"
+        for t in tables
+        for row in json.loads(t.read_text())["rows"]
+        for seed in row["seeds"]
+        if f"{t.parent.relative_to(root).as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}/summary.json"
+        not in packed
+    ]
+    assert not missing, f"not in results/{experiment}/runs.tar.xz (bash results/pack_runs.sh {experiment}): {missing}"
