@@ -36,7 +36,7 @@ table() {  # step 2: every method, IID and Dirichlet(1), 3 seeds, 32k samples (~
 }
 
 code_bn() {  # the method table again with BatchNorm per method as the authors' code runs it, and frozen_client
-  # (issue 34: model.freeze_bn=code), IID and Dirichlet(1), 3 seeds, 32k samples (~2.5 h)
+  # (issue 34: model.freeze_bn=code), IID and Dirichlet(1), 3 seeds, 32k samples (45-75 min each on 2 cores)
   for part in iid dirichlet; do
     local name=$part; [ "$part" = dirichlet ] && name=Dirichlet\(1\)
     "${COMPARE[@]}" --config "configs/finetune/hosfl_${part}.yaml" \
