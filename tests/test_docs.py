@@ -506,12 +506,11 @@ def test_a_packed_experiments_tables_have_their_runs_in_its_archive(experiment: 
         packed = set(archive.getnames())
     tables = sorted(root.glob("**/table.json"))
     assert tables
-    missing = [
+    runs = [
         f"{t.parent.relative_to(root).as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}"
         for t in tables
         for row in json.loads(t.read_text())["rows"]
         for seed in row["seeds"]
-        if f"{t.parent.relative_to(root).as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}/summary.json"
-        not in packed
     ]
+    missing = [run for run in runs if f"{run}/summary.json" not in packed]
     assert not missing, f"not in results/{experiment}/runs.tar.xz (bash results/pack_runs.sh {experiment}): {missing}"

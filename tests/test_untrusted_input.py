@@ -546,6 +546,9 @@ def test_check_refuses_what_the_build_refuses_for_an_lm(lm_files, capsys):
     (lm_files / "bad.jsonl").write_text(json.dumps({"review": "x", "y": [1]}) + "\n")
     assert_refused(lm_check(lm_files, f"data.eval_path={lm_files / 'bad.jsonl'}"), capsys,
                    "bad.jsonl: example 0 has label [1]; sst2 labels are 0..1")  # fmt: skip
+    (lm_files / "twice.jsonl").write_text('{"review": "x", "y": 0, "y": 1}\n')
+    assert_refused(lm_check(lm_files, f"data.train_path={lm_files / 'twice.jsonl'}"), capsys,
+                   "line 1: the key 'y' twice in one object")  # fmt: skip
 
 
 def test_dry_run_of_a_text_task_prints_what_it_built(lm_files, capsys):
@@ -554,9 +557,6 @@ def test_dry_run_of_a_text_task_prints_what_it_built(lm_files, capsys):
     built = json.loads(capsys.readouterr().out.split("# built:", 1)[1])
     assert built["data"]["task"] == "sst2" and "task_metrics" not in built
     assert built["client_trainable_params"] > 0
-    (lm_files / "twice.jsonl").write_text('{"review": "x", "y": 0, "y": 1}\n')
-    assert_refused(lm_check(lm_files, f"data.train_path={lm_files / 'twice.jsonl'}"), capsys,
-                   "line 1: the key 'y' twice in one object")  # fmt: skip
 
 
 def test_check_refuses_a_custom_task_whose_template_or_labels_do_not_fit(lm_files, capsys):

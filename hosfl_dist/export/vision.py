@@ -68,7 +68,6 @@ def _halves(net: nn.Module, name: str, cut: int) -> tuple[nn.Module, nn.Module]:
 
 def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
     """model.safetensors (the whole model's state dict) and vision.json."""
-
     cfg = restored.cfg
     info = _info(restored)
     if cfg.model.name not in BUILT_IN:
@@ -86,7 +85,6 @@ def write_vision(restored: Restored, out: Path) -> dict[str, Any]:
 def _write_joined(restored: Restored, info: dict[str, Any], out: Path) -> dict[str, Any]:
     """model.safetensors (f_c and f_s, as :class:`Joined`'s state dict) and vision.json with what rebuilds them: the
     plug-in modules, the model, the run's config and whether its client was zeroth-order (the builder is told)."""
-
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.config.dump import config_to_dict
 
