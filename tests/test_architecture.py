@@ -379,10 +379,11 @@ def test_no_algorithm_module_touches_distribution_or_concurrency():
 
 
 def test_a_wire_declaration_says_what_crosses_and_in_which_order_never_how_it_executes():
-    """How a call runs (one rank, a server group) is the runtime's: a declaration holds traffic and ordering only, and
-    HO-SFL's gathered submit answers each client through any endpoint, with or without the runtime's executor."""
+    """How a call runs (one rank, a server group) is the runtime's: a declaration holds traffic, ordering and the
+    round's stages only (where a live round counts an arrival, which call takes its aggregate), and HO-SFL's gathered
+    submit answers each client through any endpoint, with or without the runtime's executor."""
     assert {f.name for f in dataclasses.fields(WireSpec)} == {
-        "args", "result", "after_previous_round", "gather", "closes_round"
+        "args", "result", "after_previous_round", "gather", "closes_round", "arrives", "aggregates"
     }  # fmt: skip
     cfg = load_config(None, ["data.name=synthetic", "model.width=4", "clients.total=3", "clients.per_round=3"])
     server = server_of(cfg, build_split_model(cfg, {"num_classes": 4, "input_shape": (1, 8, 8)}, True), HOSFLServer)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.algorithms.participation import Participation, ParticipationPlan
+from hosfl_dist.algorithms.rounds import PlannedRounds, Rounds, RoundView
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
@@ -116,6 +117,13 @@ class ServerBase:
     # -- what arrives --------------------------------------------------------------------------------------------
     def check_sampled(self, t: int, client: int, what: str) -> None:
         """Refuse a call about a client that round t does not count (not sampled, dropped before its upload, late)."""
+        plan = self.round_plan.participation
+        if not plan.decided(t):  # a live round before its uploads decided it: any sampled client may take part
+            sampled = plan.sampled(t)
+            if client not in sampled:
+                raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "
+                                    f"{sampled})")  # fmt: skip
+            return
         p = self.round_plan.round(t)
         if client not in p.sampled:
             raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "
@@ -143,6 +151,21 @@ class ServerBase:
         self._skipped += 1
         return False
 
+    # -- live rounds (decided at the runtime's round gate: hosfl_dist.runtime.gate) ----------------------------------
+    def pass_skipped(self) -> None:
+        """A round decided live as skipped: what the method records of it (HO-SFL: a history row of NaN)."""
+
+    def round_samples(self, t: int) -> int:
+        """The samples the server stepped with in round t (the counted clients' batches)."""
+        return len(self.round_plan.round(t).counted) * self.cfg.clients.batch_size
+
+    def batches_used(self, t: int) -> dict[int, int]:
+        """The batches each counted client of round t drew (a live run moves a client's stream past them)."""
+        return dict.fromkeys(self.round_plan.round(t).counted, 1)
+
+    def forget(self, t: int, clients: list[int]) -> None:
+        """Round t goes on without ``clients`` (a live round took them out before their part was complete)."""
+
     def pop_skipped(self) -> int:
         """Client contributions left out since the last call (non-finite, ``train.on_nonfinite=skip``)."""
         out, self._skipped = self._skipped, 0
@@ -154,12 +177,16 @@ class ServerBase:
     rounds_done = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """What the server keeps besides θs and its optimizer, between rounds."""
-        return {"loss": (self._loss_sum, self._loss_count), "skipped": self._skipped, "rounds_done": self.rounds_done}
+        """What the server keeps besides θs and its optimizer, between rounds (and the rounds a live run decided)."""
+        state = {"loss": (self._loss_sum, self._loss_count), "skipped": self._skipped, "rounds_done": self.rounds_done}
+        live = self.round_plan.participation.live
+        return state if live is None else {**state, "live_rounds": [live[t].record() for t in sorted(live)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         (self._loss_sum, self._loss_count), self._skipped = state["loss"], state["skipped"]
         self.rounds_done = state["rounds_done"]
+        if "live_rounds" in state:
+            self.round_plan.participation.restore(state["live_rounds"])
 
     def resume_payload(self, clients: Sequence[int], leader: bool) -> dict[str, Any]:
         """What a worker hosting ``clients`` needs from the server to rebuild its state after a restart."""
@@ -220,6 +247,7 @@ class WorkerBase:
         hosted: Sequence[int],
         transport: Transport,
         collective: Collective,
+        rounds: Rounds | None = None,
     ) -> None:
         self.cfg = cfg
         self.round_plan = RoundPlan.of(cfg)
@@ -230,14 +258,37 @@ class WorkerBase:
         self.transport = transport if isinstance(transport, ClientTransport) else ClientTransport(transport)
         self.server = ServerStub(self.server_class, self.transport)
         self.collective = collective
+        self.rounds: Rounds = rounds if rounds is not None else PlannedRounds(self.round_plan, collective, hosted)
+        """How each round opens and closes: the plan (and the collective), or decided live (the runtime's)."""
         self.slots = trainable_slots(self.module)
         self.processed = 0
         """Samples processed by all clients so far (every worker knows the total)."""
 
-    def plan(self, t: int) -> tuple[Participation, list[int]]:
-        """(round t's participation, the counted clients this worker hosts: those that take part in it)."""
-        p = self.round_plan.round(t)
-        return p, [m for m in p.counted if m in self.hosted]
+    @property
+    def is_leader(self) -> bool:
+        """The worker that keeps the evaluation replica and (planned rounds) closes each round."""
+        return self.rounds.is_leader
+
+    def begin(self, view: RoundView) -> None:
+        """Take the run's count of processed samples from a live round's view (the server's)."""
+        if view.processed is not None:
+            self.processed = view.processed
+
+    # -- clients that come and go (live rounds: the runtime's driver hands them over between rounds) ----------------
+    def adopt(self, clients: dict[int, int], from_server: dict[str, Any]) -> None:
+        """Serve ``clients`` from the next round on: each client -> the batches it has drawn so far in the run (its
+        stream is rebuilt and moved past them, so it continues where its last batch left it, whoever drew it);
+        ``from_server`` is the server's :meth:`ServerBase.resume_payload` for them (what a method rebuilds a
+        client's state from)."""
+        for m, drawn in sorted(clients.items()):
+            self.data.restart(m)
+            for _ in range(drawn):
+                self.data.next_batch(m)
+        self.hosted |= set(clients)
+
+    def release(self, clients: Sequence[int]) -> None:
+        """Stop serving ``clients`` (another worker serves them from the next round on)."""
+        self.hosted -= set(clients)
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:
         """Point the client module's trainable slots at a replica's tensors (no copy)."""

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms.base import ServerBase, WorkerBase
+from hosfl_dist.algorithms.rounds import RoundView
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
@@ -139,6 +140,8 @@ class ExchangeServer(ServerBase):
         self.client_stats = [mod._buffers[name].detach().clone() for mod, name in running_stat_slots(split.client)]
         self.copies: dict[int, ServerCopy] = {}
         self.rounds_done = 0
+        self._drawn: dict[int, int] = {}
+        """Each counted client's batches in the last round aggregated (from its upload's weight)."""
 
     def check_round(self, t: int) -> None:
         self.enter_round(t)
@@ -164,7 +167,11 @@ class ExchangeServer(ServerBase):
         raise NotImplementedError
 
     # -- model exchange ----------------------------------------------------------------------------------------
-    @wire(result={"params": DOWNLINK_MODEL, "stats": DOWNLINK_MODEL, "aux": DOWNLINK_MODEL}, after_previous_round=True)
+    @wire(
+        result={"params": DOWNLINK_MODEL, "stats": DOWNLINK_MODEL, "aux": DOWNLINK_MODEL},
+        after_previous_round=True,
+        arrives=True,
+    )
     def download(self, t: int, client: int) -> dict[str, Any]:
         """θc^t (and its running statistics) for a client of round t."""
         self.check_round(t)
@@ -206,6 +213,7 @@ class ExchangeServer(ServerBase):
             if not all(bool(torch.isfinite(s).all()) for s in stats):
                 self.nonfinite(t, m, "client running statistics")
         weights = [float(batch[m]["weight"]) for m in clients]
+        self._drawn = {m: int(batch[m]["weight"]) // self.cfg.clients.batch_size for m in clients}
         kept = [float(batch[m]["weight"]) for m in delivered]  # θc: over the clients whose model arrived
         with torch.no_grad():
             if delivered:
@@ -232,6 +240,21 @@ class ExchangeServer(ServerBase):
 
     def end_round(self, t: int) -> None:
         """Hook run after a round's aggregation, before the next round may start."""
+
+    def round_samples(self, t: int) -> int:
+        """The samples of round t's counted clients' local steps (what their uploads weigh)."""
+        return sum(self.batches_used(t).values()) * self.cfg.clients.batch_size
+
+    def batches_used(self, t: int) -> dict[int, int]:
+        """Each counted client's local steps in round t (one batch each), as its upload's weight says."""
+        if t != self.rounds_done - 1:
+            raise ValueError(f"the server knows the batches of round {self.rounds_done - 1}, not of round {t}")
+        return dict(self._drawn)
+
+    def forget(self, t: int, clients: list[int]) -> None:
+        """Their copies θs_m are not averaged: the round goes on as if they had not uploaded."""
+        for m in clients:
+            self.copies.pop(m, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -291,37 +314,47 @@ class ExchangeWorker(WorkerBase):
         """Client steps in one round: E local epochs over the client's shard (paper: E = 1)."""
         return self.cfg.algorithm.local_epochs * self.data.stream(client).steps_per_epoch()
 
-    def round_steps(self, sampled: list[int], mine: list[int]) -> list[int]:
-        """Steps of every counted client this round (``sampled``), known to every worker (and a round-start barrier).
+    def round_steps(self, view: RoundView) -> dict[int, int]:
+        """Steps of the round's clients: of every counted client where the round is planned (known to every worker,
+        and a round-start barrier), of this worker's own where it is decided live (the server counts the others).
 
         Each client's steps are capped so that the round does not run past ``train.budget_samples`` by more than
-        one batch per client: the last round is shortened evenly rather than overshooting the budget.
+        one batch per client: the last round is shortened evenly over the round's K clients rather than overshooting
+        the budget.
         """
         remaining = max(0, self.cfg.train.budget_samples - self.processed)
-        cap = max(1, math.ceil(math.ceil(remaining / self.B) / len(sampled)))
-        steps = torch.zeros(len(sampled), dtype=torch.int64)
-        for i, m in enumerate(sampled):
-            if m in mine:
+        cap = max(1, math.ceil(math.ceil(remaining / self.B) / self.cfg.clients.per_round))
+        if view.live:
+            return {m: min(self.local_steps(m), cap) for m in view.clients}
+        counted = list(self.round_plan.round(view.t).counted)
+        steps = torch.zeros(len(counted), dtype=torch.int64)
+        for i, m in enumerate(counted):
+            if m in view.clients:
                 steps[i] = min(self.local_steps(m), cap)
         # Workers know only their own clients' shards; the sum over workers gives every worker the same counts, and
         # the collective makes sure no worker starts round t while the leader still evaluates θ^t.
-        return self.collective.coordinate(steps).tolist()
+        return dict(zip(counted, self.collective.coordinate(steps).tolist()))
 
     def run_round(self, t: int) -> int:
-        round_t, mine = self.plan(t)
-        if round_t.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
+        view = self.rounds.open(t)
+        self.begin(view)
+        if view.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
             return 0
-        counted = list(round_t.counted)
-        steps = dict(zip(counted, self.round_steps(counted, mine)))
+        steps = self.round_steps(view)
         uploads: list[Pending] = []
-        for m in mine:
-            got = self.server.download(t=t, client=m)
+        # a live round counts the first clients to arrive: every client's download leaves at once (one after the
+        # other, the first would wait for the others' arrival); a planned round's download one by one
+        asked = self.server.download.send_many([{"t": t, "client": m} for m in view.clients]) if view.live else None
+        for i, m in enumerate(view.clients):
+            got = asked[i].wait() if asked is not None else self.server.download(t=t, client=m)
+            if got.get("late"):  # not counted: it draws nothing
+                continue
             params = clone_params(got["params"], self.first_order, self.device)
             self.bind(params)
             self.load_stats(got["stats"])  # θc^t's running statistics: this client's batches update them
             self.train_client(t, m, params, steps[m], got)
             weight = steps[m] * self.B
-            if m in round_t.delivered:
+            if view.delivers(m):
                 stats = [s.detach().clone() for s in self.stat_buffers]
                 uploads.append(self.server.upload.send(t=t, client=m, params=[p.detach() for p in params],
                                                        stats=stats, weight=weight))  # fmt: skip
@@ -329,7 +362,8 @@ class ExchangeWorker(WorkerBase):
                 uploads.append(self.server.upload.send(t=t, client=m, params=[], stats=[], weight=weight))
         for fut in uploads:  # answered once the round's K uploads are aggregated (errors surface here)
             fut.wait()
-        n = sum(steps.values()) * self.B
+        closed = self.rounds.close(t)
+        n = closed.samples if closed.samples is not None else sum(steps.values()) * self.B
         self.processed += n
         return n
 

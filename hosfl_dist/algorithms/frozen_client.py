@@ -50,6 +50,7 @@ class FrozenClientServer(BackpropServer):
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
         gather=True,
         closes_round=True,
+        arrives=True,
     )
     def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Round t's (z_m, y_m) of the K sampled clients: :meth:`BackpropServer.submit`, whose step closes the
@@ -81,15 +82,21 @@ class FrozenClientWorker(WorkerBase):
             return self.client_forward(x)
 
     def run_round(self, t: int) -> int:
-        round_t, mine = self.plan(t)  # a client dropped after its upload has done all it does: it counts
-        pending = []
-        for m in mine:
+        view = self.rounds.open(t)  # a client dropped after its upload has done all it does: it counts
+        self.begin(view)
+        pending, drawn = [], {}
+        for m in view.clients:
+            if view.live:  # an upload that arrives too late is not this round's: its batch is put back
+                drawn[m] = self.data.state_dict([m])
             x, y = self.data.next_batch(m)
             act = self.precision.upload(self.client_forward_frozen(x))
-            pending.append(self.server.submit.send(t=t, client=m, act=act, labels=y))
-        for answer in pending:  # empty, once the round is stepped (a server error surfaces here)
-            answer.wait()
-        n = len(round_t.counted) * self.cfg.clients.batch_size  # none in a skipped round: nothing was sent
+            pending.append((m, self.server.submit.send(t=t, client=m, act=act, labels=y)))
+        for m, answer in pending:  # empty, once the round is stepped (a server error surfaces here)
+            if answer.wait().get("late"):
+                self.data.load_state_dict(drawn[m])
+        closed = self.rounds.close(t)
+        # none in a skipped round: nothing was sent
+        n = closed.samples if closed.samples is not None else len(closed.counted) * self.cfg.clients.batch_size
         self.processed += n
         return n
 

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase
-from hosfl_dist.algorithms.participation import Participation
+from hosfl_dist.algorithms.rounds import RoundView
 from hosfl_dist.algorithms.compute import ServerCompute, Upload
 from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
@@ -230,6 +230,7 @@ class BackpropServer(ServerBase):
         args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS},
         result={"lam": DOWNLINK_GRADIENTS},
         gather=True,
+        arrives=True,
     )
     def submit(self, t: int, batch: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Round t's (z_m, y_m) of the K sampled clients in (the uploads the round counts); θs steps once with the
@@ -330,7 +331,8 @@ class HOSFLServer(BackpropServer):
     def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
         """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
         self.check_sampled(t, client, "sync")
-        hist_seeds, hist_scalars = self._window(t, client, since)  # t'_m moves when the round closes
+        hist_seeds, hist_scalars = self._window(t, client, since)
+        self.client_round[client] = t  # its replica replays to round t now; t+1 once the round closes, if it delivers
         return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)
@@ -344,7 +346,7 @@ class HOSFLServer(BackpropServer):
         self._trim()
         return {"hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
-    @wire(args={"scalars": CONTROL}, closes_round=True)
+    @wire(args={"scalars": CONTROL}, closes_round=True, aggregates="scalars")
     def finish_round(self, t: int, scalars: Tensor) -> None:
         """Record v̄^t for catch-up; the clients that delivered are now current at t+1 (one that dropped after its
         upload at t, where its sync brought it), and round t is closed with the skipped rounds after it. v̄ is NaN
@@ -444,7 +446,7 @@ class HOSFLWorker(WorkerBase):
         self.precision = client_precision(cfg.model, cfg.zo, self.split)  # refuses half precision below the μ floor
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
-        if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.collective.is_leader:
+        if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.is_leader:
             logger.info("zo.rng_device=cpu with clients on CUDA: every perturbation is drawn on the CPU and copied "
                         "to the GPU (on an H200 the ResNet-18 ZO step took 8.9x its P+1 forwards, 2.6x with "
                         "zo.rng_device=cuda, whose stream differs: all replicas of a run must use one)")  # fmt: skip
@@ -460,7 +462,7 @@ class HOSFLWorker(WorkerBase):
         self.compiled = None if cfg.zo.compile == "off" else self._compiled_forward(cfg.zo.compile)
         self.K = cfg.clients.per_round
         self.per_client = cfg.clients.replicas == "per_client"
-        ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.collective.is_leader else [])
+        ids = sorted(self.hosted) + ([EVAL_CLIENT] if self.is_leader else [])
         # t'_m as this worker knows it (the server keeps its own copy and checks that both agree).
         self.client_round = dict.fromkeys(ids, 0)
         if self.per_client:
@@ -574,24 +576,29 @@ class HOSFLWorker(WorkerBase):
             self.noise = None
 
     def run_round(self, t: int) -> int:
-        round_t, mine = self.plan(t)
-        if round_t.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
+        view = self.rounds.open(t)
+        self.begin(view)
+        if view.skipped:  # fewer uploads than server.min_clients: nothing is sent, the server passes the round
             return 0
         with self.round_noise():
-            return self._run_round(t, round_t, mine)
+            return self._run_round(t, view)
 
-    def _run_round(self, t: int, round_t: Participation, mine: list[int]) -> int:
+    def _run_round(self, t: int, view: RoundView) -> int:
+        mine = list(view.clients)
         # each replica's catch-up and the round's seeds, in one message (taken from the previous round's prefetch
         # where it was sent)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
         syncs = dict(zip(mine, self.server.sync.send_many(asks)))
         jobs: list[ClientJob] = []
+        drawn: dict[int, Any] = {}
         for m in mine:  # catch-up and batch
             rep = self.replicas[m]
             if self.per_client and self.client_round[m] < t:  # a stale replica replays the history in the answer
                 got = syncs[m].wait()  # before its forward; a current one (shared, or sampled last round) needs no
                 self.replay(rep, got["hist_seeds"], got["hist_scalars"])  # answer before its perturbed forwards
             self.client_round[m] = t
+            if view.live:  # an upload that arrives too late is not this round's: its batch is put back
+                drawn[m] = self.data.state_dict([m])
             x, y = self.data.next_batch(m)
             jobs.append(ClientJob(m, rep, x, None, y))
         # every z_m goes up, in one message, before any perturbed forward runs, so the server's step (which needs
@@ -606,30 +613,33 @@ class HOSFLWorker(WorkerBase):
         # the round's seeds, from answers that came back while the forwards ran
         seeds = {m: syncs[m].wait()["seeds"].tolist() for m in mine}
 
-        counted, delivered = round_t.counted, round_t.delivered
-        rows = torch.zeros(len(counted), self.P, dtype=torch.float32)
-        slot = {m: i for i, m in enumerate(counted)}
+        rows: dict[int, Tensor] = {}
         if batched:
-            self._project_together(t, jobs, seeds, rows, slot, delivered)
+            self._project_together(t, jobs, seeds, rows, view, drawn)
         else:
-            self._project_one_by_one(t, jobs, seeds, rows, slot, delivered)
-        if delivered:  # v̄ over the clients that delivered (the rows of the others are NaN)
-            vbar = self.collective.aggregate(SCALARS, rows, {m: slot[m] for m in mine if m in delivered},
-                                             mean_over_clients)  # fmt: skip
-        else:  # nobody's scalars arrived: no client step this round (every worker knows it from the plan)
-            vbar = torch.full((self.P,), float("nan"))
-
+            self._project_one_by_one(t, jobs, seeds, rows, view, drawn)
+        # live rounds: round t+1's syncs leave with the round's end (one message), where a round t+1 surely follows;
+        # a client expected to deliver asks from round t+1 on (if it does not deliver, that sync is refused and the
+        # next round asks again)
+        ahead = self._live_ahead(t, view, rows)
+        with self.server.together():
+            closing = self.rounds.close_async(t, SCALARS, rows, mean_over_clients, self.P)
+            if ahead:
+                self.server.sync.prefetch_many(ahead)
+        closed = closing.wait()
+        vbar = closed.aggregate if closed.aggregate is not None else torch.full((self.P,), float("nan"))
+        delivered = closed.delivered
         for m in mine:
             if m in delivered:
                 self.client_round[m] = t + 1  # the update below is applied before the next round starts
-        n = len(counted) * self.cfg.clients.batch_size  # the samples the server stepped with
-        self.processed += n
+        n = closed.samples if closed.samples is not None else len(closed.counted) * self.cfg.clients.batch_size
+        self.processed += n  # the samples the server stepped with
         with self.server.together():  # one message: the server closes the round, then answers the syncs at once
-            if self.collective.is_leader:  # the round's report; nobody waits for its answer
+            if self.is_leader and not closed.by_server:  # the round's report; nobody waits for its answer
                 self.server.finish_round.post(t=t, scalars=vbar)
-            if self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while the update runs
-                asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.plan(t + 1)[1]]
-                self.server.sync.prefetch_many(asks)
+            if not view.live and self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while
+                asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.rounds.ahead(t + 1)]
+                self.server.sync.prefetch_many(asks)  # the update runs
         seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
         if self.per_client:
             for m in mine:
@@ -638,6 +648,15 @@ class HOSFLWorker(WorkerBase):
         elif self.replicas:
             self.apply_update(next(iter(self.replicas.values())), seeds_t, vbar)  # the shared replica stays current
         return n
+
+    def _live_ahead(self, t: int, view: RoundView, rows: dict[int, Tensor]) -> list[dict[str, Any]]:
+        """The syncs of round t+1 a live round sends with its end: none where round t may be the run's last (a sync
+        the server answered but nobody took would move its replica's round on the server alone)."""
+        most = self.cfg.clients.per_round * self.cfg.clients.batch_size  # what round t can process at the most
+        if not view.live or self.processed + most >= self.cfg.train.budget_samples:
+            return []
+        ahead = [m for m in self.rounds.ahead(t + 1) if m in self.hosted]
+        return [{"t": t + 1, "client": m, "since": t + 1 if m in rows else self.client_round[m]} for m in ahead]
 
     def _forward_one_by_one(self, jobs: Sequence[ClientJob]) -> None:
         """z_m = f_c(x_m; θc^t) client by client (Eq. 1): the upload, and z in the compute dtype for Eq. 13."""
@@ -675,22 +694,20 @@ class HOSFLWorker(WorkerBase):
             logger.info(f"zo.batch_clients: a round runs client by client ({why}); later such rounds are not logged")
         return False
 
-    def _project_one_by_one(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]], rows: Tensor,
-                            slot: dict[int, int], delivered: Sequence[int]) -> None:  # fmt: skip
+    def _project_one_by_one(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]],
+                            rows: dict[int, Tensor], view: RoundView, drawn: dict[int, Any]) -> None:  # fmt: skip
         """v_m (Eq. 12-13) into ``rows`` client by client; each job's z and z̃ are freed once projected."""
         if self.overlap_round(jobs):
             # Latency hiding (§3.4): the P perturbed forwards need only θc^t and the seeds, not λ. They run while λ
             # is away and are kept until it arrives; a client whose λ is back already is projected as it goes below
             for job in jobs:
-                if not job.answer.done() and job.client in delivered:
+                if not job.answer.done() and view.delivers(job.client):
                     self.bind(job.replica.params)
                     job.z_tilde = self.zo_activations(job.x, seeds[job.client])
         while jobs:
             job = jobs.pop(0)
             m, answer = job.client, job.answer.wait()
-            if answer.get("skip") or m not in delivered:  # left out of the round by the server, or dropped after
-                # its upload (its scalars never arrive): left out of the aggregation
-                rows[slot[m]] = float("nan")
+            if not self._projects(m, answer, view, drawn):
                 del job
                 continue
             proj = Projector(answer["lam"].to(job.z.device), job.z)
@@ -698,10 +715,19 @@ class HOSFLWorker(WorkerBase):
             self.bind(job.replica.params)
             v = self.zo_scalars(job.x, seeds[m], proj, job.z_tilde)
             del job, proj
-            self._record(t, m, v, rows, slot)
+            self._record(t, m, v, rows)
 
-    def _project_together(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]], rows: Tensor,
-                          slot: dict[int, int], delivered: Sequence[int]) -> None:  # fmt: skip
+    def _projects(self, m: int, answer: dict[str, Any], view: RoundView, drawn: dict[int, Any]) -> bool:
+        """Whether client m's scalars are computed: not when the server left its upload out (``skip``), when the plan
+        drops it after its upload (its scalars never arrive), or when its upload came too late for a live round
+        (``late``: its batch is put back, it is not this round's)."""
+        if answer.get("late"):
+            self.data.load_state_dict(drawn[m])
+            return False
+        return not answer.get("skip") and view.delivers(m)
+
+    def _project_together(self, t: int, jobs: list[ClientJob], seeds: dict[int, list[int]],
+                          rows: dict[int, Tensor], view: RoundView, drawn: dict[int, Any]) -> None:  # fmt: skip
         """v_m (Eq. 12-13) into ``rows`` with the clients in one pass (``zo.batch_clients``): each perturbed forward
         runs on the concatenated batches of the clients that deliver, and client m projects its rows with λ_m.
         Without latency hiding every λ is awaited first, and one z̃ of Σ B_m rows is alive at a time (one batch of
@@ -711,7 +737,7 @@ class HOSFLWorker(WorkerBase):
             raise ProtocolError(f"round {t}: the clients of one worker got different seeds: {seeds}")
         early = None
         if self.overlap_round(jobs):
-            ahead = [job for job in jobs if job.client in delivered]
+            ahead = [job for job in jobs if view.delivers(job.client)]
             if ahead and not all(job.answer.done() for job in ahead):
                 self.bind(ahead[0].replica.params)
                 early = (self.zo_activations(cat_inputs([job.x for job in ahead]), shared),
@@ -721,8 +747,7 @@ class HOSFLWorker(WorkerBase):
         while jobs:
             job = jobs.pop(0)
             m, answer = job.client, job.answer.wait()
-            if answer.get("skip") or m not in delivered:  # as client by client: left out of the aggregation
-                rows[slot[m]] = float("nan")
+            if not self._projects(m, answer, view, drawn):  # as client by client: left out of the aggregation
                 continue
             projs[m] = Projector(answer["lam"].to(job.z.device), job.z)
             job.z = None
@@ -752,12 +777,12 @@ class HOSFLWorker(WorkerBase):
                 del z_batch  # before the next batch is computed
         del projs
         for job in kept:
-            self._record(t, job.client, torch.stack(vals[job.client]).float(), rows, slot)
+            self._record(t, job.client, torch.stack(vals[job.client]).float(), rows)
 
-    def _record(self, t: int, m: int, v: Tensor, rows: Tensor, slot: dict[int, int]) -> None:
+    def _record(self, t: int, m: int, v: Tensor, rows: dict[int, Tensor]) -> None:
         if not bool(torch.isfinite(v).all()) and self.cfg.train.on_nonfinite == "stop":
             raise NonFiniteError(f"round {t}: non-finite scalars v of client {m} (train.on_nonfinite=stop)")
-        rows[slot[m]] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
+        rows[m] = v  # a non-finite row is left out of the mean (train.on_nonfinite=skip)
 
     # -- evaluation and identity ---------------------------------------------------------------------------------
     def _catch_up(self, t: int, client: int) -> None:
@@ -793,11 +818,19 @@ class HOSFLWorker(WorkerBase):
         if self.client_round != from_server["client_round"]:
             raise ProtocolError(f"resume: this worker's rounds {self.client_round} and the server's "
                                 f"{from_server['client_round']} differ")  # fmt: skip
-        base = self.replicas[next(iter(self.replicas))].copy()
+        self.replicas = self._rebuilt(list(self.replicas), from_server)
+        first = next(iter(self.replicas.values()), None)
+        if first is not None:
+            self.bind(first.params)
+
+    def _rebuilt(self, ids: list[int], from_server: dict[str, Any]) -> dict[int, Replica]:
+        """The replicas of ``ids`` at their clients' rounds (``self.client_round``), from the server's base replica
+        and the history after it (Algorithm 3); one replica for all of them with ``clients.replicas=shared``."""
+        base = self._new_replica()
         _load_replica(base, from_server["base"])
         seeds, scalars = from_server["hist_seeds"], from_server["hist_scalars"]
         rebuilt: dict[int, Replica] = {}
-        for m in self.replicas:
+        for m in ids:
             # a shared replica is always current: at the round the history ends
             target = self.client_round[m] if self.per_client else base.round + len(seeds)
             if self.per_client or not rebuilt:
@@ -805,14 +838,34 @@ class HOSFLWorker(WorkerBase):
                 lo, hi = 0, target - base.round
                 replay(rep, seeds[lo:hi], scalars[lo:hi], self.mu, self.rng_device)
             rebuilt[m] = rep
-        self.replicas = rebuilt
-        first = next(iter(self.replicas.values()), None)
-        if first is not None:
-            self.bind(first.params)
+        return rebuilt
 
-    def client_digest(self) -> str:
-        """SHA-256 of θc and the optimizer state, identical on every up-to-date replica."""
+    def adopt(self, clients: dict[int, int], from_server: dict[str, Any]) -> None:
+        """Serve ``clients`` (a live round's new clients of this worker): their streams moved past the batches they
+        drew, their replicas rebuilt at their rounds from the server's base replica and history."""
+        super().adopt(clients, from_server)
+        new = sorted(clients)
+        self.client_round.update({m: from_server["client_round"][m] for m in new})
+        if self.per_client:
+            self.replicas.update(self._rebuilt(new, from_server))
+            return
+        shared = next(iter(self.replicas.values()), None)
+        if shared is None:  # the first clients of a worker keeping one replica: it is the run's current θc
+            shared = self._rebuilt(new[:1], from_server)[new[0]]
+        self.replicas.update(dict.fromkeys(new, shared))
+
+    def release(self, clients: Sequence[int]) -> None:
+        super().release(clients)
+        for m in clients:
+            self.replicas.pop(m, None)
+            self.client_round.pop(m, None)
+
+    def client_digest(self) -> str | None:
+        """SHA-256 of θc and the optimizer state, identical on every up-to-date replica (None: this worker holds no
+        replica, e.g. a live round's worker that serves no client at the end)."""
         digests = {r.digest() for r in self.replicas.values()}
+        if not digests:
+            return None
         if len(digests) != 1:
             raise RuntimeError(f"client replicas of this worker diverged: {sorted(digests)}")
         return digests.pop()

@@ -105,10 +105,23 @@ class ParticipationPlan:
         """From now on rounds are what :meth:`decide` says (the server of an elastic run)."""
         self.live, self.emulated = {}, True
 
+    def restore(self, records: list[dict[str, Any]]) -> None:
+        """The rounds a live run decided, from a checkpoint (``Participation.record`` of each, in order)."""
+        self.go_live()
+        assert self.live is not None
+        for row in records:
+            t = int(row["round"])
+            dropped = {int(k): v for k, v in row["dropped"].items()}
+            self.live[t] = self.settle(t, list(row["sampled"]), list(row["arrived"]), dropped)
+
     def decide(self, p: Participation) -> None:
         """Round ``p.round`` as it happened (decided again when its scalars are in: the drops after uploads)."""
         assert self.live is not None
         self.live[p.round] = p
+
+    def decided(self, t: int) -> bool:
+        """Whether round t's participation is known (always, but for a live round the server has not decided yet)."""
+        return self.live is None or t in self.live
 
     def round(self, t: int) -> Participation:
         if self.live is not None:

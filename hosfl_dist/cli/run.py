@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from hosfl_dist.runtime.checks import check_fixed_runtime
 
-                check_fixed_runtime(cfg)
+                check_fixed_runtime(cfg, "torchrun" if world > 1 else "in_process")
             return _check(cfg, world)
         if args.dry_run:
             return _dry_run(cfg, launch, world)

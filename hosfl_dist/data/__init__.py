@@ -112,6 +112,11 @@ class FederatedData:
             self._aug_gens[client] = generator(self.seed, Stream.AUGMENT, client)
         return self._streams[client]
 
+    def restart(self, client: int) -> None:
+        """Put ``client``'s batch stream (and its augmentation generator) back at the start of the run."""
+        self._streams.pop(client, None)
+        self._aug_gens.pop(client, None)
+
     def state_dict(self, clients: Iterable[int]) -> dict[int, Any]:
         """Where each of ``clients`` stands in its batch stream (and its augmentation generator)."""
         return {m: {"stream": self.stream(m).state_dict(), "augment": self._aug_gens[m].get_state()} for m in clients}

@@ -1,4 +1,5 @@
-"""What both runtimes build the same way: the server side's objects and a client worker's transport stack."""
+"""What every runtime builds the same way: the server side's objects, a client worker's transport stack, and the
+parts of live rounds (the gate on the server, a worker's rounds)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from hosfl_dist.algorithms import AlgorithmSpec
 from hosfl_dist.config import Config
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import SplitModel
+from hosfl_dist.runtime.gate import RoundGate, RoundService
+from hosfl_dist.runtime.live import LiveRounds
 from hosfl_dist.runtime.server_compute import GroupCompute
 from hosfl_dist.transport import Collective, Transport
-from hosfl_dist.transport.link import DelayedCollective, DelayedTransport
+from hosfl_dist.transport.client import ClientTransport
+from hosfl_dist.transport.endpoint import ServerEndpoint
+from hosfl_dist.transport.link import DelayedCollective, DelayedTransport, client_speed
 from hosfl_dist.transport.metered import MeteredTransport
+from hosfl_dist.transport.stub import ServerStub
 from hosfl_dist.transport.wire import CommMeter
 
 
@@ -28,18 +34,40 @@ def server_side(
 
 
 def served(spec: AlgorithmSpec) -> tuple[type, ...]:
-    """The classes whose declared calls a worker's transport counts: the method's server and the evaluation server."""
-    return (spec.server, EvalServer)
+    """The classes whose declared calls a worker's transport counts: the method's server, the evaluation server, and
+    the round gate's service (live rounds)."""
+    return (spec.server, EvalServer, RoundService)
 
 
 def client_stack(
     cfg: Config, spec: AlgorithmSpec, transport: Transport, collective: Collective, meter: CommMeter
-) -> tuple[Transport, Collective, DelayedTransport | None]:
+) -> tuple[ClientTransport, Collective, DelayedTransport | None]:
     """A worker's transport and collective: the emulated client-server link around them with ``comm.inject_delay``
-    (App. C.1), and the traffic meter outermost, so it counts what the algorithm sends. Returns the link too (its
-    summary goes into summary.json; the runtime closes it)."""
+    (App. C.1; each client's own speed with ``comm.speed_spread``), and the traffic meter outermost, so it counts
+    what the algorithm sends. Returns the link too (its summary goes into summary.json; the runtime closes it)."""
     link = None
     if cfg.comm.inject_delay:
-        transport = link = DelayedTransport(transport, cfg.comm)
+        speed = (lambda m: client_speed(cfg.comm, cfg.job.seed, m)) if cfg.comm.speed_spread else None
+        transport = link = DelayedTransport(transport, cfg.comm, speed=speed)
         collective = DelayedCollective(collective, link)
-    return MeteredTransport(transport, served(spec), meter), collective, link
+    return ClientTransport(MeteredTransport(transport, served(spec), meter)), collective, link
+
+
+def live_rounds(cfg: Config) -> bool:
+    """Whether rounds are decided live at the server's gate under torchrun (``server.round_timeout_s`` > 0, not
+    replaying a record)."""
+    return bool(cfg.server.round_timeout_s) and not cfg.clients.participation
+
+
+def round_gate(cfg: Config, server: Any, endpoint: ServerEndpoint, members: Any, auto_open: bool) -> RoundGate:
+    """The round gate of a run whose rounds are decided live, in ``endpoint``."""
+    return RoundGate(server, endpoint, members, per_round=cfg.clients.per_round, timeout_s=cfg.server.round_timeout_s,
+                     width=cfg.zo.num_perturbations, on_nonfinite=cfg.train.on_nonfinite,
+                     auto_open=auto_open)  # fmt: skip
+
+
+def worker_rounds(
+    cfg: Config, transport: ClientTransport, meter: CommMeter, clients_of: Any, is_leader: bool, counts: Any = None
+) -> LiveRounds:
+    """A worker's live rounds over its transport (the gate's ``close`` leaves in the same messages as its calls)."""
+    return LiveRounds(ServerStub(RoundService, transport).close, clients_of, meter, is_leader, counts)

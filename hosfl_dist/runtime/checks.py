@@ -30,19 +30,35 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple
     return check_config(load_config(path, overrides))
 
 
-def check_fixed_runtime(cfg: Config) -> None:
-    """What only an elastic run (``--serve``) does, refused by the in-process and torchrun runtimes in one line;
-    replaying an elastic run's record (``clients.participation``) takes its config as it was."""
+def check_fixed_runtime(cfg: Config, runtime: str = "in_process") -> None:
+    """What a runtime of fixed workers refuses in one line. In one process there is no real time: a round timeout
+    and per-client link speeds are an elastic run's or a torchrun job's (replaying one's record,
+    ``clients.participation``, takes its config as it was). Under torchrun a round timeout decides rounds live, at
+    the server's gate, which then takes no emulated dropout."""
     if cfg.clients.participation:
         return
-    for key, value, default in (
-        ("comm.speed_spread", cfg.comm.speed_spread, 0.0),
-        ("server.round_timeout_s", cfg.server.round_timeout_s, 0.0),
-    ):
-        if value != default:
-            raise ConfigError(f"invalid value for {key}: {value:g} (only elastic runs, --serve, have real-time rounds "
-                              f"and per-client links; set it to {default:g}, serve the run, or replay one with "
-                              "clients.participation: docs/participation.md#elastic-runs)")  # fmt: skip
+    timeout, spread = cfg.server.round_timeout_s, cfg.comm.speed_spread
+    if runtime == "in_process":
+        for key, value in (("server.round_timeout_s", timeout), ("comm.speed_spread", spread)):
+            if value:
+                raise ConfigError(f"invalid value for {key}: {value:g} (one process has no real-time rounds or "
+                                  "per-client links: run it under torchrun or --serve, or replay such a run with "
+                                  "clients.participation: docs/participation.md#live-rounds)")  # fmt: skip
+        return
+    check_live(cfg, "server.round_timeout_s > 0" if timeout else "")
+    if spread and not cfg.comm.inject_delay:
+        raise ConfigError(f"invalid value for comm.speed_spread: {spread:g} (per-client links are emulated with "
+                          "comm.inject_delay=true)")  # fmt: skip
+
+
+def check_live(cfg: Config, why: str) -> None:
+    """What rounds decided live (``why``: what makes them so; empty: they are not) cannot take: who takes part is who
+    answers in time, not an emulation of it."""
+    if not why:
+        return
+    if cfg.clients.dropout:
+        raise ConfigError(f"invalid value for clients.dropout: {cfg.clients.dropout:g} (with {why} the workers that "
+                          "answer in time decide who takes part; set it to 0)")  # fmt: skip
 
 
 def check_config(cfg: Config) -> Config:

@@ -35,7 +35,9 @@ from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.callbacks import Callbacks
-from hosfl_dist.runtime.build import client_stack, server_side
+from hosfl_dist.algorithms.base import RoundPlan
+from hosfl_dist.runtime.build import client_stack, live_rounds, round_gate, server_side, worker_rounds
+from hosfl_dist.runtime.gate import FixedMembers
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
 from hosfl_dist.runtime.front import RunFront
@@ -70,7 +72,7 @@ def run_torchrun(cfg: Config, env: LaunchEnv) -> tuple[int, tuple[dict[str, Any]
     """Run this process's role until the job ends: (exit code, on rank 0 of a completed run its summary and
     folder)."""
     check_config(cfg)
-    check_fixed_runtime(cfg)
+    check_fixed_runtime(cfg, "torchrun")
     roles = role_map(cfg, env.world_size)  # refused here, before any process group exists
     spec = get_algorithm(cfg.algorithm.name)
     check_devices(cfg)
@@ -131,9 +133,14 @@ class TorchrunJob:
             "interface": d.interface,
         }
         endpoint = ServerEndpoint(servers.server, servers.execute, servers.evaluator)
+        gate = None
+        if live_rounds(cfg):  # server.round_timeout_s: the gate decides each round from who answers in time
+            gate = round_gate(cfg, servers.server, endpoint, FixedMembers(roles.hosted), auto_open=True)
         callbacks = Callbacks.of(cfg.job.callbacks)  # the start, the rows, the checkpoints and the end are rank 0's
         self.front = RunFront(cfg, endpoint, servers, servers.store, "torchrun", layout, "server", described, callbacks)
         self.front.open(restarted=d.env.restart > 0)
+        if gate is not None:
+            gate.start_at(self.front.resume[0].round if self.front.resume else 0)
         publish(self.front)
         self.front.wait(stop)
         return self.front.conclude()
@@ -172,7 +179,15 @@ class TorchrunJob:
         front = fetch_front(cfg.server.rpc_timeout_s, d.token)
         rpc = RPCTransport(front, cfg.server.rpc_timeout_s, stats, d.token)
         transport, collective, link = client_stack(cfg, spec, rpc, group, meter)
-        worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective)
+        rounds = None
+        if live_rounds(cfg):  # decided at the server's gate: this worker runs the sampled clients it hosts
+            hosted, draw = set(roles.hosted[rank]), RoundPlan.of(cfg).participation
+
+            def clients_of(t: int) -> tuple[int, ...]:
+                return tuple(sorted(m for m in draw.sampled(t) if m in hosted))
+
+            rounds = worker_rounds(cfg, transport, meter, clients_of, leader)
+        worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective, rounds)
         trainer = Trainer(
             cfg,
             worker,

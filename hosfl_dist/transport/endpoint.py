@@ -96,16 +96,29 @@ class ServerEndpoint:
         """Ids of the threads that executed server methods (one, when every call came through :meth:`enqueue`)."""
         self._thread: ServerThread | None = None
         self._thread_lock = threading.Lock()  # not _lock: an RPC thread must not wait for an execution to enqueue
+        self.gate: Any = None
+        """Live rounds: the round gate (:mod:`hosfl_dist.runtime.gate`), which decides who of a round's arrivals
+        count before their calls go on here, and serves its own ``close``; None: every round is planned."""
 
     def spec(self, method: str) -> WireSpec:
         return wire_spec(self.served, method)
 
-    def serve(self, method: str, kwargs: dict[str, Any]) -> Future:
-        """Run (or hold, or gather) one client call; the future completes with its answer."""
+    def serve(self, method: str, kwargs: dict[str, Any], caller: str | None = None, gated: bool = True) -> Future:
+        """Run (or hold, or gather) one client call; the future completes with its answer. ``caller``: the worker
+        that sent it, where the runtime knows (an elastic run's member); ``gated=False``: a call the round gate
+        makes itself."""
+        gate = self.gate
+        if gate is not None and method == "close":
+            return gate.close(kwargs, caller)
         try:
             spec = self.spec(method)
         except AttributeError as exc:
             return failed(exc)
+        if gate is not None and gated and spec.arrives:
+            return gate.arrive(method, kwargs, caller, lambda kw: self._serve_spec(method, spec, kw))
+        return self._serve_spec(method, spec, kwargs)
+
+    def _serve_spec(self, method: str, spec: WireSpec, kwargs: dict[str, Any]) -> Future:
         with self._lock:
             t = kwargs.get("t")
             if spec.after_previous_round and t is not None and t > self.closed:
@@ -114,25 +127,43 @@ class ServerEndpoint:
                 return fut
             return self._dispatch(method, spec, kwargs)
 
-    def enqueue(self, method: str, kwargs: dict[str, Any]) -> Future:
+    def enqueue(self, method: str, kwargs: dict[str, Any], caller: str | None = None) -> Future:
         """:meth:`serve` on the endpoint's server thread, after the calls enqueued before; returns at once with the
         call's future (what an RPC thread does with the call it delivered)."""
         out: Future = Future()
 
         def job() -> None:
             try:
-                answer = self.serve(method, kwargs)
+                answer = self.serve(method, kwargs, caller)
             except Exception as exc:  # noqa: BLE001 - e.g. a gathered call without its round: the caller's error
                 out.set_exception(exc)
                 return
             answer.add_done_callback(lambda f: forward(f, out))
 
+        self.run_job(job)
+        return out
+
+    def run_job(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the endpoint's server thread, after what was enqueued before (a round gate's timeout)."""
         with self._thread_lock:
             if self._thread is None:
                 self._thread = ServerThread()
             thread = self._thread
         thread.put(job)
-        return out
+
+    def gathered(self, method: str, t: int) -> set[int]:
+        """The clients whose gathered ``method`` call of round t is in (read without the lock: a snapshot)."""
+        return set(self._gathering.get((method, t), {}))
+
+    def regather(self, method: str, t: int) -> None:
+        """Round t's ``method`` gathers fewer calls than before (a live round took clients out of it): run it now if
+        the ones left are all in."""
+        with self._lock:
+            pending = self._gathering.get((method, t))
+            if pending is None or len(pending) < self.server.expected_in_round(t):
+                return
+            del self._gathering[(method, t)]
+            self._run_gathered(method, self.spec(method), t, pending)
 
     def locked(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` between executions (e.g. read the server's train loss for a metrics row)."""
@@ -170,18 +201,21 @@ class ServerEndpoint:
         if len(pending) < self.server.expected_in_round(t):
             return fut
         del self._gathering[(method, t)]
+        self._run_gathered(method, spec, t, pending)
+        return fut
+
+    def _run_gathered(self, method: str, spec: WireSpec, t: int, pending: dict[int, tuple[dict, Future]]) -> None:
         batch = {m: pending[m][0] for m in sorted(pending)}
         try:
             results = self._execute(method, {"t": t, "batch": batch})
         except Exception as exc:  # noqa: BLE001 - every client of the failed round gets the error
             for _, f in pending.values():
                 f.set_exception(exc)
-            return fut
+            return
         if spec.closes_round:
             self._close(t + 1)
         for m, (_, f) in pending.items():
             f.set_result(None if results is None else results[m])
-        return fut
 
     def _execute(self, method: str, kwargs: dict[str, Any]) -> Any:
         self._threads.add(threading.get_ident())
@@ -211,9 +245,12 @@ class ServerEndpoint:
             self._close(t)
 
     def _close(self, closed: int) -> None:
+        newly = closed > self.closed
         self.closed = max(self.closed, self._open(closed))
         ready = sorted((h for h in self._held if h[0] <= self.closed), key=lambda h: h[0])
         self._held = [h for h in self._held if h[0] > self.closed]
         for _, method, kwargs, fut in ready:
             answer = self._dispatch(method, self.spec(method), kwargs)
             answer.add_done_callback(lambda f, fut=fut: forward(f, fut))
+        if self.gate is not None and newly:  # a method that closes its own live rounds: the gate ends the round
+            self.gate.round_closed(closed - 1)

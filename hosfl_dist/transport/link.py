@@ -130,9 +130,12 @@ class DelayedTransport:
         link: LinkConfig,
         clock: Callable[[], float] = time.perf_counter,
         trace: bool = False,
+        speed: Callable[[int], float] | None = None,
     ) -> None:
         self.inner = inner
         self.link = link
+        self.speed = speed
+        """Client m's link speed factor (``comm.speed_spread``: :func:`client_speed`); None: every link alike."""
         self.clock = clock
         self.stats = LinkStats(trace=[] if trace else None)
         self._lock = threading.Lock()
@@ -143,7 +146,8 @@ class DelayedTransport:
 
     def _queue(self, queues: dict[Any, LinkQueue], key: Any, mbps: float) -> LinkQueue:
         if key not in queues:
-            queues[key] = LinkQueue(mbps, self.link.rtt_ms)
+            factor = self.speed(key) if self.speed is not None and isinstance(key, int) else 1.0
+            queues[key] = LinkQueue(mbps * factor, self.link.rtt_ms)
         return queues[key]
 
     def call(self, method: str, **kwargs: Any) -> Any:

@@ -8,7 +8,10 @@ Every client -> server call is a server method declared with :func:`wire`:
 - **ordering**, enforced by :class:`hosfl_dist.transport.endpoint.ServerEndpoint` for every runtime alike:
   ``after_previous_round`` (the call reads what round t−1 produced, so it waits until round t−1 is closed),
   ``gather`` (the round's calls from its K clients are collected and the method runs once with all of them, in
-  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed).
+  client-id order whatever the arrival order), ``closes_round`` (once it ran, round t is closed);
+- **live rounds** (:mod:`hosfl_dist.runtime.gate`): ``arrives`` (a client's first call of a round, where a round
+  decided by who answers in time counts it) and ``aggregates`` (the call the gate makes with the round's
+  client-side aggregate to close it).
 
 How a call executes (one rank, a server group) is the runtime's, never the declaration's.
 
@@ -103,6 +106,12 @@ class WireSpec:
     as ``method(t, batch)`` with ``batch = {client: fields}`` and returns ``{client: result}``."""
     closes_round: bool = False
     """Round t is closed once this call ran (held ``after_previous_round`` calls of round t+1 are released)."""
+    arrives: bool = False
+    """A sampled client's first call of a round: where a live round (decided by who answers in time) counts it
+    (:mod:`hosfl_dist.runtime.gate`)."""
+    aggregates: str = ""
+    """The argument that takes the round's client-side aggregate, where a live round's gate computes it and makes
+    this call to close the round (HO-SFL's ``finish_round(t, scalars=v̄)``)."""
 
     def categories(self) -> set[str]:
         return set(self.args.values()) | set(self.result.values())
@@ -115,10 +124,12 @@ def wire(
     after_previous_round: bool = False,
     gather: bool = False,
     closes_round: bool = False,
+    arrives: bool = False,
+    aggregates: str = "",
 ) -> Callable:
     """Declare a server method as a client -> server call (see :class:`WireSpec`)."""
     res = {"*": result} if isinstance(result, str) else dict(result or {})
-    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round)
+    spec = WireSpec(dict(args or {}), res, after_previous_round, gather, closes_round, arrives, aggregates)
 
     def deco(fn: Callable) -> Callable:
         fn.__wire__ = spec
