@@ -115,10 +115,11 @@ class ServerBase:
             raise ProtocolError(f"server received round {t} while at round {self.rounds_done}: rounds must not mix")
 
     # -- what arrives --------------------------------------------------------------------------------------------
-    def check_sampled(self, t: int, client: int, what: str) -> None:
-        """Refuse a call about a client that round t does not count (not sampled, dropped before its upload, late)."""
+    def check_sampled(self, t: int, client: int, what: str, counted: bool = True) -> None:
+        """Refuse a call about a client that round t does not count (not sampled, dropped before its upload, late);
+        ``counted=False``: about a client it samples (whether it counts or not)."""
         plan = self.round_plan.participation
-        if not plan.decided(t):  # a live round before its uploads decided it: any sampled client may take part
+        if not counted or not plan.decided(t):  # a live round before its uploads decided it: any sampled client
             sampled = plan.sampled(t)
             if client not in sampled:
                 raise ProtocolError(f"round {t}: {what} from client {client}, which is not sampled (S_t = "

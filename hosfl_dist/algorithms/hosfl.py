@@ -330,7 +330,8 @@ class HOSFLServer(BackpropServer):
     )
     def sync(self, t: int, client: int, since: int) -> dict[str, Tensor]:
         """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
-        self.check_sampled(t, client, "sync")
+        # a live round's sampled clients catch up before the gate counts the first uploads: a late one has too
+        self.check_sampled(t, client, "sync", counted=self.round_plan.participation.live is None)
         hist_seeds, hist_scalars = self._window(t, client, since)
         self.client_round[client] = t  # its replica replays to round t now; t+1 once the round closes, if it delivers
         return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}

@@ -144,6 +144,7 @@ class RunFront(Handler):
             str(ckpt or ""),
             self.identity,
             notes,
+            plan=self.server.round_plan.participation,  # the rounds as the server runs them (decided live, or drawn)
         )
         self._fire("on_train_start", Run(self.cfg.job.out_dir))
 

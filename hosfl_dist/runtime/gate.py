@@ -266,6 +266,8 @@ class RoundGate:
         t, client = _round_and_client(kwargs)
         with self.cond:
             r = self.current
+            if r is not None and t == r.t and r.decided is not None and r.end is None and not r.closing:
+                self._late(r, client, caller)
             if r is None or t < r.t or (t == r.t and r.decided is not None):
                 return done(dict(LATE))  # the round was decided without it: not this round
             if client not in r.sampled:
@@ -286,6 +288,19 @@ class RoundGate:
             actions = self._decide_if_ready(r)
         self._run(actions)
         return fut
+
+    def _late(self, r: GateRound, client: int, caller: str | None) -> None:
+        """An upload after the round was decided: recorded as late (it was sent, it is not this round's), where it is
+        one of the round's and its worker's."""
+        p = r.decided
+        if client not in r.sampled or client in r.arrived or p is None or p.skipped:
+            return
+        if caller is not None and r.owners.get(client) != caller:
+            return
+        r.arrived.append(client)
+        dropped = {m: s for m, s in p.dropped.items() if m != client}
+        r.decided = self.plan.settle(r.t, list(r.sampled), list(r.arrived), dropped)
+        self.plan.decide(r.decided)
 
     def close(self, kwargs: dict[str, Any], caller: str | None) -> Future:
         """A worker ends its round (:meth:`RoundService.close`)."""

@@ -76,6 +76,7 @@ class RunRecord:
         resumed: str = "",
         identity: dict[str, Any] | None = None,
         notes: dict[str, Any] | None = None,
+        plan: ParticipationPlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.job.out_dir)
@@ -91,7 +92,7 @@ class RunRecord:
         self.trackers = Trackers(cfg, self.dir)  # job.loggers beyond jsonl (TensorBoard, W&B offline)
         for row in self.history:
             self.trackers.log(row)
-        self.participation = ParticipationRecord(cfg, self.dir, rows_until, self.history)
+        self.participation = ParticipationRecord(cfg, self.dir, rows_until, self.history, plan)
         self.start = time.perf_counter() - wall_s
         self.finished = False
         identity = identity or {}
@@ -202,8 +203,15 @@ class ParticipationRecord:
     since the previous row) and summary.json's ``participation``. Written from the run's plan, which the server and
     every worker follow; resuming at round r, the rounds before r are written again from it."""
 
-    def __init__(self, cfg: Config, folder: Path, resumed_at: int | None, rows: list[dict[str, Any]]) -> None:
-        self.plan = ParticipationPlan(cfg)
+    def __init__(
+        self,
+        cfg: Config,
+        folder: Path,
+        resumed_at: int | None,
+        rows: list[dict[str, Any]],
+        plan: ParticipationPlan | None = None,
+    ) -> None:
+        self.plan = plan if plan is not None else ParticipationPlan(cfg)
         self.counts = dict.fromkeys(("sampled", "delivered", "dropped", "late", "rounds_skipped"), 0)
         self.written = 0
         self._file = open(folder / "participation.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
