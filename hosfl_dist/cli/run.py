@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.config or args.overrides or args.serve:
                 raise ConfigError("invalid value for --join: a worker takes the run's own config (give --join "
                                   "RUN_DIR alone)")  # fmt: skip
-            from hosfl_dist.runtime.elastic.worker import run_join
+            from hosfl_dist.runtime.elastic.driver import run_join
 
             init_logging("worker")
             return run_join(args.join)

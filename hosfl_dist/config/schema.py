@@ -433,12 +433,17 @@ class ServerConfig:
     """A round steps only with at least this many uploads; fewer is a skipped round (recorded in participation.jsonl
     and summary.json, nothing stepped). 0 = clients.per_round (K)."""
     round_timeout_s: float = 0.0
-    """Elastic runs (``--serve``): after a round's first upload (and again after its first scalars) the server waits
-    at most this long for the others, then steps with what arrived (at least ``server.min_clients``) and answers the
-    late ones "not this round". 0 = wait for every client of a live worker (docs/participation.md)."""
+    """Rounds decided live (elastic runs, ``--serve``; under torchrun when > 0): after a round's first upload (and
+    again after its first scalars) the server waits at most this long for the others, then steps with what arrived
+    (at least ``server.min_clients``) and answers the late ones "not this round". 0 = wait for every client of a
+    live worker (docs/participation.md)."""
     worker_timeout_s: float = 30.0
     """Elastic runs (``--serve``): a client worker silent for this long (no call, no heartbeat) is lost: its round's
-    clients count as dropped and its logical clients move to the workers still there."""
+    clients count as dropped and its logical clients move to the workers still there; a worker whose server is
+    silent this long stops waiting on it."""
+    rejoin_timeout_s: float = 300.0
+    """Elastic runs (``--join``): how long a worker whose server went away waits for it to come back (restarted with
+    ``job.resume=auto``) and rejoins; after that it exits with one line and a non-zero status."""
     min_workers: int = 1
     """Elastic runs (``--serve``): the first round starts once this many client workers have joined (Flower's
     ``min_available_clients``); later rounds go on with whoever is there."""
@@ -473,6 +478,8 @@ class ServerConfig:
         check(self.min_workers >= 1, "min_workers", self.min_workers, "must be >= 1")
         check(math.isfinite(self.worker_timeout_s) and 1 <= self.worker_timeout_s <= 86400, "worker_timeout_s",
               self.worker_timeout_s, "must be between 1 s and a day")  # fmt: skip
+        check(math.isfinite(self.rejoin_timeout_s) and 0 <= self.rejoin_timeout_s <= 7 * 86400, "rejoin_timeout_s",
+              self.rejoin_timeout_s, "must be between 0 (do not wait) and a week")  # fmt: skip
 
 
 def link_delay_s(nbytes: int, mbps: float, rtt_ms: float) -> float:

@@ -250,8 +250,12 @@ class CheckpointManager:
     with what the server adds to it (HO-SFL: the base replica and the history its replicas are rebuilt from).
     """
 
-    def __init__(self, cfg: Config, trainer_rank: int, worker: Any, meter: Any, peers: Any, control: Any) -> None:
+    def __init__(
+        self, cfg: Config, trainer_rank: int, worker: Any, meter: Any, peers: Any, control: Any, extra: Any = None
+    ) -> None:
         self.cfg = cfg
+        self.extra = extra
+        """What the runtime adds to this worker's part (``state_dict`` / ``load_state_dict``: an elastic membership)."""
         self.rank = trainer_rank
         self.worker = worker
         self.meter = meter
@@ -272,6 +276,8 @@ class CheckpointManager:
         part = got["part"]
         self.worker.load_state_dict(part["worker"], got["from_server"])
         self.meter.load_state_dict(part["meter"])
+        if self.extra is not None:
+            self.extra.load_state_dict(part["runtime"])
         if "rng" in part:
             set_rng_state(part["rng"])
         self.last = got["loop"].processed
@@ -285,6 +291,8 @@ class CheckpointManager:
         """Take the checkpoint after round t (every worker calls this at the same round boundary)."""
         self.worker.transport.flush()  # the round's posted calls reached the server
         part = {"worker": self.worker.state_dict(), "meter": self.meter.state_dict(), "rng": rng_state()}
+        if self.extra is not None:
+            part["runtime"] = self.extra.state_dict()
         self.control.send(CheckpointPart(self.rank, part))
         self.peers.barrier()  # every part is in before the leader asks for the save
         # nobody goes on (or exits) before the checkpoint is written: the save is one request of the leader's, waited

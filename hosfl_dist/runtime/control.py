@@ -8,6 +8,7 @@ the other server ranks (:class:`~hosfl_dist.runtime.server_group.ServerGroup`).
 
     client worker -> front       ResumeRequest, EvalReport, CheckpointPart, SaveCheckpoint, Stopped, FinalReport,
                                  FailureReport
+    elastic worker -> front      Join, Beat, Leave, MemberFinal (the membership's, :mod:`hosfl_dist.runtime.elastic`)
     rank 0 -> server ranks       Execute, Digest, Memory, Save, Load, Stop
 """
 
@@ -118,3 +119,41 @@ class FailureReport:
     """A process failed (its one-line error): the front records it and the run ends."""
 
     message: str
+
+
+# -- an elastic run's worker -> its server (the membership) -------------------------------------------------------
+@dataclass(frozen=True)
+class Join:
+    """A worker joining an elastic run: where it runs, and the identity of the run it would compute (its config's,
+    its inputs', its code's: :func:`~hosfl_dist.runfolder.identity.run_identity`), which must be the run's."""
+
+    info: dict[str, Any]
+    identity: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A member is alive (``member``: set by the server's entry point from the caller's token, never by the caller)."""
+
+    member: str = ""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A member leaves (SIGTERM, Ctrl-C): its clients move at once."""
+
+    member: str = ""
+    why: str = "left"
+
+
+@dataclass(frozen=True)
+class MemberFinal:
+    """A member at the run's end: the digest of its replicas at the last round (None: it serves no client), its round
+    timing, memory and emulated link, and its traffic counters."""
+
+    digest: str | None
+    timing: dict[str, Any]
+    memory: dict[str, Any]
+    link: dict[str, Any] | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    member: str = ""

@@ -65,6 +65,9 @@ class Members(Protocol):
     def end_of_round(self, t: int, batches: dict[int, int]) -> dict[str, dict[str, Any]]:
         """Round t has closed (``batches``: what each counted client drew): per worker, what its close answer adds."""
 
+    def report_counts(self, name: str, counts: dict[str, int]) -> None:
+        """A worker's traffic counters (an elastic run sums them; a torchrun job's workers sum their own)."""
+
 
 class FixedMembers:
     """The client workers of a torchrun job: each hosts its clients for the whole run and is alive while it runs
@@ -81,6 +84,9 @@ class FixedMembers:
 
     def end_of_round(self, t: int, batches: dict[int, int]) -> dict[str, dict[str, Any]]:
         return {}
+
+    def report_counts(self, name: str, counts: dict[str, int]) -> None:
+        pass
 
 
 class RoundService:
@@ -160,11 +166,11 @@ class RoundGate:
         self.next_t = 0
         self.early: dict[int, list[tuple[str, dict[str, Any], str | None, Future, Callable]]] = {}
         """Arrivals for a round not opened yet (an elastic worker that went on while the leader evaluated)."""
+        self.early_closers: dict[int, list[tuple[str | None, Future]]] = {}
+        """Closes of a round not opened yet, from workers with no client in it."""
         self.ends: dict[int, dict[str, Any]] = {}
         self.finished: dict[str, Any] | None = None
         """The run's end (or a stop), answered to every call from now on."""
-        self.counts: dict[str, dict[str, int]] = {}
-        """Each worker's traffic counters, as its last close sent them (elastic runs sum them)."""
         endpoint.gate = self
         if auto_open:
             self.open(0)
@@ -187,6 +193,7 @@ class RoundGate:
             sampled = tuple(self.plan.sampled(t))
             owners = self.members.owners(t)
             self.current = GateRound(t, sampled, {m: owners[m] for m in sampled if m in owners})
+            self.current.closers.extend(self.early_closers.pop(t, []))
             early = self.early.pop(t, [])
         for method, kwargs, caller, fut, go in early:
             self._arrive(method, kwargs, caller, go).add_done_callback(lambda f, fut=fut: forward(f, fut))
@@ -213,6 +220,8 @@ class RoundGate:
         with self.cond:
             self.finished = answer
             waiting = [fut for r in [self.current] if r is not None for _, fut in r.closers]
+            waiting += [fut for calls in self.early_closers.values() for _, fut in calls]
+            self.early_closers.clear()
             held = [fut for r in [self.current] if r is not None and r.decided is None for _, fut, _ in r.held.values()]
             early = [fut for calls in self.early.values() for *_, fut, _ in calls]
             self.early.clear()
@@ -312,6 +321,8 @@ class RoundGate:
             counts = kwargs.get("counts")
         except ProtocolError as exc:
             return failed(exc)
+        if caller is not None and isinstance(counts, Mapping):  # an elastic worker's traffic, summed by the server
+            self.members.report_counts(caller, {str(k): v for k, v in counts.items() if type(v) is int and v >= 0})
         fut: Future = Future()
         with self.cond:
             if self.finished is not None:
@@ -319,11 +330,12 @@ class RoundGate:
             if t in self.ends:
                 return done(self._answer(self.ends[t], caller))
             r = self.current
+            if (r is None or r.end is not None) and t == self.next_t and not rows:  # a worker with no client in a
+                self.early_closers.setdefault(t, []).append((caller, fut))  # round not opened yet (it joined late)
+                return fut
             if r is None or r.t != t:
                 now = r.t if r is not None else self.next_t
                 return failed(ProtocolError(f"round {t}: close while the gate is at round {now}"))
-            if caller is not None and isinstance(counts, Mapping):
-                self.counts[caller] = {str(k): int(v) for k, v in counts.items() if isinstance(v, int)}
             try:
                 bad = self._take_rows(r, rows, caller)
             except ProtocolError as exc:

@@ -67,6 +67,8 @@ class LiveRounds:
         self.meter = meter
         self._leader = is_leader
         self.counts = counts
+        self.last: Closed | None = None
+        """The last round's end as the gate answered it (what the runtime's driver reads of it: ``extra``)."""
         self.processed: int | None = None
         """The run's processed samples before the next round, where the worker cannot count them itself (an elastic
         worker that joined a run under way): the server's count, kept current from each close's answer."""
@@ -95,7 +97,7 @@ class LiveRounds:
         return _Closing(self, t, self._close.send(t=t, rows=rows, counts=counts))
 
     def _closed(self, t: int, answer: Mapping[str, Any]) -> Closed:
-        closed = closed_of(t, answer)
+        closed = self.last = closed_of(t, answer)
         if self.processed is not None and closed.samples is not None:
             self.processed += closed.samples
         return closed
@@ -122,14 +124,14 @@ class LeaderRounds:
     live = True
     is_leader = True
 
-    def __init__(self, gate: Any, before_first: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, gate: Any, before_first: Callable[[int], None] = lambda t: None) -> None:
         self.gate = gate
         self.before_first = before_first
         self._started = False
 
     def open(self, t: int) -> RoundView:
         if not self._started:
-            self.before_first()  # e.g. wait for server.min_workers to join
+            self.before_first(t)  # e.g. wait for server.min_workers to join
             self._started = True
         self.gate.open(t)
         return RoundView(t, (), live=True)

@@ -326,20 +326,43 @@ def expect_token(token: str) -> None:
     _EXPECTED["token"] = token.encode()
 
 
-def refusal(token: object, entry: str) -> Future | None:
-    """None when ``token`` is the job's (compared in constant time); else a failed future with a one-line error
-    that names nothing secret, and a warning on this process. ``entry``: the entry point, for both messages."""
+_MEMBERS: list[Callable[[str], str | None]] = []
+"""An elastic run's membership: a member's own token -> its name (None: not a member's)."""
+
+
+def expect_members(resolve: Callable[[str], str | None]) -> None:
+    """An elastic server: the run's token (in join.json) lets a worker join and nothing else; every other call must
+    carry a member's own token, which ``resolve`` maps to the member that sends it."""
+    _MEMBERS[:] = [resolve]
+
+
+def authorize(token: object, entry: str, joining: bool = False) -> tuple[str | None, Future | None]:
+    """(the caller: a member's name, or None for the job's token; a refusal, or None). Under an elastic membership
+    the run's token is only good for joining (``joining``)."""
+    given = token if isinstance(token, str) else ""
+    if _MEMBERS and given:
+        member = _MEMBERS[0](given)
+        if member is not None:
+            return member, None
+        if not joining:
+            return None, _refused(entry, "the caller is not a member of this run (join it first, or it was lost)")
     expected = _EXPECTED.get("token")
-    given = token.encode() if isinstance(token, str) else b""
-    if expected and given and hmac.compare_digest(given, expected):
-        return None
-    logger.warning(f"refused a call of {entry}: the caller does not hold this job's token")
-    return failed(
-        ProtocolError(
-            f"refused {entry}: the caller does not hold this job's token (a process of another job or of an earlier "
-            "attempt, or HOSFL_JOB_TOKEN differs between nodes)"
-        )
-    )
+    if expected and given and hmac.compare_digest(given.encode(), expected):
+        return None, None
+    return None, _refused(entry, "the caller does not hold this job's token (a process of another job or of an "
+                                 "earlier attempt, or HOSFL_JOB_TOKEN differs between nodes)")  # fmt: skip
+
+
+def refusal(token: object, entry: str) -> Future | None:
+    """None when ``token`` is the job's (compared in constant time) or a member's; else a failed future with a
+    one-line error that names nothing secret, and a warning on this process. ``entry``: the entry point, for both
+    messages."""
+    return authorize(token, entry)[1]
+
+
+def _refused(entry: str, why: str) -> Future:
+    logger.warning(f"refused a call of {entry}: {why.split(' (')[0]}")
+    return failed(ProtocolError(f"refused {entry}: {why}"))
 
 
 class Front(Protocol):
@@ -365,7 +388,7 @@ def publish(front: Front) -> rpc.RRef:
 
 @rpc.functions.async_execution
 def _published_front(token: str) -> Future:
-    return refusal(token, "fetch_front") or _PUBLISHED
+    return authorize(token, "fetch_front", joining=True)[1] or _PUBLISHED
 
 
 def fetch_front(timeout_s: float, token: str) -> rpc.RRef:
@@ -379,10 +402,10 @@ def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> F
 
     The RPC thread only queues the call: it runs on the endpoint's server thread (one thread for every execution, see
     :class:`~hosfl_dist.transport.endpoint.ServerThread`), and the answer leaves from there when it is ready."""
-    refused = refusal(token, "serve")
+    caller, refused = authorize(token, "serve")
     if refused is not None:
         return refused
-    return chained(front.local_value().endpoint.enqueue(method, from_wire(kwargs)), to_wire)
+    return chained(front.local_value().endpoint.enqueue(method, from_wire(kwargs), caller), to_wire)
 
 
 @rpc.functions.async_execution
@@ -390,11 +413,13 @@ def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, An
     """Several calls of @wire methods, each queued on the server thread as :func:`serve` queues one, in order;
     answered together, once all have their answer, as a list of answers (an error in the place of a call that
     failed)."""
-    refused = refusal(token, "serve_batch")
+    caller, refused = authorize(token, "serve_batch")
     if refused is not None:
         return refused
     endpoint = front.local_value().endpoint
-    pending = [endpoint.enqueue(method, from_wire(kwargs)) for method, kwargs in calls]
+    if not isinstance(calls, list) or not all(isinstance(c, tuple) and len(c) == 2 for c in calls):
+        return failed(ProtocolError("serve_batch: calls must be a list of (method, arguments)"))
+    pending = [endpoint.enqueue(method, from_wire(kwargs), caller) for method, kwargs in calls]
     if not pending:
         return done([])
     out: Future = Future()
@@ -420,8 +445,18 @@ def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, An
 
 @rpc.functions.async_execution
 def handle(token: str, front: rpc.RRef, msg: Any) -> Future:
-    """A control message, handled by the front on the RPC thread that delivered it."""
-    return refusal(token, "handle") or done(to_wire(front.local_value().handle(msg)))
+    """A control message, handled by the front on the RPC thread that delivered it. A member's message names the
+    member its token says (a ``member`` field is the server's to fill, never the sender's)."""
+    caller, refused = authorize(token, "handle", joining=type(msg).__name__ == "Join")
+    if refused is not None:
+        return refused
+    if caller is not None and dataclasses.is_dataclass(msg) and "member" in {f.name for f in dataclasses.fields(msg)}:
+        msg = dataclasses.replace(msg, member=caller)
+    try:
+        answer = front.local_value().handle(msg)
+    except Exception as exc:  # noqa: BLE001 - the caller's error (e.g. a Join that does not fit the run), one line
+        return failed(exc)
+    return chained(answer, to_wire) if isinstance(answer, Future) else done(to_wire(answer))
 
 
 @rpc.functions.async_execution

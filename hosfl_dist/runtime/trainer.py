@@ -12,7 +12,12 @@ signal stops it. What differs between runtimes is handed in as components:
 - ``control``: the typed control messages to the run's front (:mod:`hosfl_dist.runtime.control`), which writes the
   record and the checkpoints on the server side;
 - ``evaluator`` (the leader), ``progress`` (the process that shows it), ``stop`` (signals), the transport's
-  statistics and the emulated link (torchrun and ``comm.inject_delay``: reported in the summary).
+  statistics and the emulated link (torchrun and ``comm.inject_delay``: reported in the summary);
+- ``extra``: what a runtime adds to the leader's checkpoint part (an elastic run's membership).
+
+The rounds themselves are the worker's (its method's ``run_round``), opened and closed through the rounds component
+it was built with: planned (every process draws the same plan) or live (decided at the server's round gate, in an
+elastic run and under torchrun with ``server.round_timeout_s``).
 
 The checkpoint cadence, resume and the end of the run are written here once (:class:`CheckpointManager` for the
 checkpoints), for every runtime.
@@ -100,6 +105,7 @@ class Trainer:
         stats: Any = None,
         link: Any = None,
         callbacks: Callbacks | None = None,
+        extra: Any = None,
     ) -> None:
         self.cfg = cfg
         self.worker = worker
@@ -117,7 +123,7 @@ class Trainer:
         self.timer = RoundTimer(stats)
         self.round: int | None = None
         """The rounds run so far (resumed ones included), once training started."""
-        self.checkpoints = CheckpointManager(cfg, rank, worker, meter, peers, control)
+        self.checkpoints = CheckpointManager(cfg, rank, worker, meter, peers, control, extra)
 
     def train(self) -> Outcome:
         """Resume or start, run rounds until the budget (or a signal), and report the end; cleans up after itself."""
@@ -204,8 +210,8 @@ class Trainer:
                 rounds=t,
                 processed=processed,
                 comm=comm,
-                client_digests={f"worker_{r}": digest for r, digest, _, _, _ in everyone},
-                transport={f"worker_{r}": timing for r, _, timing, _, _ in everyone},
+                client_digests={_label(r): digest for r, digest, _, _, _ in everyone if digest is not None},
+                transport={_label(r): timing for r, _, timing, _, _ in everyone},
                 memory=[mem for *_, mem in everyone],
                 link=sum_links([lk for _, _, _, lk, _ in everyone if lk is not None]),
             )
@@ -220,6 +226,11 @@ class Trainer:
             self.progress.close()
         if self.link is not None:
             self.link.close()
+
+
+def _label(rank: int | str) -> str:
+    """A worker's key in summary.json: ``worker_<rank>``, or an elastic member's own name."""
+    return rank if isinstance(rank, str) else f"worker_{rank}"
 
 
 def sum_links(links: list[dict[str, Any]]) -> dict[str, Any] | None:

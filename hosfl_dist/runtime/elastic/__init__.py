@@ -1,10 +1,11 @@
 """Elastic runs: a server that client workers join and leave while it runs, and rounds that go on without the
 clients that do not answer in time.
 
-    python -m hosfl_dist.run --config X --serve [--address H:P]  the server (:mod:`.serve`, :mod:`.coordinator`)
-    python -m hosfl_dist.run --join RUN_DIR                     a client worker, as many as wanted (:mod:`.worker`)
+    python -m hosfl_dist.run --config X --serve [--address H:P]  the server (:mod:`.serve`): the run's trainer
+    python -m hosfl_dist.run --join RUN_DIR                     a client worker, as many as wanted (:mod:`.driver`)
 
-Membership is torch's dynamic RPC group (:mod:`.membership`); the P scalars of a round are reduced through the
-server (each worker sends its clients' rows, the history row it appends is what every replica replays), so no
-collective among workers has to be re-formed when one is lost. docs/participation.md#elastic-runs.
+What is elastic here is membership alone (:mod:`.membership`: who the live workers are, who serves whom, the dynamic
+RPC group): the rounds are every runtime's, the method's own ``run_round`` over live rounds decided at the server's
+round gate (:mod:`hosfl_dist.runtime.gate`), and the run is the one trainer's (:mod:`hosfl_dist.runtime.trainer`).
+docs/participation.md#elastic-runs.
 """

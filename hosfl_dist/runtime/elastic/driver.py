@@ -1,0 +1,262 @@
+"""A client worker of an elastic run (``python -m hosfl_dist.run --join RUN_DIR``), until the run ends.
+
+It reads the run's address and token (``join.json``) and config from the run folder, proves it would compute the run
+(its config's, inputs' and code's identity: :class:`~hosfl_dist.runtime.control.Join`) and gets a name and a token
+of its own; then it runs the method's own worker over live rounds (:class:`~hosfl_dist.runtime.live.LiveRounds`):
+each round, the sampled clients it serves, as every runtime's worker does. Between rounds it takes the clients
+handed to it (their batch streams moved past the batches they drew, the method's state of them from the server's)
+and lets go of those that moved. At the end it brings its replicas to the last round and reports their digest.
+
+Its server going away is not its end: it waits up to ``server.rejoin_timeout_s`` for a server of the same run to
+come back (``job.resume=auto``: a new ``join.json``) and joins it, its clients' state rebuilt from the server's; if
+none comes, it exits with one line and a non-zero status. One the server counted as lost joins again as a new member.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hosfl_dist.algorithms import get_algorithm
+from hosfl_dist.algorithms.base import RoundPlan
+from hosfl_dist.config import Config, load_config
+from hosfl_dist.data import build_data
+from hosfl_dist.errors import ConfigError, HosflError, ProtocolError, first_line
+from hosfl_dist.models import build_split_model
+from hosfl_dist.runfolder.identity import run_identity
+from hosfl_dist.runtime.build import client_stack, worker_rounds
+from hosfl_dist.runtime.checks import check_config
+from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
+from hosfl_dist.runtime.elastic.membership import join_rpc, leave_rpc
+from hosfl_dist.runtime.elastic.serve import JOIN_FILE
+from hosfl_dist.runtime.memory import process_memory
+from hosfl_dist.runtime.process.host import set_threads
+from hosfl_dist.runtime.rpc import RPCControl, RPCTransport, TransportStats, fetch_front
+from hosfl_dist.runtime.trainer import RoundTimer
+from hosfl_dist.transport.inprocess import LocalCollective
+from hosfl_dist.transport.wire import CommMeter
+
+logger = logging.getLogger(__name__)
+
+
+class ServerGone(HosflError):
+    """The run's server does not answer (it died, stopped, or ended without this worker)."""
+
+    exit_code = 1
+
+
+def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
+    """The run's join address and token (``join.json``, written by ``--serve``) and its config."""
+    path = run_dir / JOIN_FILE
+    try:
+        join = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (no {JOIN_FILE}: not a run started with "
+                          "--serve, or one that has ended)") from None  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"invalid value for --join: {str(path)!r} cannot be read ({exc})") from None
+    if not isinstance(join, dict) or not {"host", "port", "token"} <= set(join):
+        raise ConfigError(f"invalid value for --join: {str(path)!r} is not a join file of this version")
+    pid = join.get("pid")
+    if join.get("node") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (its server, pid {pid} on this machine, is not "
+                          f"running: python -m hosfl_dist.run --status {run_dir})")  # fmt: skip
+    return join, load_config(run_dir / "config.yaml")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class Member:
+    """This process as a member of the run in ``folder`` (see the module docstring)."""
+
+    def __init__(self, cfg: Config, folder: Path) -> None:
+        self.folder = folder
+        self.cfg = cfg = check_config(cfg)  # the run's plug-ins imported, as the server did
+        self.spec = spec = get_algorithm(cfg.algorithm.name)
+        self.data = build_data(cfg, clients=range(cfg.clients.total), evaluation=False)
+        self.split = build_split_model(cfg, self.data.info, spec.zeroth_order_client, parts=spec.worker_parts)
+        self.split.keep(spec.worker_parts)
+        held = [m for m in (self.split.client, self.split.server) if m is not None]
+        threads, why = set_threads(cfg, sum(p.numel() for m in held for p in m.parameters()))
+        logger.info(f"threads: {threads} intra-op ({why})")
+        self.identity = run_identity(cfg)
+        self.draw = RoundPlan.of(cfg).participation
+        self.name = ""
+        self.rounds_run = 0
+        self.beating = threading.Event()
+
+    # -- the run, across its server's restarts -----------------------------------------------------------------------
+    def run(self) -> int:
+        """Take part until the run ends; returns the rounds this worker ran."""
+        join, _ = read_join(self.folder)
+        while True:
+            try:
+                if self._take_part(join):
+                    return self.rounds_run
+            except ServerGone as exc:
+                if not self.name:  # it never joined: the folder's server is not there (one line, at once)
+                    raise ServerGone(f"cannot join the run in {self.folder}: {exc}; is it still running? (python -m "
+                                     f"hosfl_dist.run --status {self.folder})") from None  # fmt: skip
+                logger.warning(f"{self.name or 'worker'}: {exc}; waiting up to {self.cfg.server.rejoin_timeout_s:g} s "
+                               "(server.rejoin_timeout_s) for it to come back")  # fmt: skip
+                join = self._wait_for_server(join, str(exc))
+            finally:
+                self.beating.set()
+                leave_rpc()
+
+    def _wait_for_server(self, old: dict[str, Any], why: str) -> dict[str, Any]:
+        """A ``join.json`` of a server that answers, other than ``old``'s (or ``old``'s once more: it was a worker the
+        server had given up on)."""
+        end = time.monotonic() + self.cfg.server.rejoin_timeout_s
+        while True:
+            try:
+                join, _ = read_join(self.folder)
+                if join.get("token") != old.get("token") or "lost" in why:
+                    return join
+            except ConfigError:  # no join file (yet), or one of a server that is not running
+                pass
+            if time.monotonic() >= end:
+                raise ServerGone(f"the server of {self.folder} did not come back within server.rejoin_timeout_s="
+                                 f"{self.cfg.server.rejoin_timeout_s:g} s ({why})")  # fmt: skip
+            time.sleep(0.5)
+
+    def _take_part(self, join: dict[str, Any]) -> bool:
+        """Join the server of ``join`` and run rounds; True once the run ended (ServerGone where the server went)."""
+        cfg = self.cfg
+        timeout = cfg.server.rpc_timeout_s
+        host, port = join["host"], int(join["port"])
+        try:
+            join_rpc(host, port, timeout)
+            front = fetch_front(timeout, join["token"])
+            welcome = RPCControl(front, timeout, join["token"]).send(Join({"host": socket.gethostname(),
+                                                                           "pid": os.getpid()}, self.identity))  # fmt: skip
+        except HosflError:
+            raise
+        except (RuntimeError, ValueError, OSError) as exc:  # a store or agent that cannot be reached
+            raise ServerGone(f"its server at {host}:{port} does not answer ({first_line(exc)})") from None
+        self.name, token = welcome["member"], welcome["token"]
+        control = RPCControl(front, timeout, token)
+        meter, stats = CommMeter(), TransportStats()
+        transport, collective, link = client_stack(cfg, self.spec, RPCTransport(front, timeout, stats, token),
+                                                   _Follower(meter), meter)  # fmt: skip
+        owned = {int(r): set(ms) for r, ms in welcome["owners"].items()}
+        rounds = worker_rounds(cfg, transport, meter, lambda t: self._clients(owned, t), False, meter.snapshot)
+        rounds.processed = int(welcome["processed"])
+        worker = self.spec.worker(cfg, self.split, self.data, [], transport, collective, rounds)
+        if welcome.get("adopt"):
+            worker.adopt(welcome["adopt"], welcome["from_server"])
+        t = int(welcome["t"])
+        timer = RoundTimer(stats)
+        logger.info(f"{self.name} joined {self.folder} at round {t}")
+        self.beating.clear()
+        threading.Thread(target=self._beat, args=(control,), name="hosfl-heartbeat", daemon=True).start()
+        try:
+            while True:
+                try:
+                    if rounds.processed < cfg.train.budget_samples:
+                        timer.run(worker, t)
+                    else:  # the budget is reached: the run's end is all there is to hear
+                        rounds.close(t)
+                except HosflError:
+                    raise
+                except RuntimeError as exc:  # the RPC to the server failed: it is gone, or it gave up on us
+                    raise ServerGone(self._why_gone(control, exc)) from None
+                extra = rounds.last.extra if rounds.last is not None else {}
+                if "end" in extra:
+                    self._finish(worker, int(extra["end"]), control, meter, link, timer)
+                    return True
+                if "stop" in extra:
+                    raise ServerGone(str(extra["stop"]))
+                if set(rounds.last.counted) & set(self._clients(owned, t) or ()):
+                    self.rounds_run += 1
+                for r, clients in (extra.get("owners") or {}).items():
+                    owned[int(r)] = set(clients)
+                for r in [r for r in owned if r <= t]:
+                    del owned[r]
+                if extra.get("release"):
+                    worker.release(extra["release"])
+                if extra.get("adopt"):
+                    worker.adopt(extra["adopt"], extra["from_server"])
+                t += 1
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):
+                control.send(Leave(why="stopped by a signal"))
+            raise
+        finally:
+            if link is not None:
+                link.close()
+
+    def _clients(self, owned: dict[int, set[int]], t: int) -> tuple[int, ...] | None:
+        if t not in owned:
+            return None
+        return tuple(sorted(m for m in self.draw.sampled(t) if m in owned[t]))
+
+    def _why_gone(self, control: RPCControl, exc: BaseException) -> str:
+        try:
+            control.send(Beat())
+        except ProtocolError as refused:  # it answers, but not to us: it counted this worker as lost
+            return f"the server counted this worker as lost ({first_line(refused)})"
+        except Exception:  # noqa: BLE001 - it does not answer at all
+            pass
+        return f"the server does not answer ({first_line(exc)})"
+
+    def _finish(self, worker: Any, t: int, control: RPCControl, meter: CommMeter, link: Any, timer: RoundTimer) -> None:
+        worker.transport.flush()
+        worker.sync_all(t)  # every replica at the last round: the digest the server checks against its replay
+        digest = worker.client_digest()
+        memory = process_memory(0, "worker", self.split.client, self.split.server)
+        timing = {**timer.summary(), "rounds_with_clients": self.rounds_run}
+        control.send(MemberFinal(digest, timing, memory, link.summary() if link is not None else None,
+                                 meter.snapshot()))  # fmt: skip
+        logger.info(f"{self.name}: the run ended after round {t}; θc {str(digest)[:12]}")
+
+    def _beat(self, control: RPCControl) -> None:
+        every = max(0.2, self.cfg.server.worker_timeout_s / 4)
+        while not self.beating.wait(every):
+            with contextlib.suppress(Exception):  # the next call's answer says what happened
+                control.send(Beat())
+
+
+class _Follower(LocalCollective):
+    """Live rounds aggregate at the server's gate: a worker's collective is never asked to sum."""
+
+    is_leader = False
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run_join(run_dir: str) -> int:
+    """``--join RUN_DIR``: one client worker, until the run ends (or SIGTERM/SIGINT: it leaves the run, which goes
+    on without it)."""
+    folder = Path(run_dir)
+    _, cfg = read_join(folder)
+    member = Member(cfg, folder)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        rounds = member.run()
+    except KeyboardInterrupt as exc:
+        logger.warning(f"{member.name or 'worker'}: stopped by {exc or 'SIGINT'}; left the run, which goes on without "
+                       "it")  # fmt: skip
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    logger.info(f"{member.name}: took part in {rounds} round(s); pid {os.getpid()} leaves")
+    return 0
