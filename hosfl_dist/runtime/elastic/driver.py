@@ -144,8 +144,8 @@ class Member:
         try:
             join_rpc(host, port, timeout)
             front = fetch_front(timeout, join["token"])
-            welcome = RPCControl(front, timeout, join["token"]).send(Join({"host": socket.gethostname(),
-                                                                           "pid": os.getpid()}, self.identity))  # fmt: skip
+            where = {"host": socket.gethostname(), "pid": os.getpid()}
+            welcome = RPCControl(front, timeout, join["token"]).send(Join(where, self.identity))
         except HosflError:
             raise
         except (RuntimeError, ValueError, OSError) as exc:  # a store or agent that cannot be reached

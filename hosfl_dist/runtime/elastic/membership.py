@@ -205,7 +205,7 @@ class Membership:
                              "adopt": {m: self.batches[m] for m in came}, "release": went}  # fmt: skip
             if time.monotonic() - self._written > 1.0:
                 self._write()
-        for name, extra in out.items():
+        for extra in out.values():
             extra["from_server"] = self.payload(list(extra["adopt"])) if extra["adopt"] else {}
         return out
 

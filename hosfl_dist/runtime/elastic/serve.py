@@ -121,8 +121,8 @@ class ElasticServer:
         store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
         servers = ServerGroup(server, evaluator, store=store)
         self.endpoint = endpoint = ServerEndpoint(server, servers.execute, evaluator)
-        self.membership = Membership(cfg.clients.total, cfg.server.worker_timeout_s, {}, Path(cfg.job.out_dir),
-                                     lambda ids: endpoint.locked(lambda: server.resume_payload(ids, False)))  # fmt: skip
+        payload = lambda ids: endpoint.locked(lambda: server.resume_payload(ids, False))  # noqa: E731
+        self.membership = Membership(cfg.clients.total, cfg.server.worker_timeout_s, {}, Path(cfg.job.out_dir), payload)
         self.gate = round_gate(cfg, server, endpoint, self.membership, auto_open=False)
         self.membership.gate = self.gate
         self.callbacks = Callbacks.of(cfg.job.callbacks, callbacks)
