@@ -20,6 +20,7 @@ of the FSL-SAGE reference code; the auxiliary optimizer is ``server.optim``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,9 @@ class FSLSageServer(ExchangeServer):
         self.aux_models: dict[int, tuple[list[nn.Parameter], Any]] = {}
         self.smashed: dict[tuple[int, int], tuple[Activation, Tensor]] = {}
         self.align_sets: dict[int, tuple[Tensor, Tensor]] = {}
+        self._before_align: dict[int, tuple[list[Tensor], dict[str, Any]]] = {}
+        """Each client's a_m before this round's alignment (a live round that takes the client out restores it)."""
+        self._aligned_first: dict[int, int] = {}
 
     @wire(args={"act": UPLINK_ACTIVATIONS, "labels": UPLINK_ACTIVATIONS})
     def submit(self, t: int, client: int, step: int, act: Activation, labels: Tensor) -> None:
@@ -104,6 +108,7 @@ class FSLSageServer(ExchangeServer):
         self.smashed[(client, step)] = ({k: v.detach().to(self.device) for k, v in act.items()}, labels.to(self.device))
 
     def end_round(self, t: int) -> None:
+        self._before_align.clear()
         losses = []
         for (m, _), (act, y) in sorted(self.smashed.items()):
             self.opt.zero_grad(set_to_none=True)
@@ -114,6 +119,25 @@ class FSLSageServer(ExchangeServer):
             self._remember(m, act["z"], y)
         self.smashed.clear()
         self.record_loss(losses)
+
+    def resume_payload(self, clients: Sequence[int], leader: bool) -> dict[str, Any]:
+        """The auxiliary model a_m each of ``clients`` received last (a live run's clients that move take it along)."""
+        return {"aux": {m: [p.detach().clone() for p in self.aux_models[m][0]] for m in clients if m in self.aux_models}}
+
+    def forget(self, t: int, clients: list[int]) -> None:
+        """Their smashed data of round t is not trained on: the round goes on as if they had not uploaded."""
+        super().forget(t, clients)
+        for key in [k for k in self.smashed if k[0] in clients]:
+            del self.smashed[key]
+        for m in clients:  # nor was its auxiliary model aligned for it
+            if m in self._before_align:
+                params, state = self._before_align.pop(m)
+                with torch.no_grad():
+                    for p, v in zip(self.aux_models[m][0], params):
+                        p.copy_(v)
+                self.aux_models[m][1].load_state_dict(state)
+            elif m in self.aux_models and self._aligned_first.get(m) == t:
+                del self.aux_models[m]
 
     @property
     def optimizer(self) -> Any:
@@ -143,6 +167,9 @@ class FSLSageServer(ExchangeServer):
     def download_payload(self, t: int, client: int) -> dict[str, Any]:
         out = super().download_payload(t, client)
         if t % self.cfg.algorithm.align_interval == 0 and client in self.align_sets:
+            if client in self.aux_models:  # as it was before this round's alignment (forget puts it back)
+                params, opt = self.aux_models[client]
+                self._before_align[client] = ([p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()))
             out["aux"] = [p.detach().clone() for p in self.align(t, client)]
         return out
 
@@ -162,6 +189,7 @@ class FSLSageServer(ExchangeServer):
     def align(self, t: int, client: int) -> list[nn.Parameter]:
         """Fit a_m to the server's λ on client m's alignment set (gradient matching); returns a_m's tensors."""
         if client not in self.aux_models:
+            self._aligned_first[client] = t
             params = clone_params(self.aux_init, True)
             self.aux_models[client] = (params, build_torch_optimizer(self.cfg.server.optim, params))
         params, opt = self.aux_models[client]
@@ -201,6 +229,17 @@ class FSLSageWorker(ExchangeWorker):
     def load_state_dict(self, state: dict[str, Any], from_server: dict[str, Any]) -> None:
         super().load_state_dict(state, from_server)
         self.aux_params = {m: clone_params(ps, False, self.device) for m, ps in state["aux"].items()}
+
+    def adopt(self, clients: dict[int, int], from_server: dict[str, Any]) -> None:
+        super().adopt(clients, from_server)
+        for m in clients:
+            if m in from_server.get("aux", {}):
+                self.aux_params[m] = clone_params(from_server["aux"][m], False, self.device)
+
+    def release(self, clients: Sequence[int]) -> None:
+        super().release(clients)
+        for m in clients:
+            self.aux_params.pop(m, None)
 
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
         if "aux" in got:
