@@ -122,7 +122,8 @@ class FSLSageServer(ExchangeServer):
 
     def resume_payload(self, clients: Sequence[int], leader: bool) -> dict[str, Any]:
         """The auxiliary model a_m each of ``clients`` received last (a live run's clients that move take it along)."""
-        return {"aux": {m: [p.detach().clone() for p in self.aux_models[m][0]] for m in clients if m in self.aux_models}}
+        kept = [m for m in clients if m in self.aux_models]
+        return {"aux": {m: [p.detach().clone() for p in self.aux_models[m][0]] for m in kept}}
 
     def forget(self, t: int, clients: list[int]) -> None:
         """Their smashed data of round t is not trained on: the round goes on as if they had not uploaded."""
