@@ -124,15 +124,13 @@ class LeaderRounds:
     live = True
     is_leader = True
 
-    def __init__(self, gate: Any, before_first: Callable[[int], None] = lambda t: None) -> None:
+    def __init__(self, gate: Any, before_open: Callable[[int], None] = lambda t: None) -> None:
         self.gate = gate
-        self.before_first = before_first
-        self._started = False
+        self.before_open = before_open
+        """Called as round t is about to open (an elastic run: wait for workers where there are none)."""
 
     def open(self, t: int) -> RoundView:
-        if not self._started:
-            self.before_first(t)  # e.g. wait for server.min_workers to join
-            self._started = True
+        self.before_open(t)
         self.gate.open(t)
         return RoundView(t, (), live=True)
 

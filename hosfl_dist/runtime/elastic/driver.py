@@ -28,6 +28,7 @@ from typing import Any
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.base import RoundPlan
 from hosfl_dist.config import Config, load_config
+from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
 from hosfl_dist.data import build_data
 from hosfl_dist.errors import ConfigError, HosflError, ProtocolError, first_line
 from hosfl_dist.models import build_split_model
@@ -96,8 +97,13 @@ class Member:
         threads, why = set_threads(cfg, sum(p.numel() for m in held for p in m.parameters()))
         logger.info(f"threads: {threads} intra-op ({why})")
         self.identity = run_identity(cfg)
+        self.slots = trainable_slots(self.split.client)
+        self.initial = slot_tensors(self.slots)
+        """f_c's own trainable tensors: a worker binds its replicas into the module; a new one starts from these."""
         self.draw = RoundPlan.of(cfg).participation
         self.name = ""
+        self._gone_since: float | None = None
+        """When its server last stopped answering (the rejoin bound counts from there)."""
         self.rounds_run = 0
         self.beating = threading.Event()
 
@@ -110,6 +116,7 @@ class Member:
                 if self._take_part(join):
                     return self.rounds_run
             except ServerGone as exc:
+                time.sleep(0.5 if self._gone_since is not None else 0.0)
                 if not self.name:  # it never joined: the folder's server is not there (one line, at once)
                     raise ServerGone(f"cannot join the run in {self.folder}: {exc}; is it still running? (python -m "
                                      f"hosfl_dist.run --status {self.folder})") from None  # fmt: skip
@@ -121,13 +128,15 @@ class Member:
                 leave_rpc()
 
     def _wait_for_server(self, old: dict[str, Any], why: str) -> dict[str, Any]:
-        """A ``join.json`` of a server that answers, other than ``old``'s (or ``old``'s once more: it was a worker the
-        server had given up on)."""
-        end = time.monotonic() + self.cfg.server.rejoin_timeout_s
+        """A ``join.json`` of a server to join: another than ``old``'s (its server gone), or ``old``'s once more where
+        that server answers but counted this worker as lost, or could not be joined yet."""
+        if self._gone_since is None:
+            self._gone_since = time.monotonic()
+        end = self._gone_since + self.cfg.server.rejoin_timeout_s
         while True:
             try:
                 join, _ = read_join(self.folder)
-                if join.get("token") != old.get("token") or "lost" in why:
+                if join.get("token") != old.get("token") or "lost" in why or "does not answer" in why:
                     return join
             except ConfigError:  # no join file (yet), or one of a server that is not running
                 pass
@@ -158,10 +167,12 @@ class Member:
         owned = {int(r): set(ms) for r, ms in welcome["owners"].items()}
         rounds = worker_rounds(cfg, transport, meter, lambda t: self._clients(owned, t), False, meter.snapshot)
         rounds.processed = int(welcome["processed"])
+        bind_slots(self.slots, self.initial)  # as built (a worker before this one bound its replicas)
         worker = self.spec.worker(cfg, self.split, self.data, [], transport, collective, rounds)
         if welcome.get("adopt"):
             worker.adopt(welcome["adopt"], welcome["from_server"])
         t = int(welcome["t"])
+        self._gone_since = None
         timer = RoundTimer(stats)
         logger.info(f"{self.name} joined {self.folder} at round {t}")
         self.beating.clear()

@@ -144,6 +144,8 @@ class Membership:
                 for m in [m for m, w in owners.items() if w == name]:
                     del owners[m]
             logger.warning(f"{name} lost at round {self.round} ({why}): {len(self.members)} worker(s) left")
+            if not self.members:  # nobody to serve the next rounds: the run waits for a worker to join
+                self.started = None
             self._write()
             if not member.final.done():
                 member.final.set_result(None)
@@ -360,7 +362,11 @@ def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str
 
 
 def _start(store: dist.Store, name: str, rank: int, timeout_s: float, tell: tuple[str, ...]) -> None:
-    dist_autograd._init(rank)  # as init_rpc does before its agent
+    try:
+        dist_autograd._init(rank)  # as init_rpc does before its agent
+    except RuntimeError as exc:  # a worker rejoining a restarted server: its container is the first member's (the
+        if "already initialized" not in str(exc):  # run uses no distributed autograd)
+            raise
     with _group_membership_management(store, name, True):
         agent = TensorPipeAgent(store, name, rank, None, _options(timeout_s), {}, [])
         api._init_rpc_states(agent)

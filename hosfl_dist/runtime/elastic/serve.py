@@ -132,7 +132,8 @@ class ElasticServer:
         self.meter = meter = CommMeter()
         transport, collective, self.link = client_stack(cfg, spec, InProcessTransport(endpoint), LocalCollective(meter),
                                                         meter)  # fmt: skip
-        rounds = LeaderRounds(self.gate, self._first_round)
+        self._opened = False
+        rounds = LeaderRounds(self.gate, self._before_open)
         self.worker = spec.worker(cfg, split, data, [], transport, collective, rounds)
         self.front.processed = lambda: self.worker.processed
         params = sum(p.numel() for m in (split.client, split.server) for p in m.parameters())
@@ -143,16 +144,19 @@ class ElasticServer:
         self.gate.start_at(self.front.resume[0].round if self.front.resume else 0)
         self.front.record.participation.workers = self.membership.totals
 
-    def _first_round(self, t: int) -> None:
-        """Before the first round this server runs: ``server.min_workers`` workers there to share its clients."""
-        least, told = self.cfg.server.min_workers, False
-        while len(self.membership.members) < least:
+    def _before_open(self, t: int) -> None:
+        """Before round t opens with no workers there (the first round this server runs, or every worker gone):
+        wait for ``server.min_workers`` (then 1) to join and share the clients of rounds t and t+1 among them."""
+        if self.membership.started is not None:
+            return
+        least = self.cfg.server.min_workers if not self._opened else 1
+        self._opened = True
+        told = False
+        while len(self.membership.members) < least and self.stop.signal is None:
             if not told:
                 logger.info(f"round {t}: waiting for {least - len(self.membership.members)} more client worker(s) "
                             f"to join (python -m hosfl_dist.run --join {self.cfg.job.out_dir})")  # fmt: skip
                 told = True
-            if self.stop.signal is not None:
-                break
             time.sleep(0.05)
         self.membership.start(t, self.worker.processed)
 
