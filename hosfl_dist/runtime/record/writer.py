@@ -85,6 +85,8 @@ class RunRecord:
         self.history: list[dict[str, Any]] = []
         if rows_until is not None:
             self.history = kept_rows(self.dir / "metrics.jsonl", rows_until)
+        keep = [strict_dumps(row) for row in self.history]
+        supersede(self.dir / "metrics.jsonl", lambda i, line: i < len(keep) and _same_json(line, keep[i]), rows_until)
         self._metrics = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
         for row in self.history:
             self._metrics.write(strict_dumps(row) + "\n")
@@ -214,6 +216,9 @@ class ParticipationRecord:
         self.plan = plan if plan is not None else ParticipationPlan(cfg)
         self.counts = dict.fromkeys(("sampled", "delivered", "dropped", "late", "rounds_skipped"), 0)
         self.written = 0
+        upto = resumed_at or 0  # the rounds a resumed run writes again, each as the plan (restored) has it
+        again = [json.dumps(self.plan.round(r).record()) for r in range(upto)]
+        supersede(folder / "participation.jsonl", lambda i, line: i < upto and _same_json(line, again[i]), resumed_at)
         self._file = open(folder / "participation.jsonl", "w")  # noqa: SIM115 - kept open for the whole run
         self.reported = 0
         self.workers: Callable[[], dict[str, int]] | None = None
@@ -248,6 +253,36 @@ class ParticipationRecord:
 
     def close(self) -> None:
         self._file.close()
+
+
+SUPERSEDED = ".superseded.jsonl"
+
+
+def supersede(path: Path, kept: Callable[[int, str], bool], resumed_at: int | None) -> int:
+    """Keep every line of ``path`` a new start of the run will not write again as it is: those ``kept(i, line)``
+    refuses are appended to ``<name>.superseded.jsonl`` beside it, after a line that says when and why (a resume
+    from round r: the lines written after its checkpoint; a start afresh: every line). Returns how many."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except (FileNotFoundError, IsADirectoryError):
+        return 0
+    gone = [line for i, line in enumerate(lines) if line.strip() and not kept(i, line)]
+    if not gone:
+        return 0
+    why = {"superseded": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "file": path.name, "lines": len(gone),
+           "by": f"a resume from round {resumed_at}" if resumed_at is not None else "a start afresh"}  # fmt: skip
+    with open(path.with_name(path.stem + SUPERSEDED), "a") as fh:
+        fh.write(json.dumps(why) + "\n" + "".join(line + "\n" for line in gone))
+    logger.info(f"{len(gone)} line(s) of {path.name} that this run does not continue kept in "
+                f"{path.stem + SUPERSEDED}")  # fmt: skip
+    return len(gone)
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
 
 
 def kept_rows(path: Path, rows_until: int) -> list[dict[str, Any]]:
