@@ -98,7 +98,7 @@ def test_a_callback_that_stops_at_round_20_ends_stopped_exportable_and_resumable
     assert summary["final"]["eval_accuracy"] == run.metrics[-1]["eval_accuracy"]
     assert summary["client_digests"] and summary["server_digest"] and summary["comm"]["training_total_bytes"] > 0
     assert (out / "checkpoints/round-00000020/meta.json").is_file() and (out / "curves.png").is_file()
-    assert describe_status(out).startswith(f"{out}: stopped early (callback stops:StopAt.on_round_end: ), 20 rounds")
+    assert describe_status(out).startswith(f"{out}: stopped early (callback stops:StopAt.on_round_end), 20 rounds")
 
     exported = tmp_path / "export"
     assert export_main([str(out), "--out", str(exported)]) == 0

@@ -183,7 +183,8 @@ def describe_status(folder: Path) -> str:
     if status in ("completed", "stopped"):
         final = summary.get("final") or {}
         stopped = summary.get("stopped") or {}
-        early = f" early ({stopped.get('by')}: {stopped.get('reason')})" if status == "stopped" else ""
+        why = ": ".join(str(part) for part in (stopped.get("by"), stopped.get("reason")) if part)
+        early = f" early ({why})" if status == "stopped" else ""
         note = f"; then {summary['callback_error']}" if summary.get("callback_error") else ""
         return (f"{folder}: {status}{early}, {summary.get('rounds')} rounds, {summary.get('processed_samples')} "
                 f"samples, eval_accuracy {final.get('eval_accuracy')}{note}")  # fmt: skip

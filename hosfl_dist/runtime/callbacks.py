@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -147,7 +148,8 @@ class Callbacks:
     def fire(self, event: str, *args: Any) -> None:
         """Call ``event`` on each callback (with ``control=`` where its method takes it). One that raises, or calls
         ``sys.exit``, is a :class:`~hosfl_dist.errors.CallbackError` naming it and the event; a KeyboardInterrupt
-        passes through (Ctrl-C raises it wherever the process is)."""
+        on the main thread passes through (Ctrl-C raises it there, wherever the process is), off it (an RPC handler
+        under torchrun) it is the callback's."""
         for cb in self.callbacks:
             method = getattr(cb, event, None)
             if method is None:
@@ -161,6 +163,10 @@ class Callbacks:
                     method(*args)
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - the run fails with one line naming the callback
                 raise CallbackError(f"callback {name}.{event} raised {_said(exc)}") from exc
+            except KeyboardInterrupt as exc:  # Ctrl-C's, on the main thread; off it (an RPC handler) the callback's
+                if threading.current_thread() is threading.main_thread():
+                    raise
+                raise CallbackError(f"callback {name}.{event} raised KeyboardInterrupt") from exc
             if self.control.should_training_stop and not asked and not self.control.asked_by:
                 self.control.asked_by = f"callback {name}.{event}"
 
