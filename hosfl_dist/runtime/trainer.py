@@ -173,7 +173,7 @@ class Trainer:
                 break
         if self.cfg.checkpoint.final and self.checkpoints.last != processed:  # what export reads (a finished run)
             self.checkpoints.save(t, processed)  # a request heard here comes after the last round: nothing to stop
-        self.finish(t, processed, self._asked() if asked and self.peers.is_leader else None)
+        self.finish(t, processed, self._asked() if asked else None)
         return Outcome(t, processed, completed=True, stopped=asked)
 
     def _asked(self) -> dict[str, str] | None:
