@@ -60,6 +60,18 @@ class CallbackError(HosflError):
     exit_code = 1
 
 
+class PluginError(HosflError):
+    """A plug-in's code (a task, model or model source registered by ``job.plugins`` / ``--plugin``) raised, or gave
+    what its spec says it must not (a metric's scores of the wrong shape): one line naming the plug-in, what of it was
+    called and what it raised. Exit code 2: a plug-in is input, like the config that names it."""
+
+
+class ArgumentError(ConfigError, TypeError):
+    """An argument of the Python API (:func:`hosfl_dist.train`, :func:`hosfl_dist.load_run`) of the wrong type: one
+    line naming the argument, what it takes and what it was given. A ConfigError (exit code 2 where a command reports
+    it) and a TypeError (what Python raises for a wrong argument type)."""
+
+
 class WriteError(HosflError):
     """A file could not be written: the disk is full, a quota is reached, the file system is read-only, or the folder
     is not writable. What was written before stays; the command ends with one line and exit code 2."""

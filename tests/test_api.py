@@ -20,7 +20,7 @@ import torch
 
 import hosfl_dist
 from hosfl_dist.config import load_config
-from hosfl_dist.errors import CallbackError, ConfigError
+from hosfl_dist.errors import ArgumentError, CallbackError, ConfigError
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
 from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun, user_folder
 
@@ -64,6 +64,24 @@ class Boom(hosfl_dist.Callback):
     def on_evaluate(self, row):
         if row["round"] > 0:
             raise ValueError("boom")
+
+
+class EndBoom(hosfl_dist.Callback):
+    def on_train_end(self, summary):
+        raise ValueError("boom at the end")
+
+
+class Quit(hosfl_dist.Callback):
+    def on_evaluate(self, row):
+        if row["round"] > 0:
+            import sys
+            sys.exit(0)
+
+
+class CtrlC(hosfl_dist.Callback):
+    def on_evaluate(self, row):
+        if row["round"] > 0:
+            raise KeyboardInterrupt
 '''
 
 
@@ -167,7 +185,117 @@ def test_train_takes_a_config_tree_with_overrides_and_raises_on_bad_input(tmp_pa
         hosfl_dist.load_run(tmp_path)
 
 
+def test_the_api_refuses_an_argument_of_the_wrong_type_in_one_line_before_building_anything(tmp_path):
+    out = f"job.out_dir={tmp_path / 'x'}"
+    for call, said in (
+        (lambda: hosfl_dist.train(123), "hosfl_dist.train: config must be a YAML file's path (str or pathlib.Path), "
+                                        "a hosfl_dist.config.Config or None, not int (123)"),
+        (lambda: hosfl_dist.train(None, [out, 1, 2]), "hosfl_dist.train: overrides[1] must be a str"),
+        (lambda: hosfl_dist.train(None, "train.budget_samples=48"), "overrides must be a list of 'section.key=value' "
+                                                                     "strings"),
+        (lambda: hosfl_dist.train(None, {"train.budget_samples": 48}), "overrides must be a list"),
+        (lambda: hosfl_dist.train(None, [out], plugins="mymethod"), "plugins must be a list of module names"),
+        (lambda: hosfl_dist.train(None, [out], callbacks=[object()]), "callbacks[0] is not a hosfl_dist.Callback "
+                                                                      "instance or a 'module:Class' name: object"),
+        (lambda: hosfl_dist.train(None, [out], callbacks=[Rows]), "(a class: pass an instance, Rows())"),
+        (lambda: hosfl_dist.train(None, [out], callbacks=Rows()), "callbacks must be a list"),
+        (lambda: hosfl_dist.train(None, [out], callbacks=[Rows(), 7]), "callbacks[1] is not a hosfl_dist.Callback"),
+        (lambda: hosfl_dist.load_run(123), "load_run: out_dir must be a run's folder as a str or a pathlib.Path, "
+                                           "not int (123)"),
+        (lambda: hosfl_dist.Run(None), "Run: out_dir must be a run's folder"),
+    ):
+        with pytest.raises(ArgumentError) as exc:
+            call()
+        assert said in str(exc.value) and "\n" not in str(exc.value), exc.value
+        assert isinstance(exc.value, TypeError) and isinstance(exc.value, ConfigError)
+    assert not (tmp_path / "x").exists()  # refused before anything was built or written
+    with pytest.raises(ConfigError, match=r"job.callbacks: cannot import 'nosuch:Thing' \(ModuleNotFoundError"):
+        hosfl_dist.train(None, [out], callbacks=["nosuch:Thing"])
+
+
 # -- callbacks -----------------------------------------------------------------------------------------------------
+def test_callbacks_given_by_name_are_built_as_job_callbacks_are(tmp_path, user_modules):
+    run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'api'}"], callbacks=["watch:Log"])
+    seen = [e["event"] for e in events(tmp_path)]
+    assert seen[0] == "on_train_start" and seen[-1] == "on_train_end" and seen.count("on_round_end") == 10
+    assert load_config(run.out_dir / "config.yaml").job.callbacks == ["watch:Log"]
+
+
+def test_a_callback_that_fails_after_the_end_leaves_the_record_as_it_was(tmp_path, user_modules):
+    import watch
+
+    reference = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ref'}"]).summary
+    run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'api'}"], callbacks=[watch.EndBoom()])
+    summary = run.summary
+    assert summary["status"] == "completed" and summary["callback_error"] == END_BOOM
+    for key in ("final", "client_digests", "server_digest", "comm", "participation", "rounds", "processed_samples"):
+        assert summary[key] == reference[key], key  # nothing of the completed record dropped
+
+
+@pytest.mark.parametrize("event", ["on_train_start", "on_round_end", "on_evaluate", "on_checkpoint", "on_train_end"])
+def test_a_callback_that_raises_at_any_event_is_one_line_and_only_the_end_keeps_a_completed_record(tmp_path, event):
+    def raises(self, *args, **kwargs):
+        raise ValueError(f"no {event}")
+
+    cb = type("Raises", (hosfl_dist.Callback,), {event: raises})()
+    out = tmp_path / "run"
+    said = f"callback {__name__}:Raises.{event} raised ValueError: no {event}"
+    if event == "on_train_end":
+        run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={out}"], callbacks=[cb])
+        assert run.summary["status"] == "completed" and run.summary["callback_error"] == said
+        return
+    with pytest.raises(CallbackError) as exc:
+        hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={out}"], callbacks=[cb])
+    assert str(exc.value) == said
+    summary = read_run(out)[1]
+    assert summary["status"] == "failed" and summary["error"].endswith(said) and "callback_error" not in summary
+
+
+END_BOOM = "callback watch:EndBoom.on_train_end raised ValueError: boom at the end"
+QUIT = ("callback watch:Quit.on_evaluate raised SystemExit(0) (sys.exit ends the process, not the run: a callback "
+        "ends a run with control.should_training_stop = True)")  # fmt: skip
+AT_ONCE = "KeyboardInterrupt after round 5: stopped at once, without a checkpoint of its own"
+
+
+def test_sys_exit_and_keyboard_interrupt_in_a_callback_end_the_run_as_the_record_says(tmp_path, user_modules):
+    import watch
+
+    with pytest.raises(CallbackError) as exc:
+        hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'quit'}"], callbacks=[watch.Quit()])
+    assert str(exc.value) == QUIT
+    rows, summary = read_run(tmp_path / "quit")
+    assert summary["status"] == "failed" and summary["error"].endswith(QUIT) and [r["round"] for r in rows] == [0, 5]
+
+    with pytest.raises(KeyboardInterrupt):  # what Ctrl-C raises, wherever from: the run stops at once
+        hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ctrl_c'}"], callbacks=[watch.CtrlC()])
+    rows, summary = read_run(tmp_path / "ctrl_c")
+    assert summary["status"] == "interrupted" and summary["error"] == AT_ONCE and summary["rounds"] == 5
+    assert summary["checkpoint"] is None and [r["round"] for r in rows] == [0, 5]  # the folder holds none
+
+
+@pytest.mark.slow  # three runs of the command: 35 s on the 2-core machine
+def test_the_command_says_what_the_record_says_of_a_callback_that_exits_interrupts_or_fails_after_the_end(
+    tmp_path, user_modules
+):
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'end'}", "job.callbacks=[watch:EndBoom]")
+    assert res.returncode == 0, res.stderr  # the record says completed: so does the exit code
+    told = [line for line in res.stderr.splitlines() if "EndBoom" in line]
+    assert told == [f"{END_BOOM}, after the run had ended: summary.json keeps status completed, with this error as "
+                    "callback_error"]  # fmt: skip
+    assert res.stdout.startswith("done: 10 rounds") and read_run(tmp_path / "end")[1]["callback_error"] == END_BOOM
+
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'quit'}", "job.callbacks=[watch:Quit]")
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == f"error: {QUIT}"
+    assert read_run(tmp_path / "quit")[1]["status"] == "failed"
+
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ctrl_c'}", "job.callbacks=[watch:CtrlC]")
+    assert res.returncode == 130
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted: the run hosfl (job.out_dir={tmp_path / 'ctrl_c'}) stopped at once by "
+                           "KeyboardInterrupt (Ctrl-C), without a checkpoint of its own")  # fmt: skip
+    assert read_run(tmp_path / "ctrl_c")[1]["error"] == AT_ONCE
+
+
 def test_a_callback_that_raises_fails_the_run_in_one_line_and_keeps_its_rows(tmp_path, user_modules):
     import watch
 

@@ -36,6 +36,66 @@ METHOD = page_block('register(AlgorithmSpec("my_method"')
 SOURCE = page_block('register_source(SourceSpec("toy"')
 SCORED = page_block('register_task(TaskSpec("soft_blobs"')
 """A task of the user's with its own loss (label smoothing) and metric (top-2 accuracy), over myparts.py's blobs."""
+BAD = '''
+"""Plug-ins wrong in each way the package checks where it builds a run, over myparts.py's blobs."""
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from hosfl_dist.data import TaskSpec, register_task
+from hosfl_dist.models import ModelSpec, register_model
+from hosfl_dist.models.sources import SourceSpec, register_source
+from myparts import DIM, load_blobs
+
+
+def wide(cfg, info, zeroth_order_client):
+    """A head of num_classes + 2 (it would train: the two surplus classes are never labelled)."""
+    return nn.Sequential(nn.Linear(DIM, 8), nn.ReLU()), nn.Linear(8, info["num_classes"] + 2)
+
+
+def misfit(cfg, info, zeroth_order_client):
+    """f_c gives 8 features, f_s takes 9."""
+    return nn.Sequential(nn.Linear(DIM, 8), nn.ReLU()), nn.Linear(9, info["num_classes"])
+
+
+def pairwise(outputs, labels):
+    """(B, 2): two scores per sample."""
+    return torch.stack([labels.float(), labels.float()], dim=1)
+
+
+def broken(outputs, labels):
+    raise ZeroDivisionError("no score today")
+
+
+def late(outputs, labels):
+    """Fine on a made-up batch of two, raises on the held-out ones."""
+    if outputs.shape[0] > 2:
+        raise ValueError("more than two samples")
+    return torch.ones(outputs.shape[0])
+
+
+def lost(data, seed):
+    raise OSError("the blobs are gone")
+
+
+def names():
+    raise RuntimeError("the list of names is unreachable")
+
+
+def toy_config(name):
+    return LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=int(name),
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+register_model(ModelSpec("wide_mlp", wide, cuts=(1, 1)))
+register_model(ModelSpec("misfit_mlp", misfit, cuts=(1, 1)))
+register_task(TaskSpec("pair_blobs", load=load_blobs, metrics={"eval_pair": pairwise}))
+register_task(TaskSpec("broken_blobs", load=load_blobs, metrics={"eval_broken": broken}))
+register_task(TaskSpec("late_blobs", load=load_blobs, metrics={"eval_late": late}))
+register_task(TaskSpec("lost_blobs", load=lost))
+register_source(SourceSpec("badtoy", toy_config, names=names))
+'''
+"""What tests/test_plugins.py's checks of a plug-in's code refuse (docs/python-api.md, "What the package checks")."""
 PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
 """The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
 
@@ -44,18 +104,20 @@ PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8"
 def user_modules(tmp_path, monkeypatch):
     """myparts.py and mymethod.py in a folder of the user's, importable here and by every process started from here."""
     yield user_folder(tmp_path, monkeypatch, {"myparts": PARTS, "mymethod": METHOD, "mysource": SOURCE,
-                                                  "mytask": SCORED})
+                                                  "mytask": SCORED, "badparts": BAD})
     from hosfl_dist import algorithms
     from hosfl_dist.data import registry as tasks
     from hosfl_dist.models import registry as models
     from hosfl_dist.models import sources
 
-    tasks._TASKS.pop("blobs", None)  # the registries list the package's own to the other tests
-    tasks._TASKS.pop("soft_blobs", None)
-    models._MODELS.pop("mlp", None)
+    for name in ("blobs", "soft_blobs", "pair_blobs", "broken_blobs", "late_blobs", "lost_blobs"):
+        tasks._TASKS.pop(name, None)  # the registries list the package's own to the other tests
+    for name in ("mlp", "wide_mlp", "misfit_mlp"):
+        models._MODELS.pop(name, None)
     algorithms._REGISTRY.pop("my_method", None)
     sources._SOURCES.pop("toy", None)
-    for name in ("myparts", "mymethod", "mysource", "mytask"):
+    sources._SOURCES.pop("badtoy", None)
+    for name in ("myparts", "mymethod", "mysource", "mytask", "badparts"):
         sys.modules.pop(name, None)
 
 
@@ -279,3 +341,69 @@ def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, use
     res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", "mysource", "--check")
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
     assert "unknown toy name '9'" in res.stderr
+
+
+# -- a plug-in's code, checked where a run is built ----------------------------------------------------------------
+CHECKED = [
+    (["model.name=wide_mlp"], "error: plug-in badparts: model wide_mlp: f_s gives class scores of shape (1, 5) for "
+                              "one sample; the task has 3 classes (data info num_classes): its head must give (1, 3)"),
+    (["model.name=misfit_mlp"], "error: plug-in badparts: model misfit_mlp: f_s on f_c's output of shape (1, 8) "
+                                "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),  # torch's words
+    (["data.name=pair_blobs"], "error: plug-in badparts: task pair_blobs: metric eval_pair(outputs, labels) gave "
+                               "(2, 2) for outputs (2, 3) and labels (2,): it must give one value per sample, a tensor "
+                               "of shape (2,)"),
+    (["data.name=broken_blobs"], "error: plug-in badparts: task broken_blobs: metric eval_broken(outputs, labels) "
+                                 "raised ZeroDivisionError: no score today"),
+    (["data.name=lost_blobs"], "error: plug-in badparts: task lost_blobs: load(data section, job.seed) raised OSError: "
+                               "the blobs are gone"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), CHECKED, ids=["wide_head", "f_c_f_s_misfit", "metric_shape",
+                                                          "metric_raises", "load_raises"])  # fmt: skip
+def test_a_plugins_shapes_and_errors_are_one_line_where_a_run_is_built(tmp_path, user_modules, args, said):
+    """The same line from the build of a run, ``--dry-run`` and (in a subprocess, slow tier) ``--check``."""
+    from hosfl_dist.cli.precheck import check_build
+    from hosfl_dist.cli.run import dry_run
+    from hosfl_dist.errors import PluginError
+    from hosfl_dist.runtime.inprocess import InProcessRunner
+
+    cfg = load_run_config(None, [*PLUGGED, "job.plugins=[badparts]", f"job.out_dir={tmp_path / 'x'}", *args])
+    for build in (lambda: InProcessRunner(cfg).setup(), lambda: dry_run(cfg), lambda: check_build(cfg, 1)):
+        with pytest.raises(PluginError) as exc:
+            build()
+        assert f"error: {exc.value}".startswith(said) and "\n" not in str(exc.value) and exc.value.exit_code == 2
+    assert not (tmp_path / "x").exists()  # refused before the run's folder was made
+
+
+@pytest.mark.slow  # seven commands: 60 s on the 2-core machine
+def test_check_and_dry_run_say_a_plugins_fault_in_one_line_exit_2(tmp_path, user_modules):
+    for i, (args, said) in enumerate(CHECKED):
+        for mode in ("--check", "--dry-run")[: 2 if i < 2 else 1]:  # the models' faults passed both before
+            res = run_command("--plugin", "badparts", *PLUGGED, *args, f"job.out_dir={tmp_path / 'x'}", mode)
+            told = res.stderr.strip()
+            assert res.returncode == 2 and told.startswith(said) and "\n" not in told, (mode, res.stderr[-2000:])
+
+
+def test_a_plugin_metric_that_fails_mid_run_is_one_line_and_the_run_is_recorded_failed(tmp_path, user_modules):
+    from hosfl_dist.errors import PluginError
+
+    out = tmp_path / "late"
+    with pytest.raises(PluginError) as exc:
+        hosfl_dist.train(None, [*PLUGGED, "data.name=late_blobs", f"job.out_dir={out}"], plugins=["badparts"])
+    said = ("plug-in badparts: task late_blobs: metric eval_late(outputs, labels) raised ValueError: more than two "
+            "samples")
+    assert str(exc.value) == said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == f"PluginError: {said}"
+
+
+def test_a_model_sources_names_that_raise_are_one_line(tmp_path, user_modules):
+    from hosfl_dist.errors import PluginError
+    from hosfl_dist.models.sources import resolve
+
+    import badparts  # noqa: F401 - registers badtoy
+
+    with pytest.raises(PluginError, match=r"^plug-in badparts: model source badtoy: names\(\) raised RuntimeError: the "
+                       "list of names is unreachable$"):  # fmt: skip
+        resolve("badtoy:3")

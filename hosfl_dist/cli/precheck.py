@@ -14,7 +14,11 @@ This module adds what needs the model's architecture or the task's files:
   file in chunks is not joined (the first start joins it into ``$HOSFL_CACHE``);
 - a text task read from local files: every example of both files as the data build reads it (a missing file or
   column, a label that is not one of the task's);
-- one process: ``server.ranks`` > 1 needs torchrun.
+- one process: ``server.ranks`` > 1 needs torchrun;
+- a plug-in's model or task (``job.plugins``) of the vision family: the split built as a run builds it, which puts a
+  made-up batch through f_c and f_s (f_s must take f_c's output and give the task's classes) and the task's own loss
+  and metrics (one value per sample): :func:`hosfl_dist.models.build_split_model`. What the plug-in's code raises
+  there is one line naming it (:class:`~hosfl_dist.errors.PluginError`).
 
 Importing the model code costs what ``import torch, transformers, peft`` costs (2-4 s on the 2-core test machine,
 see docs/checkpoints.md, "Bad input"); vision configs import nothing here.
@@ -37,6 +41,7 @@ def check_build(cfg: Config, world: int) -> None:
     if world <= 1 and cfg.server.ranks > 1:
         raise ConfigError(f"server.ranks={cfg.server.ranks} needs a server group: start with torchrun")
     if cfg.model.name != "hf":
+        _check_vision_plugins(cfg)
         return
     if cfg.data.source == "local":  # model.name=hf: a text task (hosfl_dist.runtime.checks)
         from hosfl_dist.data.text_fed import load_examples
@@ -55,6 +60,24 @@ def check_build(cfg: Config, world: int) -> None:
 
     info = text_data_info(cfg.data, cfg.model)
     build_split_model(cfg, info, get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
+
+
+def _check_vision_plugins(cfg: Config) -> None:
+    """A plug-in's vision model or task, built as a run builds it (the package's own fit their tasks by construction
+    and cost a model's build to check: left to the run)."""
+    from hosfl_dist.core.plugins import plugin_of
+    from hosfl_dist.data.registry import get_task
+    from hosfl_dist.models.registry import get_model
+
+    task, model = get_task(cfg.data.name), get_model(cfg.model.name)
+    if plugin_of(model.build) is None and not any(plugin_of(f) for f in (task.load, task.info, task.loss,
+                                                                         *task.metrics.values())):  # fmt: skip
+        return
+    from hosfl_dist.algorithms import get_algorithm
+    from hosfl_dist.data import data_info
+    from hosfl_dist.models import build_split_model
+
+    build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
 
 
 def build_key(cfg: Config) -> str:

@@ -171,9 +171,9 @@ def _stopped_at_once(cfg: Config | None) -> str:
     if cfg is None:
         return "interrupted: hosfl_dist.run stopped by Ctrl-C before its config was read; nothing was written"
     where = f"job.out_dir={cfg.job.out_dir}" if cfg.job.out_dir else f"runs/{cfg.job.name}/latest"
-    return (f"interrupted: the run {cfg.job.name} ({where}) stopped by Ctrl-C at once, without a checkpoint of its "
-            "own; run the same command again with job.resume=auto to continue from the newest checkpoint its folder "
-            "holds (or start afresh where it holds none)")  # fmt: skip
+    return (f"interrupted: the run {cfg.job.name} ({where}) stopped at once by KeyboardInterrupt (Ctrl-C), without a "
+            "checkpoint of its own; run the same command again with job.resume=auto to "
+            "continue from the newest checkpoint its folder holds (or start afresh where it holds none)")  # fmt: skip
 
 
 # -- the modes, in the order main tries them -----------------------------------------------------------------------
@@ -297,15 +297,19 @@ def dry_run(cfg: Config) -> dict:
 
 
 def _completed_already(cfg: Config, launch: LaunchEnv | None) -> bool:
-    """Whether the folder this run writes holds it, completed (a Slurm job again, a sweep re-run): then nothing is
-    left to do, and rank 0 says so."""
-    from hosfl_dist.runfolder.folder import completed_already, deterministic_out_dir, with_out_dir
+    """Whether the folder this run writes holds it, finished (completed, or stopped by its own early stopping: a Slurm
+    job again, a sweep re-run): then nothing is left to do, and rank 0 says so."""
+    from hosfl_dist.runfolder.folder import completed_already, deterministic_out_dir, recorded_summary, with_out_dir
 
     folder = deterministic_out_dir(cfg)
     if folder is None or not completed_already(with_out_dir(cfg, folder)):
         return False
     if launch is None or launch.rank == 0:
-        print(f"done: {folder} holds this run, completed; nothing to do (job.resume=auto)")
+        summary = recorded_summary(folder) or {}
+        how = "completed"
+        if summary.get("status") == "stopped":
+            how = f"stopped early by {summary['stopped'].get('by')} after round {summary.get('rounds')}"
+        print(f"done: {folder} holds this run, {how}; nothing to do (job.resume=auto)")
     return True
 
 

@@ -616,6 +616,32 @@ class DataConfig:
                       f"{self.name} preset has its own)")  # fmt: skip
 
 
+METRIC = re.compile(r"eval_[a-z0-9_]{1,60}|train_loss")
+"""A metrics row's score an early stop can follow: an evaluation's (``eval_...``) or the train loss."""
+
+
+@dataclass
+class EarlyStoppingConfig:
+    metric: str = ""
+    """The metrics-row value that decides: eval_accuracy, eval_loss, a text task's eval_f1 or eval_exact_match, a
+    plug-in task's own eval_..., or train_loss; empty: no early stopping (the run trains to its budget)."""
+    patience: int = 3
+    """Evaluations in a row without an improvement of more than min_delta over the best so far (from round 0's) after
+    which the run stops: it evaluates, writes its final checkpoint and summary.json says stopped."""
+    min_delta: float = 0.0
+    """Smallest change over the best value so far that counts as an improvement, in the metric's units."""
+    mode: Literal["auto", "max", "min"] = "auto"
+    """max: higher is better; min: lower is better; auto: min for a metric whose name says loss, perplexity, error,
+    mae or mse (as the studies' best columns), max otherwise."""
+
+    def __post_init__(self) -> None:
+        check(not self.metric or METRIC.fullmatch(self.metric) is not None, "metric", self.metric,
+              "a metrics row's eval_<name> or train_loss, or empty for none")  # fmt: skip
+        check(self.patience >= 1, "patience", self.patience, "must be >= 1 (evaluations)")
+        check(math.isfinite(self.min_delta) and self.min_delta >= 0, "min_delta", self.min_delta,
+              "must be a finite number >= 0")  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     budget_samples: int = 160_000
@@ -629,6 +655,8 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite activation, λ, loss or scalar: stop the run with an error naming the round, client and quantity,
     or skip that client's contribution to the round (counted as nonfinite_skipped in the metrics rows)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """End the run before its budget once its metric stops improving (off unless metric is set)."""
 
     def __post_init__(self) -> None:
         check(self.budget_samples >= 1, "budget_samples", self.budget_samples, "must be >= 1")
@@ -651,7 +679,8 @@ class CheckpointConfig:
     final: bool = True
     """Also save a checkpoint after the last round, so a finished run's weights can be exported
     (python -m hosfl_dist.export): one more save (its size and time: results/bench/README.md#checkpoint_cost).
-    false: only interval and stop checkpoints."""
+    false: only interval and stop checkpoints (a signal's, and a run stopped early writes its last one whatever this
+    says)."""
 
     def __post_init__(self) -> None:
         check(self.interval_samples >= 0, "interval_samples", self.interval_samples, "must be >= 0 (0 = off)")

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hosfl_dist.config import Config, DataConfig
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
+from hosfl_dist.core.plugins import plugin_call, refuse
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
 from hosfl_dist.data.registry import TaskSpec, get_task, register_task
 from hosfl_dist.data.text import CUSTOM
@@ -197,10 +198,24 @@ def data_info(cfg: Config) -> dict[str, Any]:
     metrics as ``scorer``), without loading the data: a server loads no training data."""
     task = get_task(cfg.data.name)
     if task.info is not None:
-        return {**task.info(cfg), **task.scoring()}
+        with plugin_call(task.info, f"task {task.name}: info(config)"):
+            info = task.info(cfg)
+        return {**info, **task.scoring()}
     if task.load is not None:  # loaded only for its shape (synthetic images are generated, a plug-in's as it says)
-        return {**select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed).info, **task.scoring()}
-    return task.build(cfg, [], False).info
+        return {**select(_load(task, cfg), cfg.data, cfg.job.seed).info, **task.scoring()}
+    with plugin_call(task.build, f"task {task.name}: build(config, clients, evaluation)"):
+        return task.build(cfg, [], False).info
+
+
+def _load(task: TaskSpec, cfg: Config) -> TensorData:
+    """A vision task's examples, from its ``load``."""
+    assert task.load is not None
+    what = f"task {task.name}: load(data section, job.seed)"
+    with plugin_call(task.load, what):
+        data = task.load(cfg.data, cfg.job.seed)
+    if not isinstance(data, TensorData):
+        raise refuse(task.load, what, f"gave {type(data).__name__}, not a hosfl_dist.data.TensorData")
+    return data
 
 
 def input_sources(data: DataConfig) -> dict[str, Any]:
@@ -208,7 +223,10 @@ def input_sources(data: DataConfig) -> dict[str, Any]:
     ``data.files[i]`` for images), or for the hub the data set's name and splits (``data.hub``). Generated data reads
     nothing. A run's identity hashes these files (:mod:`hosfl_dist.runfolder.identity`)."""
     task = get_task(data.name)
-    return task.inputs(data) if task.inputs is not None else {}
+    if task.inputs is None:
+        return {}
+    with plugin_call(task.inputs, f"task {task.name}: inputs(data section)"):
+        return task.inputs(data)
 
 
 def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
@@ -221,9 +239,9 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
     """
     task = get_task(cfg.data.name)
     if task.build is not None:
-        return task.build(cfg, clients, evaluation)
-    assert task.load is not None  # a spec has one of the two (TaskSpec.__post_init__)
-    data = select(task.load(cfg.data, cfg.job.seed), cfg.data, cfg.job.seed)
+        with plugin_call(task.build, f"task {task.name}: build(config, clients, evaluation)"):
+            return task.build(cfg, clients, evaluation)
+    data = select(_load(task, cfg), cfg.data, cfg.job.seed)
     tx, ty, vx, vy = data.train_x, data.train_y, data.eval_x, data.eval_y
     shards = partition(ty, cfg.data, cfg.clients.total, cfg.job.seed)
     row_of = None

@@ -68,7 +68,7 @@ class TaskSpec:
         name): the task's loss and metrics, or nothing for the package's default (cross-entropy, accuracy)."""
         if self.loss is None and not self.metrics:
             return {}
-        return {"scorer": ClassificationTask(self.loss, self.metrics)}
+        return {"scorer": ClassificationTask(self.loss, self.metrics, self.name)}
 
 
 _TASKS: Registry[TaskSpec] = Registry("task", "data.name")

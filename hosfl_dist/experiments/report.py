@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hosfl_dist.core.stopping import higher_is_better
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 from hosfl_dist.experiments.runs import RunData
 
@@ -58,6 +59,9 @@ class VariantSummary:
     roles: dict[str, Any] = field(default_factory=dict)
     """Per role, from the runs' summary.json (:func:`role_costs`, mean over seeds): how the runs were started, each
     role's peak memory, the client workers' and the server's time per round."""
+    stopped: list[dict[str, Any] | None] = field(default_factory=list)
+    """Per seed: where the run stopped early (``round``, ``processed_samples``, ``by``; summary.json's
+    ``stopped``), None for a run that reached its budget."""
 
 
 def final_metric(run: RunData, metric: str) -> float:
@@ -68,12 +72,6 @@ def final_metric(run: RunData, metric: str) -> float:
     raise KeyError(f"run {run.spec.out_dir} has no {metric!r} in metrics.jsonl")
 
 
-LOWER_IS_BETTER = ("loss", "perplexity", "error", "mae", "mse")
-"""Words in a metric's name that make it an error (a plug-in task's ``eval_mae``): its best is its lowest."""
-
-
-def higher_is_better(metric: str) -> bool:
-    return not any(word in metric for word in LOWER_IS_BETTER)
 
 
 def best_metric(run: RunData, metric: str) -> tuple[float, int | None]:
@@ -165,9 +163,26 @@ def summarize(variants: dict[str, list[RunData]], metric: str) -> list[VariantSu
                 best_mean=best_mean,
                 best_std=best_std,
                 roles=mean_roles([role_costs(r.summary) for r in runs]),
+                stopped=[stopped_at(r.summary) for r in runs],
             )
         )
     return out
+
+
+def stopped_at(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """Where a run stopped early (its summary's ``stopped``: round, processed samples, by what), None if it did not."""
+    stopped = summary.get("stopped")
+    if summary.get("status") != "stopped" or not isinstance(stopped, dict):
+        return None
+    return {k: stopped.get(k) for k in ("round", "processed_samples", "by")}
+
+
+def _stops(row: VariantSummary) -> str:
+    """The "stopped early" cell: where each seed's run stopped (– for one that reached its budget)."""
+    where = [(seed, s) for seed, s in zip(row.seeds, row.stopped) if s is not None]
+    if not where:
+        return "–"
+    return "; ".join(f"seed {seed}: round {s['round']}, {s['processed_samples']:,} samples" for seed, s in where)
 
 
 def unit_for(nbytes: float) -> tuple[str, int]:
@@ -232,6 +247,9 @@ def write_table(
     head = [row_header, f"final {metric}{pct}", f"best {metric}{pct}", "n seeds", "processed samples"]
     head += [f"{CATEGORY_LABELS[c]} [{unit}]" for c in PAPER_CATEGORIES]
     head += [f"Total [{unit}]", "wall s / run (summary.json: after set-up)"]
+    early = any(s is not None for r in rows for s in r.stopped)
+    if early:  # a column only where a point stopped before its budget: where it stopped
+        head.append("stopped early")
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in zip(names, rows):
         n = len(r.seeds)
@@ -244,6 +262,8 @@ def write_table(
         ]
         cells += [f"{r.comm_bytes[c] / size:.4g}" for c in PAPER_CATEGORIES]
         cells += [f"{r.training_total_bytes / size:.4g}", f"{r.wall_time_s:.1f}"]
+        if early:
+            cells.append(_stops(r))
         lines.append("| " + " | ".join(cells) + " |")
     best_word = "highest" if higher_is_better(metric) else "lowest"
     lines += [
@@ -254,6 +274,10 @@ def write_table(
         "category as in the paper's Table 5 (binary units), mean over seeds, counted from the tensors that crossed "
         "the client-server boundary.",
     ]
+    if early:
+        lines.append("Stopped early: the runs that ended before their sample budget (train.early_stopping, or a "
+                     "callback), with the round and processed samples they stopped at; their final evaluation is "
+                     "that round's, their traffic what they sent until then.")  # fmt: skip
     ratio = traffic_ratio(rows)
     if ratio is not None:
         lines.append(f"Traffic ratio HO-SFL / SFL: {ratio:.3f} (paper, CIFAR-10 IID ResNet-18: 2.44 / 4.20 = 0.581).")

@@ -2,8 +2,9 @@
 torchrun job of the run's world), reusing the ones already finished, and reading them.
 
 A run lives in its own folder with the outputs of ``hosfl_dist.run`` (config.yaml, metrics.jsonl, summary.json,
-checkpoints/) plus ``log.txt`` (its stdout and stderr). A folder whose summary says ``completed`` and whose
-config.yaml is the config the run would get now is reused as is; an unfinished run of the same config is continued
+checkpoints/) plus ``log.txt`` (its stdout and stderr). A folder whose run finished (``completed``, or ``stopped`` by
+its own ``train.early_stopping``: :func:`~hosfl_dist.runfolder.folder.finished`) and whose config.yaml is the config
+the run would get now is reused as is; an unfinished run of the same config is continued
 from its latest checkpoint (``job.resume=auto``); a folder holding another setting is run again
 (``job.overwrite=true``). A run that did not complete is named with its one-line cause (:func:`why_missing`).
 """
@@ -25,7 +26,7 @@ from typing import Any
 from hosfl_dist.config import Config
 from hosfl_dist.errors import ConfigError, HosflError
 from hosfl_dist.experiments.launch.worlds import World
-from hosfl_dist.runfolder.folder import config_differences, input_differences, recorded_summary, run_status
+from hosfl_dist.runfolder.folder import config_differences, finished, input_differences, recorded_summary, run_status
 
 
 @dataclass
@@ -91,9 +92,10 @@ def check_distinct(config: str | None, specs: dict[str, list[RunSpec]], out: Pat
 
 
 def is_finished(spec: RunSpec, cfg: Config) -> bool:
-    """A completed run of exactly this config (but for how it was started), from inputs of the same content."""
+    """A finished run (completed, or stopped by its early stopping) of exactly this config (but for how it was
+    started), from inputs of the same content."""
     return (
-        run_status(spec.out_dir) == "completed"
+        finished(spec.out_dir)
         and config_differences(spec.out_dir, cfg) == []
         and not input_differences(spec.out_dir, cfg)
     )
@@ -125,7 +127,8 @@ def split(config: str | None, specs: Sequence[RunSpec], dry_run: bool = False, a
         cfgs[spec.out_dir] = cfg = resolve(config, spec)
         (reused if is_finished(spec, cfg) else todo).append(spec)
     for spec in reused if announce else ():  # a comment line in a dry run's list of commands
-        print(f"{'# ' if dry_run else ''}reusing {spec.out_dir} (completed, same identity: config and inputs)")
+        how = run_status(spec.out_dir)
+        print(f"{'# ' if dry_run else ''}reusing {spec.out_dir} ({how}, same identity: config and inputs)")
     return cfgs, reused, todo
 
 
@@ -323,7 +326,14 @@ def why_missing(spec: RunSpec, cfg: Config, queued: str | None = None) -> str:
     if status == "interrupted":
         summary = recorded_summary(spec.out_dir) or {}
         return (f"interrupted after round {summary.get('rounds')} ({cause}): the command run again resumes it from "
-                f"{summary.get('checkpoint')}") + see  # fmt: skip
+                f"{summary.get('checkpoint') or 'the start'}") + see  # fmt: skip
+    if status == "stopped":  # by a callback: user code, not the config's own end (the config's is finished)
+        stopped = (recorded_summary(spec.out_dir) or {}).get("stopped") or {}
+        if config_differences(spec.out_dir, cfg) == []:
+            return (f"stopped after round {stopped.get('round')} by {stopped.get('by')}: the command run again "
+                    "continues it to its budget") + see  # fmt: skip
+        diff = config_differences(spec.out_dir, cfg) or ["inputs (other content)"]
+        return f"holds a stopped run of another setting ({', '.join(diff[:3])})" + see
     return f"{status}" + (f": {cause}" if cause else "") + see
 
 

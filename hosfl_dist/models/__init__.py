@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.config import Config, ModelConfig
+from hosfl_dist.core.plugins import plugin_call, plugin_of, refuse
 from hosfl_dist.core.seeding import Stream, stream_seed
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.registry import ModelSpec, get_model, model_names, register_model
@@ -129,19 +130,50 @@ def build_split_model(
 
         return lm.build(cfg, data_info, zeroth_order_client, parts, shard)
     assert model.build is not None  # a vision model's spec has its builder (ModelSpec.__post_init__)
-    with torch.random.fork_rng(devices=[]):
+    built = f"model {model.name}: build(config, data info, zeroth_order_client)"
+    with torch.random.fork_rng(devices=[]), plugin_call(model.build, built):
         torch.manual_seed(stream_seed(cfg.job.seed, Stream.VISION_INIT))
-        client, server = model.build(cfg, data_info, zeroth_order_client)
+        pair = model.build(cfg, data_info, zeroth_order_client)
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(m, nn.Module) for m in pair)):
+        raise refuse(model.build, built, f"gave {type(pair).__name__}, not the pair (f_c, f_s) of torch modules")
+    client, server = pair
     device = torch.device(cfg.job.device)
-    was = client.training
-    with torch.no_grad():
-        z = client.eval()(torch.zeros(1, *data_info["input_shape"]))  # eval: BatchNorm statistics stay as they are
-    client.train(was)
+    x = torch.zeros(1, *data_info["input_shape"])
+    z = _probe(client, x, model, f"model {model.name}: f_c on a batch of shape {tuple(x.shape)}")
+    if plugin_of(model.build) is not None:  # the package's own fit their task by construction
+        _check_server(server, z, model, data_info["num_classes"])
+    scorer = data_info.get("scorer") or ClassificationTask()
+    scorer.check(data_info["num_classes"])  # a plug-in task's loss and metrics, on a made-up batch
     spec = ActivationSpec({"z": tuple(z.shape[1:])}, {"z": z.dtype}, num_classes=data_info["num_classes"])
     server = server.to(device)
     if shard is not None:
         shard(server)
-    return SplitModel(client.to(device), server, data_info.get("scorer") or ClassificationTask(), spec)
+    return SplitModel(client.to(device), server, scorer, spec)
+
+
+def _probe(part: nn.Module, x: Tensor, model: ModelSpec, what: str) -> Tensor:
+    """``part`` (f_c or f_s) on a made-up batch in eval mode, without gradients (BatchNorm statistics and the weights
+    stay as they are); what a plug-in's part raises is one line naming it (``what``: the call)."""
+    was = part.training
+    try:
+        with torch.no_grad(), plugin_call(model.build, what):
+            out = part.eval()(x)
+    finally:
+        part.train(was)
+    if not isinstance(out, Tensor):
+        raise refuse(model.build, what, f"gave {type(out).__name__}, not a tensor")
+    return out
+
+
+def _check_server(server: nn.Module, z: Tensor, model: ModelSpec, classes: int) -> None:
+    """A plug-in's f_s takes what its f_c gives (one sample's z) and gives the task's class scores, (1, classes): a
+    head of another width would train without an error (surplus classes never labelled) or fail in the first round."""
+    with torch.random.fork_rng(devices=[]):  # a module that draws in its forward leaves the run's streams alone
+        out = _probe(server, z, model, f"model {model.name}: f_s on f_c's output of shape {tuple(z.shape)}")
+    if tuple(out.shape) != (1, classes):
+        raise refuse(model.build, f"model {model.name}: f_s", f"gives class scores of shape {tuple(out.shape)} for one "
+                     f"sample; the task has {classes} classes (data info num_classes): its head must give (1, "
+                     f"{classes})")  # fmt: skip
 
 
 def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed: int, device: str) -> nn.Module:
@@ -154,7 +186,8 @@ def build_whole_vision_model(model: ModelConfig, data_info: dict[str, Any], seed
                           f"vision models {pretrainable_models()})")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(stream_seed(seed, Stream.VISION_INIT))
-        net = spec.whole(model, data_info)
+        with plugin_call(spec.whole, f"model {model.name}: whole(model section, data info)"):
+            net = spec.whole(model, data_info)
     return net.to(torch.device(device))
 
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from hosfl_dist.core.plugins import plugin_call
 from hosfl_dist.core.registry import Registry
 from hosfl_dist.errors import ConfigError, DataError
 from hosfl_dist.models.hf_load import TINY_ARCHS, load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
@@ -132,7 +133,10 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
     spec = source_spec(source)
     if spec is not None:
         name = source.partition(":")[2]
-        known = list(spec.names()) if spec.names is not None else None
+        known = None
+        if spec.names is not None:
+            with plugin_call(spec.names, f"model source {spec.prefix}: names()"):
+                known = [str(n) for n in spec.names()]
         if known is not None and name not in known:
             raise ConfigError(f"{key} {source!r}: unknown {spec.prefix} name {name!r}; known: {', '.join(known)}")
         return ModelSource(source, name, scheme=spec.prefix)
@@ -215,7 +219,10 @@ def model_inputs(source: str, gguf_file: str = "") -> dict[str, object]:
     repository's name, the GGUF file, or the files of a local folder (a run's identity hashes them)."""
     spec = source_spec(source)
     if not source or spec is not None:
-        return spec.inputs(source.partition(":")[2]) if spec is not None and spec.inputs is not None else {}
+        if spec is None or spec.inputs is None:
+            return {}
+        with plugin_call(spec.inputs, f"model source {spec.prefix}: inputs(name)"):
+            return spec.inputs(source.partition(":")[2])
     if is_hub_id(source):
         return {"model.hub": {"hub": source}}
     resolved = resolve(source, gguf_file)
@@ -240,14 +247,17 @@ def load_model(source: ModelSource, dtype: str = "float32", local_files_only: bo
     if spec is not None:
         if spec.model is None:
             raise ConfigError(f"model.source {source.name!r} has no weights (they are drawn from job.seed)")
-        return spec.model(source.path).to(DTYPES[dtype]).eval()
+        with plugin_call(spec.model, f"model source {spec.prefix}: model({source.path!r})"):
+            model = spec.model(source.path)
+        return model.to(DTYPES[dtype]).eval()
     return load_causal_lm(source.path, source.gguf_file, DTYPES[dtype], local_files_only)
 
 
 def model_config(source: ModelSource) -> PretrainedConfig:
     """The architecture of ``source`` (its config), without reading any weight."""
     if source.spec is not None:
-        return source.spec.config(source.path)
+        with plugin_call(source.spec.config, f"model source {source.spec.prefix}: config({source.path!r})"):
+            return source.spec.config(source.path)
     return load_causal_config(source.path, source.gguf_file)
 
 
@@ -269,7 +279,10 @@ def weights_of(source: ModelSource, config: PretrainedConfig, dtype: str, seed: 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """The tokenizer of ``source``, without its weights; DataError when the checkpoint ships none."""
     if source.spec is not None:
-        return source.spec.tokenizer(source.path) if source.spec.tokenizer is not None else tiny_tokenizer()
+        if source.spec.tokenizer is None:
+            return tiny_tokenizer()
+        with plugin_call(source.spec.tokenizer, f"model source {source.spec.prefix}: tokenizer({source.path!r})"):
+            return source.spec.tokenizer(source.path)
     tok = load_checkpoint_tokenizer(source.path, source.gguf_file)
     if tok is None:
         raise DataError(f"model {source.name!r} ships no tokenizer; text tasks need one")

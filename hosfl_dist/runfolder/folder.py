@@ -180,15 +180,20 @@ def describe_status(folder: Path) -> str:
     summary = recorded_summary(folder) or {}
     if status == "running":
         return f"{folder}: running ({lock_holder(folder)})" + _live_workers(folder)
-    if status == "completed":
+    if status in ("completed", "stopped"):
         final = summary.get("final") or {}
-        return (f"{folder}: completed, {summary.get('rounds')} rounds, {summary.get('processed_samples')} samples, "
-                f"eval_accuracy {final.get('eval_accuracy')}")  # fmt: skip
+        stopped = summary.get("stopped") or {}
+        why = ": ".join(str(part) for part in (stopped.get("by"), stopped.get("reason")) if part)
+        early = f" early ({why})" if status == "stopped" else ""
+        note = f"; then {summary['callback_error']}" if summary.get("callback_error") else ""
+        return (f"{folder}: {status}{early}, {summary.get('rounds')} rounds, {summary.get('processed_samples')} "
+                f"samples, eval_accuracy {final.get('eval_accuracy')}{note}")  # fmt: skip
     if status == "died":
         said = "recorded in summary.json" if summary.get("status") == "died" else "summary.json still says running"
         return f"{folder}: died: {DIED} (started {summary.get('started', '?')}; {said})"
     if status == "interrupted":
-        return f"{folder}: interrupted: {summary.get('error')}; resume from {summary.get('checkpoint')}"
+        then = f"resume from {summary['checkpoint']}" if summary.get("checkpoint") else "it holds no checkpoint"
+        return f"{folder}: interrupted: {summary.get('error')}; {then}"
     return f"{folder}: {status}" + (f": {summary['error']}" if summary.get("error") else "")
 
 
@@ -310,11 +315,27 @@ def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) ->
     )
 
 
+def finished(folder: Path) -> bool:
+    """Whether the run in ``folder`` ended as its config says a run ends: it completed its budget, or its own
+    ``train.early_stopping`` stopped it (the same criterion, applied to the same rows, would stop it again). A run a
+    callback or ``run.should_stop`` stopped (user code, not part of the run's identity) is not: ``job.resume=auto``
+    continues it from its final checkpoint toward its budget."""
+    status = run_status(folder)
+    if status == "completed":
+        return True
+    stopped = (recorded_summary(folder) or {}).get("stopped")
+    return status == "stopped" and isinstance(stopped, dict) and stopped.get("by") == EARLY_STOPPING
+
+
+EARLY_STOPPING = "train.early_stopping"
+"""summary.json's ``stopped.by`` of a run its own early-stopping criterion ended."""
+
+
 def completed_already(cfg: Config) -> bool:
-    """``job.resume=auto`` on a folder whose run (this config) completed: nothing is left to do, and nothing there
-    may be touched (a finished result is never replaced by its own continuation)."""
+    """``job.resume=auto`` on a folder whose run (this config) is :func:`finished`: nothing is left to do, and nothing
+    there may be touched (a finished result is never replaced by its own continuation)."""
     d = Path(cfg.job.out_dir)
-    return cfg.job.resume == "auto" and run_status(d) == "completed" and config_differences(d, cfg) == []
+    return cfg.job.resume == "auto" and finished(d) and config_differences(d, cfg) == []
 
 
 def prepare_out_dir(cfg: Config, restarted: bool = False) -> tuple[list[Path], RunLock]:

@@ -72,6 +72,8 @@ ADDED_KEYS = {
 """Identity keys added after runs were recorded, with the value every earlier run had: at that value a key is left
 out of the identity, so a run recorded before it existed keeps its fingerprint (and compares equal); at any other
 value it counts like every key."""
+# train.early_stopping (added later too) is left out while it is off (no metric), whatever its other keys say; on, it
+# is identity: it decides where the run ends, so a study never takes a run stopped early for one that was not
 PACKAGE = Path(__file__).resolve().parents[2]
 """The hosfl_dist package folder (its source files are the code's digest)."""
 HASH_CACHE = "file-sha256.json"
@@ -97,6 +99,9 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
     for (section, key), before in ADDED_KEYS.items():
         if out.get(section, {}).get(key, before) == before:
             out.get(section, {}).pop(key, None)
+    stopping = out.get("train", {}).get("early_stopping")
+    if isinstance(stopping, dict) and not stopping.get("metric"):  # off, whatever its other keys: every earlier run
+        out["train"].pop("early_stopping")
     for section, key in (("job", "device"), ("zo", "rng_device")):
         if isinstance(out.get(section, {}).get(key), str):
             out[section][key] = out[section][key].split(":")[0]

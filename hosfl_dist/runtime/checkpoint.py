@@ -287,8 +287,9 @@ class CheckpointManager:
         """Whether the cadence asks for a checkpoint at ``processed`` samples."""
         return bool(self.every) and processed // self.every > self.last // self.every
 
-    def save(self, t: int, processed: int) -> None:
-        """Take the checkpoint after round t (every worker calls this at the same round boundary)."""
+    def save(self, t: int, processed: int) -> Any:
+        """Take the checkpoint after round t (every worker calls this at the same round boundary); the front's answer
+        to the leader (its folder, and a request to stop where one was made: None elsewhere)."""
         self.worker.transport.flush()  # the round's posted calls reached the server
         part = {"worker": self.worker.state_dict(), "meter": self.meter.state_dict(), "rng": rng_state()}
         if self.extra is not None:
@@ -298,9 +299,11 @@ class CheckpointManager:
         # nobody goes on (or exits) before the checkpoint is written: the save is one request of the leader's, waited
         # for with that request's timeout (a barrier would wait with a collective's)
         key = f"checkpointed/{t}"
+        answer = None
         if self.peers.is_leader:
-            self.control.send(SaveCheckpoint(t, processed))
+            answer = self.control.send(SaveCheckpoint(t, processed))
             self.peers.post(key)
         else:
             self.peers.wait_for(key, self.cfg.server.rpc_timeout_s)
         self.last = processed
+        return answer

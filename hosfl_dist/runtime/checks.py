@@ -73,6 +73,7 @@ def check_config(cfg: Config) -> Config:
         _check_batch_stats_server(cfg)
     _check_algorithm(cfg, get_algorithm(cfg.algorithm.name))
     _check_participation(cfg, get_algorithm(cfg.algorithm.name))
+    _check_early_stopping(cfg)
     check(
         cfg.train.budget_samples >= cfg.clients.batch_size,
         "train.budget_samples",
@@ -97,6 +98,18 @@ def _check_model_and_data(cfg: Config) -> None:
         lo, hi = model.cuts
         check(lo <= cut <= hi, "split.cut", cut,
               f"{model.name} keeps {lo}..{hi} blocks on the client; the cut must leave the server a part")  # fmt: skip
+
+
+def _check_early_stopping(cfg: Config) -> None:
+    """``train.early_stopping.metric`` names a value the task's metrics rows hold."""
+    metric = cfg.train.early_stopping.metric
+    if not metric:
+        return
+    task = get_task(cfg.data.name)
+    held = ["eval_accuracy", "eval_loss", "train_loss"]
+    held += ["eval_f1", "eval_exact_match"] if task.family == "hf" else list(task.metrics)  # a text task's, a plug-in's
+    check(metric in held, "train.early_stopping.metric", metric,
+          f"the metrics rows of data.name={task.name} hold {', '.join(held)}")  # fmt: skip
 
 
 def _check_batch_stats_server(cfg: Config) -> None:

@@ -68,7 +68,8 @@ class ResumeRequest:
 @dataclass(frozen=True)
 class EvalReport:
     """The leader, after an evaluation: the row of round t (the traffic summed over the workers). Answered with
-    the row's shown statistics, for the progress bar."""
+    the row's shown statistics, for the progress bar, and ``stop`` where the front's callbacks or
+    ``train.early_stopping`` ask the run to end (:meth:`~hosfl_dist.runtime.front.RunFront.stop_answer`)."""
 
     t: int
     processed: int
@@ -85,7 +86,8 @@ class CheckpointPart:
 
 @dataclass(frozen=True)
 class SaveCheckpoint:
-    """The leader, once every part is in: write the checkpoint after round t. Answered with its folder."""
+    """The leader, once every part is in: write the checkpoint after round t. Answered with its folder (``path``)
+    and, like :class:`EvalReport`, ``stop``."""
 
     t: int
     processed: int
@@ -93,7 +95,7 @@ class SaveCheckpoint:
 
 @dataclass(frozen=True)
 class Stopped:
-    """The leader: the workers checkpointed after round t and stop (a signal)."""
+    """The leader: the workers checkpointed after round t and stop (a signal; the run is resumed later)."""
 
     t: int
     signal: str
@@ -112,6 +114,9 @@ class FinalReport:
     memory: list[dict[str, Any]] = field(default_factory=list)
     link: dict[str, Any] | None = None
     """The emulated links' settings and what they carried, summed over workers (``comm.inject_delay``)."""
+    stopped: dict[str, str] | None = None
+    """The run ended before its budget because it was asked to (``by``, ``reason``: a callback, ``run.should_stop``,
+    ``train.early_stopping``); None: it reached its budget."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,12 @@ and the run's bookkeeping, which they drive with the control messages of :mod:`h
     CheckpointPart / SaveCheckpoint
                   the workers' parts, then the checkpoint written (every server rank writes its shard)
     Stopped / FinalReport / FailureReport
-                  how the run ends; conclude() writes it: interrupted, completed (checked against the server's own
-                  state), or failed
+                  how the run ends; conclude() writes it: interrupted, completed or stopped early (checked against
+                  the server's own state), or failed
+
+The front's callbacks (the start, the rows, the checkpoints, the end) and ``train.early_stopping``, which follows the
+metrics rows it writes, may ask the run to end early: the answers to EvalReport and SaveCheckpoint carry the request
+to the leader worker (:meth:`RunFront.stop_answer`), which the workers then agree on.
 
 Both runtimes use it the same way: in one process the trainer's control calls it directly
 (:class:`LocalControl`), under torchrun over RPC (:class:`~hosfl_dist.runtime.rpc.RPCControl`). Handlers run on
@@ -27,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from hosfl_dist.config import Config
+from hosfl_dist.core.stopping import EarlyStopping
 from hosfl_dist.errors import CallbackError, ConfigError, Interrupted, ProtocolError
-from hosfl_dist.runfolder.checkpoints import trusted_manifest
+from hosfl_dist.runfolder.checkpoints import checkpoint_folders, trusted_manifest
 from hosfl_dist.runfolder.environment import environment_differences
-from hosfl_dist.runfolder.folder import prepare_out_dir
+from hosfl_dist.runfolder.folder import EARLY_STOPPING, prepare_out_dir
 from hosfl_dist.runfolder.identity import identity_differences, run_identity
 from hosfl_dist.runfolder.lock import RunLock
 from hosfl_dist.runfolder.run import Run
@@ -84,8 +89,11 @@ class RunFront(Handler):
         callbacks: Callbacks | None = None,
     ) -> None:
         self.cfg = cfg
-        self.callbacks = callbacks or Callbacks()
-        """The user's callbacks of the events this process owns: the start, the rows, the checkpoints, the end."""
+        self.callbacks = callbacks if callbacks is not None else Callbacks()
+        """The user's callbacks of the events this process owns: the start, the rows, the checkpoints, the end; and
+        this process's stop request (``callbacks.control``)."""
+        self.early_stopping = EarlyStopping.of(cfg.train.early_stopping)
+        """``train.early_stopping`` over the rows written (rebuilt from those a resume keeps)."""
         self.endpoint = endpoint
         self.server = endpoint.server
         self.evaluator = endpoint.evaluator
@@ -146,7 +154,10 @@ class RunFront(Handler):
             notes,
             plan=self.server.round_plan.participation,  # the rounds as the server runs them (decided live, or drawn)
         )
-        self._fire("on_train_start", Run(self.cfg.job.out_dir))
+        if self.early_stopping is not None:  # the rows a resume keeps are the criterion's history
+            for row in self.record.history:
+                self.early_stopping.update(row)
+        self._fire("on_train_start", Run(self.cfg.job.out_dir, self.callbacks.control))
 
     def _verified(self, candidates: list[Path]) -> tuple[Path, dict[str, Any]]:
         """The newest checkpoint every server rank verifies, with its manifest if it is signed by this key (or is
@@ -261,16 +272,36 @@ class RunFront(Handler):
         row = self.record.log(row)
         self.server_stats = self.endpoint.stats()
         self._fire("on_evaluate", dict(row), handling=True)
-        return {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
+        self._follow(row)
+        shown = {k: row[k] for k in ("round", *EVAL_SHOWN) if k in row}  # for the leader's progress bar
+        return {**shown, **self.stop_answer()}
+
+    def _follow(self, row: dict[str, Any]) -> None:
+        """``train.early_stopping`` on the row just written: a request to stop once its criterion is met."""
+        stopper = self.early_stopping
+        if stopper is None:
+            return
+        if stopper.metric not in row:  # what checks.py could not tell from the config (a plug-in's own rows)
+            held = ", ".join(sorted(k for k in row if k.startswith("eval_") or k == "train_loss"))
+            raise ConfigError(f"invalid value for train.early_stopping.metric: {stopper.metric!r} (the metrics rows "
+                              f"hold {held})")  # fmt: skip
+        reason = stopper.update(row)
+        if reason is not None:
+            self.callbacks.control.stop(EARLY_STOPPING, reason)
+
+    def stop_answer(self) -> dict[str, Any]:
+        """What the answers to the leader carry of this process's request to end the run (``stop``), if any."""
+        asked = self.callbacks.control.request()
+        return {"stop": asked} if asked is not None else {}
 
     @handles(CheckpointPart)
     def _on_part(self, msg: CheckpointPart) -> None:
         self.parts[str(msg.rank)] = msg.part
 
     @handles(SaveCheckpoint)
-    def _on_save(self, msg: SaveCheckpoint) -> str:
+    def _on_save(self, msg: SaveCheckpoint) -> dict[str, Any]:
         if self.callback_failed:  # the run is ending (torchrun): no checkpoint after the failure
-            return ""
+            return {"path": ""}
         loop = LoopState(msg.t, msg.processed, self.record.wall_s)
         self.record.rounds_run(msg.t)  # participation.jsonl covers what the checkpoint holds
         workers = self.layout.get("worker_ranks", [0])
@@ -285,7 +316,7 @@ class RunFront(Handler):
 
         self.saved = str(self.endpoint.locked(save))
         self._fire("on_checkpoint", self.saved, handling=True)
-        return self.saved
+        return {"path": self.saved, **self.stop_answer()}
 
     @handles(Stopped)
     def _on_stopped(self, msg: Stopped) -> None:
@@ -319,6 +350,20 @@ class RunFront(Handler):
             except OSError as exc:
                 logger.error(f"error: could not record the failure in {self.record.dir}/summary.json: {exc}")
 
+    def record_interrupt(self, rounds: int | None) -> None:
+        """Write ``interrupted`` into summary.json for a run a KeyboardInterrupt ended at once (a second Ctrl-C, or
+        user code that raised it): no checkpoint of its own; a resume continues from the newest one its folder holds
+        (named; null where it holds none)."""
+        if self.record is None or self.record.finished:
+            return
+        held = checkpoint_folders(Path(self.cfg.job.out_dir))
+        after = f" after round {rounds}" if rounds is not None else ""
+        why = f"KeyboardInterrupt{after}: stopped at once, without a checkpoint of its own"
+        try:
+            self.record.interrupt(why, rounds, str(held[0]) if held else None)
+        except OSError as exc:
+            logger.error(f"error: could not record the interruption in {self.record.dir}/summary.json: {exc}")
+
     def wait(self, stop: Any) -> None:
         """Wait until the workers end the run (rank 0 under torchrun). After a signal to this process, the workers
         have ``server.rpc_timeout_s`` to stop."""
@@ -328,7 +373,8 @@ class RunFront(Handler):
                 raise Interrupted(f"{stop.signal}: the client workers did not stop within {limit} s")
 
     def conclude(self) -> dict[str, Any]:
-        """Write how the run ended: a completed run's summary (returned); an interrupted or failed run raises."""
+        """Write how the run ended: a completed or stopped run's summary (returned); an interrupted or failed run
+        raises. A callback that fails in ``on_train_end`` leaves the summary as written, its error beside it."""
         if self.stopped is not None:  # the workers checkpointed and stopped
             why = f"{self.stopped.signal} after round {self.stopped.t}"
             self.record.interrupt(why, self.stopped.t, self.saved)
@@ -349,6 +395,10 @@ class RunFront(Handler):
         if problem is not None:
             raise ProtocolError(f"end-of-run report refused: {problem}")
         summary = self.record.completed_summary(final.rounds, final.processed, final.comm, final.client_digests, digest)
+        if final.stopped is not None:  # asked to end before its budget: the same record, and what asked
+            summary["status"] = "stopped"
+            summary["stopped"] = {**final.stopped, "round": final.rounds, "processed_samples": final.processed,
+                                  "budget_samples": self.cfg.train.budget_samples}  # fmt: skip
         if self.roles is not None:  # with each rank's host, and who chose the interface where job.interface is unset
             hosts = {f"rank_{e['rank']}": e["host"] for e in memory + final.memory if "host" in e}
             chosen = {} if self.roles.get("interface") else {"interface_chosen_by": "torch (job.interface unset)"}
@@ -361,10 +411,11 @@ class RunFront(Handler):
         summary = self.record.complete(summary)
         try:
             self._fire("on_train_end", dict(summary))
-        except Exception:  # the run is recorded as failed, not completed: its end's callback did not run through
-            self.record.finished = False
-            self.record_failure(self.failure)
-            raise
+        except CallbackError as exc:  # after the record: it stands, with the callback's error beside it
+            self.failure, self.callback_failed = "", False
+            summary = self.record.note("callback_error", str(exc))
+            logger.warning(f"{exc}, after the run had ended: summary.json keeps status {summary['status']}, with this "
+                           "error as callback_error")  # fmt: skip
         return summary
 
     def _fire(self, event: str, *args: Any, handling: bool = False) -> None:

@@ -122,13 +122,18 @@ class InProcessRunner:
             torch.set_num_threads(self.threads_before)
 
     def run(self) -> dict[str, Any]:
-        """Train and clean up (after :meth:`setup`); a failure is recorded in summary.json before it propagates."""
+        """Train and clean up (after :meth:`setup`); a failure is recorded in summary.json before it propagates, a
+        KeyboardInterrupt (Ctrl-C a second time, or raised by a callback) as an interruption without a checkpoint of
+        its own, as the command line says it."""
         try:
             return self.train()
         except BaseException as exc:
             if self.front.record is not None and not self.front.record.finished:
                 rounds = self.trainer.round if self.trainer is not None else None
-                self.front.record_failure(f"{type(exc).__name__}: {exc}", rounds)
+                if isinstance(exc, KeyboardInterrupt):
+                    self.front.record_interrupt(rounds)
+                else:
+                    self.front.record_failure(f"{type(exc).__name__}: {exc}", rounds)
             raise
         finally:
             self.cleanup()

@@ -4,7 +4,12 @@
 
 A run is rounds until ``train.budget_samples`` processed samples (paper App. B.5), evaluated by the leader worker at
 0, every ``train.eval_every_samples`` and the budget, checkpointed every ``checkpoint.interval_samples`` and when a
-signal stops it. What differs between runtimes is handed in as components:
+signal stops it. It ends earlier where it is asked to (a callback's ``control.should_training_stop``,
+``run.should_stop``, ``train.early_stopping``: :mod:`hosfl_dist.runtime.callbacks`): after that round it is
+evaluated (where the round was not), checkpointed and reported like a run that reached its budget, with what asked
+(summary.json ``status: "stopped"``). The workers agree on both ends at each round's end (``peers.any``): on a signal,
+and on the leader's request, which holds its own callbacks' and those of the front's answers (rank 0's callbacks,
+early stopping on the metrics row). What differs between runtimes is handed in as components:
 
 - ``worker``: the algorithm's worker, over its transport (in-process, or RPC; with the emulated link) and collective;
 - ``peers``: the other client workers (:mod:`hosfl_dist.runtime.peers`): agreeing to stop, summing traffic counters,
@@ -54,6 +59,8 @@ class Outcome:
     processed: int
     completed: bool
     """False: stopped by a signal after a checkpoint (the front records the run as interrupted)."""
+    stopped: bool = False
+    """Ended before its budget because it was asked to (the front records it as stopped): it completed otherwise."""
 
 
 class RoundTimer:
@@ -118,8 +125,8 @@ class Trainer:
         self.evaluator = evaluator
         self.progress = progress
         self.link = link
-        self.callbacks = callbacks or Callbacks()
-        """The leader's callbacks (``on_round_end``); the others' are the front's."""
+        self.callbacks = callbacks if callbacks is not None else Callbacks()
+        """The leader's callbacks (``on_round_end``) and its stop request (``control``); the others' are the front's."""
         self.timer = RoundTimer(stats)
         self.round: int | None = None
         """The rounds run so far (resumed ones included), once training started."""
@@ -141,6 +148,7 @@ class Trainer:
         self._advance(processed)
         if start is None:  # 0 is evaluated before the first round
             self.evaluate(t, processed)
+        asked = False
         while processed < budget:
             began = time.perf_counter()
             samples = self.timer.run(self.worker, t)
@@ -150,21 +158,40 @@ class Trainer:
                 info = {"processed": processed, "samples": samples, "seconds": time.perf_counter() - began}
                 self.callbacks.fire("on_round_end", t, info)
             self._advance(processed)
-            if points and processed >= points[0]:
+            evaluated = bool(points) and processed >= points[0]
+            if evaluated:
                 while points and processed >= points[0]:  # a round can cross several thresholds: evaluate once
                     points.pop(0)
                 self.evaluate(t, processed)
             stopping = self.peers.any(self.stop.signal is not None)  # every worker agrees
-            if stopping or self.checkpoints.due(processed):
-                self.checkpoints.save(t, processed)
+            # asked to end here (the leader's callbacks, or the front's with its answers): every worker agrees too; a
+            # request in the last round, or beside a signal, changes nothing (the run ends as it would have)
+            asked = not stopping and processed < budget and self.peers.any(self._asked() is not None)
+            if asked and not evaluated:  # a stopped run's last row is of its last round, as a finished run's
+                self.evaluate(t, processed)
+            if stopping or asked or self.checkpoints.due(processed):
+                self._heard(self.checkpoints.save(t, processed))
             if stopping and processed < budget:  # a signal in the last round: the run ends as it would have
                 if self.peers.is_leader:
                     self.control.send(Stopped(t, self.stop.signal or "SIGTERM"))
                 return Outcome(t, processed, completed=False)
+            if asked:
+                break
         if self.cfg.checkpoint.final and self.checkpoints.last != processed:  # what export reads (a finished run)
-            self.checkpoints.save(t, processed)
-        self.finish(t, processed)
-        return Outcome(t, processed, completed=True)
+            self.checkpoints.save(t, processed)  # a request heard here comes after the last round: nothing to stop
+        self.finish(t, processed, self._asked() if asked else None)
+        return Outcome(t, processed, completed=True, stopped=asked)
+
+    def _asked(self) -> dict[str, str] | None:
+        """The leader's request to end the run after this round (None: none); the other workers have none."""
+        return self.callbacks.control.request() if self.peers.is_leader else None
+
+    def _heard(self, answer: Any) -> None:
+        """The front's answer to the leader's report: its callbacks' or early stopping's request, if any, is the
+        leader's (the workers agree on it at the round's end)."""
+        stop = answer.get("stop") if isinstance(answer, dict) else None
+        if stop:
+            self.callbacks.control.stop(stop.get("by", "the run's front"), stop.get("reason", ""))
 
     def evaluate(self, t: int, processed: int) -> None:
         """The leader evaluates θ of round t and sends the metrics row; the others wait for it.
@@ -188,17 +215,21 @@ class Trainer:
         comm = self.peers.sum_counts(self.meter.snapshot())
         if self.peers.is_leader:
             shown = self.control.send(EvalReport(t, processed, comm))
+            self._heard(shown)
             if self.progress is not None:
-                self.progress.show(shown)
+                self.progress.show({k: v for k, v in (shown or {}).items() if k != "stop"})
         self.peers.barrier()  # no worker starts the next round before the row is written
 
-    def finish(self, t: int, processed: int) -> None:
-        """Bring every replica to round t, and send the front what the summary needs from the workers."""
+    def finish(self, t: int, processed: int, stopped: dict[str, str] | None = None) -> None:
+        """Bring every replica to round t, and send the front what the summary needs from the workers (``stopped``:
+        the leader's, where the run was asked to end before its budget)."""
         if self.progress is not None:
             self.progress.close()
         if self.peers.is_leader:
-            logger.info(f"budget reached after {t} rounds: {self.worker.sync_all_words(t)}, checking the client "
-                        "digests against the server's, writing summary.json")  # fmt: skip
+            end = (f"stopped early after {t} rounds ({stopped['by']})" if stopped is not None
+                   else f"budget reached after {t} rounds")  # fmt: skip
+            logger.info(f"{end}: {self.worker.sync_all_words(t)}, checking the client digests against the server's, "
+                        "writing summary.json")  # fmt: skip
         self.worker.transport.flush()
         self.worker.sync_all(t)  # e.g. Algorithm 3 up to round t for every hosted replica: digests are comparable
         link = self.link.summary() if self.link is not None else None
@@ -214,6 +245,7 @@ class Trainer:
                 transport={_label(r): timing for r, _, timing, _, _ in everyone},
                 memory=[mem for *_, mem in everyone],
                 link=sum_links([lk for _, _, _, lk, _ in everyone if lk is not None]),
+                stopped=stopped,
             )
             self.control.send(report)
 

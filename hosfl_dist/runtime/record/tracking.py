@@ -88,7 +88,7 @@ class Trackers:
             self.wandb.log({**values, "round": row.get("round")}, step=self.step)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        values = summary_scalars(summary) if summary.get("status") == "completed" else {}
+        values = summary_scalars(summary) if summary.get("status") in ("completed", "stopped") else {}
         if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, global_step=self.step)

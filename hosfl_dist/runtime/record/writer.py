@@ -7,7 +7,8 @@ In ``job.out_dir`` (see :mod:`hosfl_dist.runfolder.folder`):
   and whether the round was skipped (:mod:`hosfl_dist.algorithms.participation`; ``clients.participation`` replays
   it), written up to each metrics row and checkpoint;
 - ``summary.json``: written when the run starts (``status: running``) and rewritten by every ending: ``completed``
-  (final metrics, traffic totals, wall time, θc/θs digests), ``failed`` (with the error) or ``interrupted``;
+  (final metrics, traffic totals, wall time, θc/θs digests), ``stopped`` (the same, for a run asked to end before its
+  budget, with ``stopped``: by what, why, where), ``failed`` (with the error) or ``interrupted``;
 - ``checkpoints/`` (see :mod:`hosfl_dist.runtime.checkpoint`).
 
 Both files are strict JSON: a non-finite number is written as null and its key listed under ``nonfinite``. The end
@@ -97,6 +98,8 @@ class RunRecord:
         self.participation = ParticipationRecord(cfg, self.dir, rows_until, self.history, plan)
         self.start = time.perf_counter() - wall_s
         self.finished = False
+        self.summary: dict[str, Any] = {}
+        """The summary the run ended with (once it ended)."""
         identity = identity or {}
         self.base = {
             "engine": engine,
@@ -148,6 +151,7 @@ class RunRecord:
     def _write(self, summary: dict[str, Any]) -> dict[str, Any]:
         summary = {**self.base, **summary, "wall_time_s": round(self.wall_s, 3)}
         self._dump(summary)
+        self.summary = summary
         if not self._metrics.closed:
             self._metrics.close()
         self.participation.close()
@@ -155,14 +159,23 @@ class RunRecord:
         self.finished = True
         return summary
 
+    def note(self, key: str, value: Any) -> dict[str, Any]:
+        """Add ``key`` to the summary the run ended with (what came after its end: ``callback_error``), the rest of it
+        as written; returns it."""
+        self.summary = {**self.summary, key: value}
+        self._dump(self.summary)
+        return self.summary
+
     def complete(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Write a completed run's summary (:func:`completed_summary` plus what the runtime adds), and its curves."""
+        """Write a completed (or stopped) run's summary (:func:`completed_summary` plus what the runtime adds), and its
+        curves."""
         summary = self._write(summary)
         if self.cfg.job.plots:
             from hosfl_dist.runtime.record.curves import write_curves
 
+            early = ", stopped early" if summary.get("status") == "stopped" else ""
             title = (f"{self.cfg.job.name}: {self.cfg.algorithm.name}, {summary['rounds']} rounds, "
-                     f"{summary['processed_samples']} samples ({self.dir})")  # fmt: skip
+                     f"{summary['processed_samples']} samples{early} ({self.dir})")  # fmt: skip
             try:
                 write_curves(self.dir / "curves.png", {self.cfg.algorithm.name: self.history}, title)
             except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
@@ -196,7 +209,8 @@ class RunRecord:
         return self._write({"status": "failed", "error": error, **({} if rounds is None else {"rounds": rounds})})
 
     def interrupt(self, why: str, rounds: int | None, checkpoint: str | None) -> dict[str, Any]:
-        """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto)."""
+        """Record a run stopped by a signal, with the checkpoint it can resume from (job.resume=auto; None: it holds
+        none, and starts afresh)."""
         return self._write({"status": "interrupted", "error": why, "rounds": rounds, "checkpoint": checkpoint})
 
 
@@ -325,7 +339,7 @@ def metrics_row(server: Any, evaluator: Any, t: int, processed: int, comm: dict[
 
 
 def done_line(summary: dict[str, Any], folder: str | Path) -> str:
-    """What the command line says when a run completed."""
+    """What the command line says when a run completed (or stopped early: what asked)."""
     last = summary["final"]
     best = (
         ""
@@ -333,8 +347,11 @@ def done_line(summary: dict[str, Any], folder: str | Path) -> str:
         else f" (best {_fraction(last['best_eval_accuracy'])} at round {last['best_round']})"
     )
     curves = "curves.png: the curves; " if (Path(folder) / "curves.png").is_file() else ""
+    stopped = summary.get("stopped") or {}
+    early = (f" (stopped early, of a budget of {stopped.get('budget_samples', 0):,}: {stopped.get('by')})"
+             if summary.get("status") == "stopped" else "")  # fmt: skip
     return (
-        f"done: {summary['rounds']} rounds, {summary['processed_samples']:,} samples, "
+        f"done: {summary['rounds']} rounds, {summary['processed_samples']:,} samples{early}, "
         f"eval_accuracy={_fraction(last.get('eval_accuracy'))}{best}, wall {summary['wall_time_s']} s -> {folder}\n"
         f"      metrics.jsonl: one row per evaluation; summary.json: totals, traffic, memory; {curves}several runs' "
         "curves: python -m hosfl_dist.experiments.report DIR...; the model: python -m hosfl_dist.export "
