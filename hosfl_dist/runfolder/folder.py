@@ -202,8 +202,14 @@ def _live_workers(folder: Path) -> str:
     try:
         record = json.loads((folder / "workers.json").read_text())
         workers = record["workers"]
-        shown = [f"{name} (pid {w.get('pid', '?')} on {w.get('host', '?')}, {len(w['clients'])} clients, heard "
-                 f"{w['last_heard_s']:g} s before round {record['round']})" for name, w in workers.items()]  # fmt: skip
+        since = max(0.0, time.time() - float(record.get("written_at", time.time())))  # the file's age
+        shown = []
+        for name, w in workers.items():
+            heard = float(w["last_heard_s"]) + since
+            beat = float(w.get("timeout_s", 30)) / 4  # a worker beats every quarter of server.worker_timeout_s
+            state = f"silent for {heard:.0f} s: a heartbeat missed" if heard > 2 * beat else f"heard {heard:.0f} s ago"
+            shown.append(f"{name} (pid {w.get('pid', '?')} on {w.get('host', '?')}, {len(w['clients'])} clients, "
+                         f"{state})")  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
     lost, joined = record.get("workers_lost", 0), record.get("workers_joined", 0)

@@ -100,8 +100,8 @@ class Membership:
         to start (answered once the first round opens, for a worker that joins before)."""
         differ = identity_differences(self.identity, identity) if isinstance(identity, dict) else ["its identity"]
         if differ:
-            raise ConfigError(f"refused to join: the worker's {', '.join(differ[:4])} differ from the run's (join "
-                              "with the run's config, data and code)")  # fmt: skip
+            raise ConfigError(f"refused to join: this worker would compute another run (its {', '.join(differ[:4])} "
+                              "not the run's); join with the run's config, data and code")  # fmt: skip
         with self.lock:
             self.next_id += 1
             member = Member(f"worker{self.next_id}", secrets.token_hex(32), time.monotonic(),
