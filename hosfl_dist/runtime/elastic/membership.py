@@ -10,7 +10,8 @@ RPC's. What is private torch here (the agent's constructor, ``_update_group_memb
 what ``init_rpc`` itself calls for a dynamic group.
 
 Every member takes a rank from one counter in the server's store (``hosfl/elastic/next_rank``), so a worker that
-comes back is a new member with a new name, never a dead one's.
+comes back is a new member with a new name, never a dead one's. Every member's agent sits behind its RPC gate
+(:mod:`hosfl_dist.runtime.process.gate`, keyed by the run's token): only holders of the token reach TensorPipe.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import TensorPipeAgent, api
 from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
+
+from hosfl_dist.runtime.process.gate import close_gate, open_gate
+from hosfl_dist.runtime.process.groups import RPC_CHANNELS, RPC_TRANSPORTS
 
 SERVER_NAME = "server"
 RANK_KEY = "hosfl/elastic/next_rank"
@@ -40,19 +44,20 @@ def free_port(host: str) -> int:
 
 
 def _options(timeout_s: float) -> rpc.TensorPipeRpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, num_worker_threads=32)
+    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, num_worker_threads=32, _transports=RPC_TRANSPORTS,
+                                           _channels=RPC_CHANNELS)  # fmt: skip
 
 
-def serve_rpc(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def serve_rpc(host: str, port: int, timeout_s: float, token: str) -> dist.TCPStore:
     """Start the store and the server's RPC agent (rank 0, named ``server``) of a dynamic group; returns the store."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     store.add(RANK_KEY, 1)  # rank 0 is the server's
-    _start(dist.PrefixStore(_PREFIX, store), SERVER_NAME, 0, timeout_s, tell=())
+    _start(dist.PrefixStore(_PREFIX, store), SERVER_NAME, 0, timeout_s, token, tell=())
     return store
 
 
-def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str]:
+def join_rpc(host: str, port: int, timeout_s: float, token: str) -> tuple[dist.TCPStore, str]:
     """Join the server's dynamic group as a new member; returns the store and this member's name."""
     # a server that is gone (its join.json left behind by SIGKILL) is said within half a minute, not an RPC timeout
     connect_s = min(timeout_s, CONNECT_S)
@@ -60,14 +65,15 @@ def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     rank = int(store.add(RANK_KEY, 1)) - 1
     name = f"worker{rank}"
-    _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, tell=(name, SERVER_NAME))
+    _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, token, tell=(name, SERVER_NAME))
     return store, name
 
 
-def _start(store: dist.Store, name: str, rank: int, timeout_s: float, tell: tuple[str, ...]) -> None:
+def _start(store: dist.Store, name: str, rank: int, timeout_s: float, token: str, tell: tuple[str, ...]) -> None:
     dist_autograd._init(rank)  # as init_rpc does before its agent
     with _group_membership_management(store, name, True):
-        agent = TensorPipeAgent(store, name, rank, None, _options(timeout_s), {}, [])
+        gated = open_gate(token, timeout_s).view(store)
+        agent = TensorPipeAgent(gated, name, rank, None, _options(timeout_s), {}, [])
         api._init_rpc_states(agent)
         me = agent.get_worker_info()
         try:
@@ -84,3 +90,4 @@ def leave_rpc() -> None:
         rpc.shutdown(graceful=False)
     except Exception as exc:  # noqa: BLE001 - leaving is best effort
         logger.debug(f"rpc shutdown: {exc}")
+    close_gate()

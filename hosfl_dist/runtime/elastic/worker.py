@@ -94,7 +94,7 @@ class RPCLink:
     def open(self) -> str:
         host, port = self.join["host"], int(self.join["port"])
         try:
-            _, self.name = join_rpc(host, port, self.timeout)
+            _, self.name = join_rpc(host, port, self.timeout, self.token)
         except (RuntimeError, ValueError) as exc:  # a store or agent that cannot be reached
             first = first_line(exc)
             raise ProtocolError(f"cannot join the run in {self.run_dir}: its server at {host}:{port} does not "
