@@ -149,6 +149,8 @@ class Shield:
                 self._apply()
 
     def _apply(self) -> None:
+        if self._sock.fileno() < 0:  # closed with its gate: nothing left to let in
+            return
         prog = filter_program(self.family, sorted(self._pairs))
         code = b"".join(struct.pack("HBBI", *ins) for ins in prog)
         buffer = ctypes.create_string_buffer(code, len(code))
@@ -215,8 +217,10 @@ def _connections_to(family: int, address: tuple[str, int]) -> list[tuple[str, in
     return [remote for local, remote, state, _ in _tcp_table(family) if local == address and state != "0A"]
 
 
-def _established(family: int, address: tuple[str, int], remote: tuple[str, int]) -> bool:
-    return any(local == address and rem == remote and state == "01" for local, rem, state, _ in _tcp_table(family))
+def _accepted(family: int, address: tuple[str, int], remote: tuple[str, int]) -> bool:
+    """Whether the listener at ``address`` made the connection from ``remote`` (established, or closed since; not
+    still in SYN_RECV), so that the filter it was made under is the connection's own."""
+    return any(local == address and rem == remote and state != "03" for local, rem, state, _ in _tcp_table(family))
 
 
 # -- the handshake -------------------------------------------------------------------------------------------------
@@ -500,7 +504,7 @@ class RpcGate:
                     with contextlib.suppress(OSError):
                         conn.recv(1)  # the caller closes once it has connected (or gives up)
                     deadline = time.monotonic() + HANDSHAKE_S
-                    while not _established(self._shield.family, self.target, pair) and time.monotonic() < deadline:
+                    while not _accepted(self._shield.family, self.target, pair) and time.monotonic() < deadline:
                         time.sleep(0.002)
         except (OSError, GateError) as exc:
             self.refusals.note(f"a connection from {_join(*peer)}: {exc}")
