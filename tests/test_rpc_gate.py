@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hosfl_dist.runtime.process import gate as G
 from hosfl_dist.runtime.process.groups import RPC_CHANNELS, RPC_TRANSPORTS
-from tiny import TINY_OVERRIDES, assert_same_as, run_one_thread, torchrun
+from tiny import TINY_OVERRIDES, assert_same_as, read_run, run_one_thread, torchrun
 
 TOKEN = "c3" * 32
 HTTP = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -328,26 +328,25 @@ def assault(pids: list[int]) -> dict[str, list[str]]:
 
 JOB_SCRIPT = textwrap.dedent(
     """
-    # hosfl_dist.run; each rank says its pid, and the leader holds its round-2 submit until the assault is over
-    import json, os, sys, time
+    # hosfl_dist.run; each rank says its pid, and every client worker holds its round-2 submit until the assault is over
+    import os, sys, time
     from pathlib import Path
     from hosfl_dist.run import main
     from hosfl_dist.runtime import rpc
 
     folder, rank = Path(os.environ["HOSTILE_DIR"]), int(os.environ["RANK"])
     (folder / f"pid-{rank}").write_text(str(os.getpid()))
-    if rank == 1:
-        batch = rpc.RPCTransport.call_batch
+    batch = rpc.RPCTransport.call_batch
 
-        def held(self, calls):
-            if any(m == "submit" and kw["t"] >= 2 for m, kw in calls) and not (folder / "go").exists():
-                (folder / "held").write_text("")
-                deadline = time.monotonic() + 180
-                while not (folder / "go").exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            return batch(self, calls)
+    def held(self, calls):
+        if any(m == "submit" and kw["t"] >= 2 for m, kw in calls) and not (folder / "go").exists():
+            (folder / "held").write_text("")
+            deadline = time.monotonic() + 180
+            while not (folder / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return batch(self, calls)
 
-        rpc.RPCTransport.call_batch = held
+    rpc.RPCTransport.call_batch = held
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -359,16 +358,20 @@ def _parent(pid: int) -> int:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.parametrize("server_ranks", [1, 2], ids=["one-rank-server", "fsdp-server-group"])
 def test_garbage_into_every_port_of_a_torchrun_job_leaves_it_to_complete_with_the_reference_digests(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, server_ranks
 ):
+    """3 processes with a one-rank server (reference: the in-process run, bit for bit), or 4 with a server group of
+    two (its gloo group too; reference: the same job without the bytes)."""
     folder = tmp_path / "hostile"
     folder.mkdir()
     (folder / "job.py").write_text(JOB_SCRIPT)
     monkeypatch.setenv("HOSTILE_DIR", str(folder))
     monkeypatch.setenv("HOSFL_JOB_TOKEN", "d4" * 32)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # the job's store on rank 0, as launch/torchrun.sh
-    overrides = [*TINY_OVERRIDES, "server.rpc_timeout_s=120"]
+    overrides = [*TINY_OVERRIDES, "server.rpc_timeout_s=120", f"server.ranks={server_ranks}"]
+    nproc = 2 + server_ranks
     result: dict = {}
 
     def attack() -> None:
@@ -376,7 +379,7 @@ def test_garbage_into_every_port_of_a_torchrun_job_leaves_it_to_complete_with_th
         while not (folder / "held").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         try:
-            ranks = [int((folder / f"pid-{r}").read_text()) for r in range(3)]
+            ranks = [int((folder / f"pid-{r}").read_text()) for r in range(nproc)]
             result["ranks"] = ranks
             result["outcome"] = assault([_parent(ranks[0]), *ranks])  # torchrun's agent too
         finally:
@@ -384,7 +387,7 @@ def test_garbage_into_every_port_of_a_torchrun_job_leaves_it_to_complete_with_th
 
     thread = threading.Thread(target=attack)
     thread.start()
-    rc, out, _ = torchrun(3, [str(folder / "job.py"), *overrides, f"job.out_dir={tmp_path / 'run'}"])
+    rc, out, _ = torchrun(nproc, [str(folder / "job.py"), *overrides, f"job.out_dir={tmp_path / 'run'}"])
     thread.join()
     assert rc == 0, out[-4000:]
     outcome = result["outcome"]
@@ -393,7 +396,14 @@ def test_garbage_into_every_port_of_a_torchrun_job_leaves_it_to_complete_with_th
         assert sum("http: sent" in v for v in ports.values()) >= 2, outcome
         assert any("http: dropped" in v for v in ports.values()), outcome
     assert "RPC gate: refused" in out
-    assert_same_as(tmp_path / "run", run_one_thread([*overrides, f"job.out_dir={tmp_path / 'reference'}"]))
+    if server_ranks == 1:
+        reference = run_one_thread([*overrides, f"job.out_dir={tmp_path / 'reference'}"])
+    else:
+        (folder / "go").write_text("")  # no hold, no bytes
+        rc, out, _ = torchrun(nproc, [str(folder / "job.py"), *overrides, f"job.out_dir={tmp_path / 'reference'}"])
+        assert rc == 0, out[-4000:]
+        reference = read_run(tmp_path / "reference")
+    assert_same_as(tmp_path / "run", reference)
 
 
 @pytest.mark.multiprocess
