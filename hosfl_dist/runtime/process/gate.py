@@ -213,8 +213,10 @@ def _is_own(conn: socket.socket) -> bool:
 
 
 def _connections_to(family: int, address: tuple[str, int]) -> list[tuple[str, int]]:
-    """The remote ends of the connections made to ``address`` (accepted or waiting to be)."""
-    return [remote for local, remote, state, _ in _tcp_table(family) if local == address and state != "0A"]
+    """The remote ends of the live connections made to ``address`` (established, half-open or closed by the other end;
+    not a TIME_WAIT left by an earlier socket of the same port)."""
+    live = {"01", "03", "08"}  # ESTABLISHED, SYN_RECV, CLOSE_WAIT
+    return [remote for local, remote, state, _ in _tcp_table(family) if local == address and state in live]
 
 
 def _accepted(family: int, address: tuple[str, int], remote: tuple[str, int]) -> bool:
