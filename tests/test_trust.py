@@ -7,9 +7,11 @@
 - rank 0's store listens on loopback on one node and on MASTER_ADDR across nodes where it is an address;
 - under torchrun, with the job's store on rank 0 (as launch/torchrun.sh runs it): every rank listens on loopback
   only, and a process outside the job that reads the server's RPC address from the store (it has no
-  authentication) and calls every entry point with a wrong token is refused while the job completes, with the
-  secret printed and written nowhere; the same outsider runs a function of its choice in the server process
-  (torch unpickles before any entry point sees a token: what the token does not stop).
+  authentication) and points torch RPC at it reaches nothing: the address is the server's RPC gate
+  (runtime/process/gate.py), which lets no byte through to TensorPipe without the job's token; a process that holds
+  the launcher's secret passes the gate, and calling every entry point with a wrong token is refused while the job
+  completes, with the secret printed and written nowhere; that process runs a function of its choice in the server
+  (torch unpickles before any entry point sees a token: what neither the gate nor the token stops).
 """
 
 from __future__ import annotations
@@ -310,10 +312,14 @@ JOB_SCRIPT = LISTENING + textwrap.dedent(
             record()
             key = f"hosfl/{os.environ['TORCHELASTIC_RUN_ID']}/attempt-0/rpc_prefix_0/addrs/server"
             env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.getcwd(), "TP_SOCKET_IFNAME": "lo"}
-            done = subprocess.run([sys.executable, str(folder / "outsider.py"), os.environ["MASTER_PORT"], key,
-                                   str(outcome)], env=env, capture_output=True, text=True, timeout=120)
-            if not outcome.exists():
-                outcome.write_text(json.dumps({"outsider failed": done.stderr[-3000:]}))
+            for who, secret in (("stranger", ""), ("holder", os.environ["HOSFL_JOB_TOKEN"])):
+                out = folder / f"{who}.json"
+                done = subprocess.run([sys.executable, str(folder / "outsider.py"), os.environ["MASTER_PORT"], key,
+                                       str(out), os.environ["TORCHELASTIC_RUN_ID"]], env={**env, "SECRET": secret},
+                                      capture_output=True, text=True, timeout=120)
+                if not out.exists():  # the stranger's own TensorPipe aborts on the gate's first bytes
+                    out.write_text(json.dumps({"outsider failed": done.stderr[-3000:], "exit": done.returncode}))
+            outcome.write_text("")
             return ref
         torchrun.publish = publish_then_let_the_outsider_in
     else:
@@ -337,22 +343,32 @@ JOB_SCRIPT = LISTENING + textwrap.dedent(
 
 OUTSIDER = textwrap.dedent(
     """
-    # A process outside the job: it reads the server's RPC address from the job's store, joins no group of the job,
-    # connects to rank 0's TensorPipe listener and calls every entry point with a wrong token (torch internals: the
-    # agent's key is rpc_prefix_<n>/addrs/<name>, and a dynamic agent learns a peer through _update_group_membership).
-    import datetime, json, os, sys
+    # A process outside the job: it reads the server's RPC address from the job's store, joins no group of the job and
+    # points torch RPC at it (torch internals: the agent's key is rpc_prefix_<n>/addrs/<name>, and a dynamic agent
+    # learns a peer through _update_group_membership). A stranger (SECRET empty) uses the address as it is; a holder
+    # of the launcher's secret derives the attempt's token and goes through an RPC gate of its own, then calls every
+    # entry point with a wrong token.
+    import datetime, hashlib, hmac, json, os, sys
     from pathlib import Path
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
     from hosfl_dist.runtime import rpc as entry
+    from hosfl_dist.runtime.process.gate import open_gate
 
-    port, key, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    port, key, out, run_id = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+    secret = os.environ["SECRET"]
     got = {}
     try:
         job = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
         address = job.get(key)  # no authentication: whoever reaches the store reads it
+        got["published"] = address.decode()
         mine = dist.HashStore()  # a group of its own, which knows the server's address
+        if not secret:
+            address = address.replace(b"hosfl-gate://", b"uv://")  # TensorPipe straight at the published port
         mine.set("rpc_prefix_0/addrs/server", address)
+        if secret:
+            token = hmac.new(secret.encode(), f"hosfl/{run_id}/attempt-0".encode(), hashlib.sha256).hexdigest()
+            mine = open_gate(token, 30).view(mine)
         dist.register_rendezvous_handler("outsider", lambda url, **kwargs: iter([(mine, 99, None)]))
         opts = rpc.TensorPipeRpcBackendOptions(init_method="outsider://", rpc_timeout=30, _transports=["uv"],
                                                _channels=["basic"])
@@ -371,8 +387,11 @@ OUTSIDER = textwrap.dedent(
                 got[name] = f"answered {entry.raised(rpc.rpc_sync('server', fn, args=args))!r}"
             except Exception as exc:
                 got[name] = f"{type(exc).__name__}: {exc}"
-        # what the token does not stop: any function the server can import runs there, token or not
-        got["os.getpid"] = rpc.rpc_sync("server", os.getpid)
+        # what the token does not stop: any function the server can import runs there
+        try:
+            got["os.getpid"] = rpc.rpc_sync("server", os.getpid)
+        except Exception as exc:
+            got["os.getpid"] = f"{type(exc).__name__}: {exc}"
         rpc.shutdown(graceful=False)
     except Exception as exc:
         got["outsider failed"] = f"{type(exc).__name__}: {exc}"
@@ -395,9 +414,14 @@ def test_a_process_outside_the_job_is_refused_by_the_running_server_and_the_job_
     )
     assert rc == 0, out[-4000:]
 
-    got = json.loads((tmp_path / "outsider.json").read_text())
     ranks = {r: json.loads((tmp_path / f"listening-{r}.json").read_text()) for r in range(3)}
-    assert got.pop("os.getpid") == ranks[0]["pid"], got  # torch ran the outsider's pickled call on the server
+    stranger = json.loads((tmp_path / "stranger.json").read_text())  # no call of it answered, none ran on the server
+    assert stranger and all(not str(v).startswith("answered") and v != ranks[0]["pid"] for v in stranger.values())
+    assert "[server] RPC gate: refused a connection" in out, out[-4000:]  # the stranger's bytes stopped at the gate
+
+    got = json.loads((tmp_path / "holder.json").read_text())
+    assert got.pop("published").startswith("hosfl-gate://"), got
+    assert got.pop("os.getpid") == ranks[0]["pid"], got  # torch ran the holder's pickled call on the server
     assert set(got) == {"fetch_front", "fetch_front without a token", "serve", "serve_batch", "handle",
                         "notify_failure"}, got
     for name, answer in got.items():
@@ -411,7 +435,7 @@ def test_a_process_outside_the_job_is_refused_by_the_running_server_and_the_job_
     for path in run.rglob("*"):
         assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
-    # every rank listens on loopback alone: gloo and TensorPipe, and on rank 0 the job's store
+    # every rank listens on loopback alone: gloo, TensorPipe, its gate and dialers, and on rank 0 the job's store
     assert ["127.0.0.1", ranks[0]["store port"]] in ranks[0]["sockets"], ranks
     assert all(len(ranks[r]["sockets"]) >= 2 for r in ranks), ranks
     assert {address for r in ranks for address, _ in ranks[r]["sockets"]} == {"127.0.0.1"}, ranks

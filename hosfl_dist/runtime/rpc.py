@@ -12,9 +12,9 @@ itself), and views are compacted so that the bytes on the wire are the bytes cou
 
 Every entry point on rank 0 takes the job's token first (:func:`expect_token`; made by
 :func:`~hosfl_dist.runtime.process.groups.job_token`) and refuses a caller without it before it touches the server.
-It stops a process of another job, or of an earlier attempt of this one, from driving this job's server by mistake,
-and a caller that can merely reach the port from calling the declared methods. It does not make RPC safe to expose:
-torch unpickles a message (which can run code) before any entry point sees the token.
+It stops a process of another job, or of an earlier attempt of this one, from driving this job's server by mistake.
+A caller without the token does not reach RPC at all (the RPC gate, :mod:`hosfl_dist.runtime.process.gate`); one
+with it is trusted: torch unpickles a message (which can run code) before any entry point sees the token.
 
 :class:`ProcessGroupCollective` sums among client workers. Both keep :class:`TransportStats` (calls, waits and the
 time blocked in the transport), which the benchmark reads against the transport's floor.

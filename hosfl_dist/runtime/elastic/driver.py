@@ -151,7 +151,7 @@ class Member:
         timeout = cfg.server.rpc_timeout_s
         host, port = join["host"], int(join["port"])
         try:
-            join_rpc(host, port, timeout)
+            join_rpc(host, port, timeout, join["token"])
             front = fetch_front(timeout, join["token"])
             where = {"host": socket.gethostname(), "pid": os.getpid()}
             welcome = RPCControl(front, timeout, join["token"]).send(Join(where, self.identity))

@@ -15,7 +15,9 @@ Membership over RPC is torch's dynamic RPC group (``init_rpc`` without a world s
 member it knows that a new one arrived, and a member that died without leaving is still known, so the next join
 fails and keeps the group's join token taken. Here workers only ever call the server: a joining worker tells only
 the server and itself (:func:`join_rpc`) and every process leaves without telling anyone (:func:`leave_rpc`).
-Ranks come from a counter in the server's store, so a worker that comes back is a new member.
+Ranks come from a counter in the server's store, so a worker that comes back is a new member. Every member's agent
+sits behind its RPC gate (:mod:`hosfl_dist.runtime.process.gate`, keyed by the run's token): only holders of the
+token reach TensorPipe.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch.futures import Future
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.identity import identity_differences
+from hosfl_dist.runtime.process.gate import close_gate, open_gate
+from hosfl_dist.runtime.process.groups import RPC_CHANNELS, RPC_TRANSPORTS
 
 SERVER_NAME = "server"
 RANK_KEY = "hosfl/elastic/next_rank"
@@ -337,19 +341,20 @@ def free_port(host: str) -> int:
 
 
 def _options(timeout_s: float) -> rpc.TensorPipeRpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, num_worker_threads=32)
+    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, num_worker_threads=32, _transports=RPC_TRANSPORTS,
+                                           _channels=RPC_CHANNELS)  # fmt: skip
 
 
-def serve_rpc(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def serve_rpc(host: str, port: int, timeout_s: float, token: str) -> dist.TCPStore:
     """Start the store and the server's RPC agent (rank 0, named ``server``) of a dynamic group; returns the store."""
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     store.add(RANK_KEY, 1)  # rank 0 is the server's
-    _start(dist.PrefixStore(_PREFIX, store), SERVER_NAME, 0, timeout_s, tell=())
+    _start(dist.PrefixStore(_PREFIX, store), SERVER_NAME, 0, timeout_s, token, tell=())
     return store
 
 
-def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str]:
+def join_rpc(host: str, port: int, timeout_s: float, token: str) -> tuple[dist.TCPStore, str]:
     """Join the server's dynamic group as a new member; returns the store and this process's RPC name."""
     # a server that is gone (its join.json left behind by SIGKILL) is said within half a minute, not an RPC timeout
     connect_s = min(timeout_s, CONNECT_S)
@@ -357,18 +362,19 @@ def join_rpc(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, str
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     rank = int(store.add(RANK_KEY, 1)) - 1
     name = f"rpc{rank}"
-    _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, tell=(name, SERVER_NAME))
+    _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, token, tell=(name, SERVER_NAME))
     return store, name
 
 
-def _start(store: dist.Store, name: str, rank: int, timeout_s: float, tell: tuple[str, ...]) -> None:
+def _start(store: dist.Store, name: str, rank: int, timeout_s: float, token: str, tell: tuple[str, ...]) -> None:
     try:
         dist_autograd._init(rank)  # as init_rpc does before its agent
     except RuntimeError as exc:  # a worker rejoining a restarted server: its container is the first member's (the
         if "already initialized" not in str(exc):  # run uses no distributed autograd)
             raise
     with _group_membership_management(store, name, True):
-        agent = TensorPipeAgent(store, name, rank, None, _options(timeout_s), {}, [])
+        gated = open_gate(token, timeout_s).view(store)
+        agent = TensorPipeAgent(gated, name, rank, None, _options(timeout_s), {}, [])
         api._init_rpc_states(agent)
         me = agent.get_worker_info()
         try:
@@ -385,3 +391,4 @@ def leave_rpc() -> None:
         rpc.shutdown(graceful=False)
     except Exception as exc:  # noqa: BLE001 - leaving is best effort
         logger.debug(f"rpc shutdown: {exc}")
+    close_gate()

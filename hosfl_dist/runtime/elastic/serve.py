@@ -224,7 +224,7 @@ def run_serve(cfg: Config, address: str, callbacks: tuple[Callback, ...] = ()) -
             expect_token(token)
             expect_members(served.membership.caller)
             try:
-                serve_rpc(host, port, cfg.server.rpc_timeout_s)
+                serve_rpc(host, port, cfg.server.rpc_timeout_s, token)
             except (RuntimeError, OSError) as exc:  # the port is taken, the host is not this machine's
                 first = first_line(exc)
                 raise ConfigError(f"invalid value for --address: {host}:{port} (cannot serve there: {first})") from None

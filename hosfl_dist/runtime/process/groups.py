@@ -1,8 +1,10 @@
 """The live process groups and RPC agent of a torchrun process, and the job's key-value store.
 
 :func:`init_distributed` limits glibc's malloc arenas, starts the default process group, the client-worker group
-(the P-scalar all_reduce), the server group (FSDP) and RPC; :meth:`Distributed.shutdown` stops them again, gracefully
-or not. :func:`job_token` agrees on the job's token, which rank 0's RPC entry points ask of every caller.
+(the P-scalar all_reduce), the server group (FSDP) and RPC behind the process's RPC gate (:mod:`.gate`: TensorPipe's
+listener reachable by holders of the job's token alone); :meth:`Distributed.shutdown` stops them again, gracefully or
+not. :func:`job_token` agrees on the job's token, which rank 0's RPC entry points ask of every caller and the gates
+of every connection.
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ RPC_TRANSPORTS = ["uv"]
 """TensorPipe transports: TCP through libuv, which sleeps in epoll while nothing arrives. TensorPipe's defaults add
 "shm" (its first choice on one node) and "ibv", whose reactors poll in a busy loop: client workers waiting for the
 server then burn the cores the server needs for the answer, and rounds on a small node slow down with them (CPU per
-round and round time, before and after: results/scale/cpu_hygiene.md)."""
+round and round time, before and after: results/scale/cpu_hygiene.md). uv alone is also what the RPC gate covers
+(:data:`~hosfl_dist.runtime.process.gate.TRANSPORTS`): another transport has an address of its own, which peers
+would reach without passing the gate."""
 RPC_CHANNELS = ["cma", "basic"]
 """TensorPipe channels for the tensors: between processes of one node "cma" (one process_vm_readv copy; its thread
 sleeps on a queue), else "basic" (in the transport's own messages). A 64 MiB round trip on loopback took 119 ms
 with cma, 251 ms with basic alone, 1421 ms with TensorPipe's defaults (shm busy-polling on 2 cores). Every tensor is
-staged to CPU before it crosses (:func:`~hosfl_dist.runtime.rpc.to_wire`): no CUDA channel is needed."""
+staged to CPU before it crosses (:func:`~hosfl_dist.runtime.rpc.to_wire`): no CUDA channel is needed. Neither opens a
+listener of its own (TensorPipe's default "mpt_uv" opens 16), which the RPC gate could not cover
+(:data:`~hosfl_dist.runtime.process.gate.CHANNELS`)."""
 
 
 def process_device(cfg: Config, env: LaunchEnv) -> torch.device:
@@ -130,6 +136,8 @@ class Distributed:
         import torch.distributed as dist
         import torch.distributed.rpc as rpc
 
+        from hosfl_dist.runtime.process.gate import close_gate
+
         if self.rpc_up:
             self.rpc_up = False
             try:
@@ -138,6 +146,7 @@ class Distributed:
                 if graceful:
                     with contextlib.suppress(Exception):
                         rpc.shutdown(graceful=False)
+        close_gate()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -163,6 +172,7 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
+    from hosfl_dist.runtime.process.gate import open_gate
     from hosfl_dist.runtime.rpc import expect_token
 
     secret = launcher_secret()  # a bad HOSFL_JOB_TOKEN stops the run before anything starts
@@ -197,7 +207,10 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
             servers = dist.new_group(list(roles.server_ranks), timeout=datetime.timedelta(seconds=idle))
         out.worker_group = workers if env.rank in roles.worker_ranks else None
         out.server_group = servers if env.rank in roles.server_ranks else None
-        opts = rpc_options(cfg, roles, _store_url(store))
+        # RPC meets its peers in the store as the gate shows it: TensorPipe's listener shielded, its peers reached
+        # through their gates (runtime/process/gate.py)
+        gate = open_gate(token, cfg.server.rpc_timeout_s)
+        opts = rpc_options(cfg, roles, _store_url(gate.view(store)))
         expect_token(token)  # before the agent serves anything
         with warnings.catch_warnings():  # TensorPipe's own device-map exchange uses a deprecated group handle
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
