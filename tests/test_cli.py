@@ -70,7 +70,8 @@ def test_a_bad_config_fails_before_torch_is_imported():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stderr
-    assert done.stderr.startswith("error: unknown key zo.bogus in section zo")
+    assert done.stderr.startswith("error: 2 errors in the config: (1) unknown key zo.bogus in section zo")
+    assert "; (2) invalid value for clients.total: 0 (must be >= 1)" in done.stderr  # both at once, on one line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CUDA config on a machine without CUDA")

@@ -117,7 +117,7 @@ class SeedScalarHistory:
     """(s_p^τ, v̄_p^τ) for τ = offset..; rows below the oldest replica that may still replay them are dropped.
 
     Memory is P·12 bytes per round kept; the server trims to min over all clients of their round t'_m, so the
-    worst case (a client never sampled) is P·12·T bytes for the whole run, e.g. 6 MB for P=5 and 100k rounds.
+    worst case (a client never sampled) is P·12·T bytes for the whole run, e.g. 5.7 MiB for P=5 and 100k rounds.
     """
 
     def __init__(self, num_perturbations: int) -> None:

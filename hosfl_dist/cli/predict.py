@@ -86,7 +86,7 @@ def _columns(text: str | None) -> dict[str, str] | None:
 
 def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     """The task spec and column map: the export's, with the flags over it."""
-    from hosfl_dist.data.text import TASKS, custom_task, get_task
+    from hosfl_dist.data.text import custom_task, get_task, is_preset
 
     task = dict(record.get("task") or {})
     kind = args.kind or task.get("kind")
@@ -97,7 +97,7 @@ def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict
     if kind is None:
         raise PredictError("the task is unknown: the model folder has no hosfl_export.json; give --kind "
                            "classification|generation, --template (and --label-words to classify)")  # fmt: skip
-    if name in TASKS and not args.template and args.kind in (None, task.get("kind")):
+    if is_preset(name) and not args.template and args.kind in (None, task.get("kind")):
         spec = get_task(name)
         if words is not None and words != spec.label_words:
             spec = dataclasses.replace(spec, label_words=list(words))
