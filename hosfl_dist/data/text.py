@@ -144,14 +144,15 @@ def custom_task(kind: str, template: str, label_words: list[str] | None) -> Text
 
 
 def is_preset(name: Any) -> bool:
-    """Whether ``name`` is a task of this module (:data:`TASKS` and ``sentiment_multiemo``), with a prompt of its own."""
+    """Whether ``name`` is a task of this module (:data:`TASKS`, ``sentiment_multiemo``), with a prompt of its own."""
     return isinstance(name, str) and name in _SPECS
 
 
 def get_task(name: str) -> TextTaskSpec:
     """The spec of task ``name``; ConfigError listing the tasks (and the one closest to ``name``) for another."""
     if name not in _SPECS:
-        raise ConfigError(f"unknown text task {name!r}; known tasks: {', '.join(_SPECS)}{did_you_mean(name, _SPECS)}")
+        hint = did_you_mean(name, _SPECS)
+        raise ConfigError(f"unknown text task {name!r}; known tasks: {', '.join(_SPECS)}{hint}")
     spec = _SPECS[name]
     label_words = list(spec.label_words) if spec.label_words is not None else None
     return dataclasses.replace(spec, label_words=label_words, hub_columns=dict(spec.hub_columns))

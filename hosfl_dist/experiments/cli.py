@@ -33,8 +33,10 @@ Plan = Callable[[argparse.Namespace], dict[str, list[str]]]
 """The overrides of every row of the report (method or grid point), before seeds: what is checked up front."""
 
 
-def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str, doc: str | None, examples: str | None = None) -> argparse.ArgumentParser:
+    """A study's options; ``examples`` end its ``--help``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, epilog=examples,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", required=True, help="YAML config of the setting")
     p.add_argument("--seeds", default="0", help="comma-separated job.seed values (default 0)")
     p.add_argument("--out", required=True, help="output folder")

@@ -358,9 +358,9 @@ def write_scaling(
             f"{_mib(p.get('client_peak_bytes'))} | {_mib(p.get('client_rss_bytes'))} | "
             f"{p['wall_s_per_round']:.3f} | {p['peak_rss_bytes'] / 2**30:.2f} | {_num(p.get(metric), '.4f')} |"
         )
-    lines += ["", "Per round and mean over seeds. Model params: f_c's and f_s's as split (an embedding tied to the head "
-              "counts in both: SmolLM2-135M is 163M here, 134.5M as transformers counts it); sizes in MiB and GiB "
-              "(2^20 and 2^30 bytes). Client peak MiB: live tensor bytes of one client step (the memory "
+    lines += ["", "Per round and mean over seeds. Model params: f_c's and f_s's as split (an embedding tied to the "
+              "head counts in both: SmolLM2-135M is 163M here, 134.5M as transformers counts it); sizes in MiB and "
+              "GiB (2^20 and 2^30 bytes). Client peak MiB: live tensor bytes of one client step (the memory "
               "profiler's count); client RSS: that profiling process's peak; client step: one sampled client's "
               "compute (clients run in parallel); server s: its training calls in the in-process run; wall s and run "
               "peak RSS: the in-process run (every client and the server in one process). "
