@@ -115,10 +115,16 @@ def _all_at_once(cls: type, raw: Any, prefix: str) -> Any:
 
 
 @functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A section's field types and names, resolved once (typing.get_type_hints is most of a tree's build time)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
+@functools.cache
 def _paths(cls: type) -> tuple[str, ...]:
     """Every dotted key of the tree of ``cls`` (``clients.optim.lr``), to find a key written in the wrong section."""
     found = []
-    hints = typing.get_type_hints(cls)
+    hints, _ = _fields(cls)
     for f in dataclasses.fields(cls):
         found.append(f.name)
         if dataclasses.is_dataclass(hints[f.name]):
@@ -126,7 +132,7 @@ def _paths(cls: type) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _unknown(key: Any, names: set[str], prefix: str, section: str, root: type) -> str:
+def _unknown(key: Any, names: frozenset[str], prefix: str, section: str, root: type) -> str:
     """The line of an unknown key: the key it was most likely meant to be (the same name in other sections, else a
     close name in the section), or the section's keys when nothing is close."""
     here = f"unknown key {prefix}{_named(key)} in section {section}"
@@ -163,8 +169,7 @@ def _build(cls: type, raw: Any, prefix: str, root: type) -> Any:
         raw = {}
     if not isinstance(raw, dict):
         raise _Errors([f"section {section} must be a mapping, got {shown(raw)}"])
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints, names = _fields(cls)
     errors: list[str] = []
     kwargs = {}
     for key, value in raw.items():  # in the order written, so the list reads as the file does

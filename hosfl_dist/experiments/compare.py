@@ -111,8 +111,14 @@ def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict
     return specs, title, {"overrides": overrides}
 
 
+def row_overrides(args: argparse.Namespace, method: str) -> list[str]:
+    """The overrides this invocation would give ``method`` (a row of an earlier invocation into --out)."""
+    methods = parse_list(args.methods, "--methods")
+    return method_overrides(args, [*methods, *([method] if method not in methods else [])])[method]
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build, plan, row="method")
+    return run_experiment(PROG, parse_args(argv), argv, build, plan, row="method", row_overrides=row_overrides)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,14 @@ def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict
     return specs, title, {"grid": args.grid}
 
 
+def row_overrides(args: argparse.Namespace, label: str) -> list[str]:
+    """The overrides this invocation would give the grid point ``label`` (``key=value,key=value``: a row of an earlier
+    invocation into --out): the common ones, then the point's."""
+    return [*user_overrides(args), *label.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build, plan)
+    return run_experiment(PROG, parse_args(argv), argv, build, plan, row_overrides=row_overrides)
 
 
 if __name__ == "__main__":
