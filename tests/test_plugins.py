@@ -5,6 +5,7 @@ built-in it derives from."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from tiny import (
     rows_of,
     torchrun,
     user_folder,
+    user_module,
     write_text_files,
 )
 
@@ -38,6 +40,9 @@ SCORED = page_block('register_task(TaskSpec("soft_blobs"')
 """A task of the user's with its own loss (label smoothing) and metric (top-2 accuracy), over myparts.py's blobs."""
 PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
 """The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
+PARTS_MOD, METHOD_MOD, SOURCE_MOD, TASK_MOD = (user_module(n) for n in ("myparts", "mymethod", "mysource", "mytask"))
+"""The page's myparts.py, mymethod.py, mysource.py and mytask.py as the tests write and import them (no user's file of
+the page's name in the checkout stands for them)."""
 
 
 @pytest.fixture
@@ -55,7 +60,7 @@ def user_modules(tmp_path, monkeypatch):
     models._MODELS.pop("mlp", None)
     algorithms._REGISTRY.pop("my_method", None)
     sources._SOURCES.pop("toy", None)
-    for name in ("myparts", "mymethod", "mysource", "mytask"):
+    for name in (PARTS_MOD, METHOD_MOD, SOURCE_MOD, TASK_MOD):
         sys.modules.pop(name, None)
 
 
@@ -65,35 +70,35 @@ def run_command(*args: str, module: str = "hosfl_dist.run", timeout: float = 240
 
 
 def test_a_task_and_a_model_outside_the_package_train_by_plugin(tmp_path, user_modules):
-    res = run_command("--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path / 'cli'}")
+    res = run_command("--plugin", PARTS_MOD, *PLUGGED, f"job.out_dir={tmp_path / 'cli'}")
     assert res.returncode == 0, res.stderr[-2000:]
     rows, summary = read_run(tmp_path / "cli")
     assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 5, 10]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the blobs
     assert rows[0]["eval_accuracy"] * 200 == round(rows[0]["eval_accuracy"] * 200)  # scored over the 200 held out
-    assert set(summary["code"]["plugins"]) == {"myparts"}
+    assert set(summary["code"]["plugins"]) == {PARTS_MOD}
 
-    api = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'api'}"], plugins=["myparts"])
+    api = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'api'}"], plugins=[PARTS_MOD])
     assert rows_of(api.out_dir) == rows  # job.plugins in this process: the same run
 
 
 def test_help_config_lists_the_plugins_task_and_model(user_modules):
-    res = run_command("--plugin", "myparts", "--help-config")  # every section
+    res = run_command("--plugin", PARTS_MOD, "--help-config")  # every section
     assert res.returncode == 0, res.stderr
-    listed = res.stdout.split("From the plug-ins (myparts): ")[1:]  # under algorithm.name, model.name, data.name
+    listed = res.stdout.split(f"From the plug-ins ({PARTS_MOD}): ")[1:]  # under algorithm.name, model.name, data.name
     assert [line.splitlines()[0] for line in listed] == ["none", "mlp", "blobs"]
 
 
 def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules):
     out = f"job.out_dir={tmp_path / 'x'}"
-    res = run_command("--plugin", "myparts", *PLUGGED, out, "data.name=blob", "--check")
+    res = run_command("--plugin", PARTS_MOD, *PLUGGED, out, "data.name=blob", "--check")
     said = "error: invalid value for data.name: 'blob' (choose one of ["
     assert res.returncode == 2 and res.stderr.startswith(said) and len(res.stderr.splitlines()) == 1, res.stderr
     assert "'blobs'" in res.stderr and "'synthetic'" in res.stderr  # the plug-in's names beside the package's
     res = run_command(*PLUGGED, out, "--check")  # without the plug-in, its names are unknown
     said = "error: invalid value for model.name: 'mlp' (choose one of ['hf', 'resnet18', 'small_cnn'])"
     assert res.returncode == 2 and res.stderr.strip() == said, res.stderr
-    plugged = [*PLUGGED, "job.plugins=[myparts]"]
+    plugged = [*PLUGGED, f"job.plugins=[{PARTS_MOD}]"]
     for args, said in (
         (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['hf', 'mlp', 'resnet18'"),
         (["split.cut=3"], "invalid value for split.cut: 3 (mlp keeps 1..2 blocks on the client"),
@@ -106,7 +111,7 @@ def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules)
 
 
 def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
-    import myparts
+    myparts = importlib.import_module(PARTS_MOD)
 
     with pytest.raises(ValueError, match="'synthetic' is registered twice"):
         register_task(TaskSpec("synthetic", load=myparts.load_blobs))
@@ -116,7 +121,7 @@ def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
         TaskSpec("both", load=myparts.load_blobs, build=lambda cfg, clients, evaluation: None)
     with pytest.raises(ValueError, match="family"):
         ModelSpec("cnn3", myparts.build_mlp, family="audio")
-    cfg = load_run_config(None, [*PLUGGED, "job.plugins=[myparts]", "data.classes=[0, 2]"])
+    cfg = load_run_config(None, [*PLUGGED, f"job.plugins=[{PARTS_MOD}]", "data.classes=[0, 2]"])
     from hosfl_dist.data import build_data, data_info
 
     assert data_info(cfg)["num_classes"] == 2 and data_info(cfg)["input_shape"] == (16,)
@@ -134,7 +139,7 @@ def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_stu
     config = tmp_path / "soft.yaml"
     config.write_text("job:\n  name: soft\n")
     sets = [x for o in [*PLUGGED, "data.name=soft_blobs"] for x in ("--set", o)]
-    argv = ["--config", str(config), "--methods", "hosfl", "--plugin", "mytask", "--out", str(tmp_path / "cmp"),
+    argv = ["--config", str(config), "--methods", "hosfl", "--plugin", TASK_MOD, "--out", str(tmp_path / "cmp"),
             "--metric", "eval_top2_accuracy", *sets]  # fmt: skip
     specs, _, _ = compare.build(compare.parse_args(argv))
     (spec,) = specs["hosfl"]
@@ -148,9 +153,9 @@ def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_stu
     assert table["rows"][0]["final"] == [rows[-1]["eval_top2_accuracy"]]
 
     # eval_loss is the task's loss: round 0's is the smoothed cross-entropy of the initial model over the held out
-    import mytask
+    mytask = importlib.import_module(TASK_MOD)
 
-    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     with torch.no_grad():
@@ -163,9 +168,9 @@ def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
     from hosfl_dist.algorithms.compute import Upload
     from hosfl_dist.runtime.server_compute import GroupCompute
 
-    import mytask
+    mytask = importlib.import_module(TASK_MOD)
 
-    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     x, y = data.next_batch(0)
@@ -186,8 +191,8 @@ def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
 
 
 def test_a_tasks_metric_is_named_eval_something_and_only_a_vision_task_takes_one(user_modules):
-    import myparts
-    import mytask
+    myparts = importlib.import_module(PARTS_MOD)
+    mytask = importlib.import_module(TASK_MOD)
 
     for name in ("top2", "eval_loss", "eval_accuracy"):
         with pytest.raises(ValueError, match=f"metric {name!r} must be named eval_<something>"):
@@ -205,11 +210,11 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
 
     from hosfl_dist.export.cli import main as export_main
 
-    run = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'run'}"], plugins=["myparts"])
+    run = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'run'}"], plugins=[PARTS_MOD])
     out = tmp_path / "export"
     assert export_main([str(run.out_dir), "--out", str(out)]) == 0
     described = json.loads((out / "vision.json").read_text())
-    assert described["model"] == "mlp" and described["plugins"] == ["myparts"]
+    assert described["model"] == "mlp" and described["plugins"] == [PARTS_MOD]
     assert described["config"]["split"]["cut"] == 1 and described["config"]["model"]["width"] == 8
     weights = load_file(str(out / "model.safetensors"))
     assert {k.split(".")[0] for k in weights} == {"client", "server"}  # f_c and f_s, whole
@@ -226,7 +231,7 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
         "    hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in data.eval_batches(64))\n"
         "print(hits / len(data.eval_labels))\n"
     )
-    res = subprocess.run([sys.executable, "-c", score, str(out), json.dumps([*PLUGGED, "job.plugins=[myparts]"])],
+    res = subprocess.run([sys.executable, "-c", score, str(out), json.dumps([*PLUGGED, f"job.plugins=[{PARTS_MOD}]"])],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert float(res.stdout) == run.metrics[-1]["eval_accuracy"]
@@ -237,8 +242,8 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
 def test_a_plugin_task_and_model_under_torchrun_equal_the_one_process_run(tmp_path, user_modules):
     """mytask.py's task (its own loss and metric, over myparts.py's blobs) and myparts.py's model."""
     soft = [*PLUGGED, "data.name=soft_blobs"]
-    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=["mytask"])
-    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "mytask", *soft, f"job.out_dir={tmp_path}/dist"])
+    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=[TASK_MOD])
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", TASK_MOD, *soft, f"job.out_dir={tmp_path}/dist"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(tmp_path / "dist")
     assert summary["status"] == "completed" and summary["engine"] != one.summary["engine"]
@@ -253,20 +258,20 @@ def test_the_memory_profiler_measures_a_plugin_method_as_the_method_it_reuses(tm
 
     with pytest.raises(ConfigError, match="unknown mode 'my_method'; choose from inference, hosfl, sfl"):
         check_modes(["my_method"])  # not imported yet
-    assert _parse_args(["--plugin", "mymethod", "--modes", "my_method"]).plugin == ["mymethod"]
-    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, plugins=("mymethod",))
+    assert _parse_args(["--plugin", METHOD_MOD, "--modes", "my_method"]).plugin == [METHOD_MOD]
+    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, plugins=(METHOD_MOD,))
     modes = profile(spec, ["hosfl", "my_method"], isolate=False)["modes"]
     assert modes["my_method"]["peak_bytes"] == modes["hosfl"]["peak_bytes"] > 0  # HO-SFL's worker, its own name
     command = _child_command(spec, "my_method", 1, tmp_path / "mode.json")  # a mode's own process imports it too
-    assert command[command.index("--plugin") + 1] == "mymethod"
+    assert command[command.index("--plugin") + 1] == METHOD_MOD
 
 
 def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, user_modules):
     files = write_text_files(tmp_path)
-    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", "job.plugins=[mysource]"]
+    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", f"job.plugins=[{SOURCE_MOD}]"]
     run = hosfl_dist.train(None, toy)
     assert run.summary["status"] == "completed" and len(run.metrics) == 3
-    assert set(run.summary["code"]["plugins"]) == {"mysource"}
+    assert set(run.summary["code"]["plugins"]) == {SOURCE_MOD}
     from hosfl_dist.models.sources import model_config, resolve
 
     assert model_config(resolve("toy:3")).num_hidden_layers == 3
@@ -276,6 +281,6 @@ def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, use
     ):
         with pytest.raises(ConfigError, match=said):
             resolve(source)
-    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", "mysource", "--check")
+    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", SOURCE_MOD, "--check")
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
     assert "unknown toy name '9'" in res.stderr
