@@ -343,9 +343,7 @@ def test_a_mistyped_model_source_architecture_or_text_task_says_which_it_was_mea
         arch_fields("qwen3-8")
     with pytest.raises(ConfigError, match=r"unknown text task 'sst'; .*; did you mean sst2\?$"):
         get_task("sst")
-
-
-def test_a_name_near_nothing_lists_the_choices_and_guesses_none():
+    # a name near nothing lists the choices and guesses none
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["zo.qqqqqq=1"])
     assert "(known keys: batch_clients, " in str(exc.value) and "did you mean" not in str(exc.value)
