@@ -443,6 +443,21 @@ def test_ctrl_c_stops_a_study_at_once_interrupting_each_running_point_once_and_s
         assert (tmp_path / name / "signals").read_text() == "SIGINT\n"
 
 
+def test_a_point_stopped_by_ctrl_c_stops_the_study_before_the_next_point_starts(tmp_path, monkeypatch):
+    """A Ctrl-C that reached a run and not the study (a study that ignores SIGINT, started in the background): the
+    run's exit code 130 stops the study, no point is launched after it."""
+    specs = [RunSpec(f"p{i}", 0, ["zo.num_perturbations=2"], tmp_path / f"p{i}") for i in range(4)]
+    stopped_by_ctrl_c = "import sys; from pathlib import Path; Path(sys.argv[1], 'started').touch(); sys.exit(130)"
+    monkeypatch.setattr(runs, "job", lambda config, spec, cfg, launcher: ([sys.executable, "-c", stopped_by_ctrl_c,
+                                                                         str(spec.out_dir)], {}))  # fmt: skip
+    said: list[str] = []
+    monkeypatch.setattr(runs, "say", said.append)
+    with pytest.raises(KeyboardInterrupt):
+        runs.launch(None, specs, jobs=1)
+    assert [s.out_dir.name for s in specs if (s.out_dir / "started").exists()] == ["p0"]
+    assert [line.split(":")[0] for line in said if not line.startswith("[start]")] == ["[interrupted] p0 seed 0"]
+
+
 def test_a_large_study_says_it_is_planning_and_reads_its_config_file_once(tmp_path, monkeypatch, capsys):
     """A plan of many runs says it is planning, how far it is and its time (on stderr: a dry run's stdout stays its
     commands); the config file is parsed once however many points it has, and a small plan says nothing."""

@@ -283,11 +283,14 @@ class Running:
         self.stopped = threading.Event()
 
     def run(self, folder: Path, cmd: list[str], log: Any, env: dict[str, str]) -> int:
-        """The job's exit code (``cmd`` started with ``log`` as its output, or never where the study stopped)."""
+        """The job's exit code (``cmd`` started with ``log`` as its output, or never where the study stopped). A study
+        that ignores SIGINT (started in the background by a shell) forwards none: its jobs then stay in its process
+        group, where a Ctrl-C sent to the group reaches them, and the first that stops by it stops the study."""
+        own_session = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
         with self.lock:
             if self.stopped.is_set():
                 return NOT_STARTED
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=own_session)
             self.procs[folder] = proc
         try:
             return proc.wait()
