@@ -21,7 +21,7 @@ import torch
 
 from bench.common import Recorder, options
 from bench.suite import BENCHMARKS
-from hosfl_dist.measure.memory import MB, profile, profile_mode
+from hosfl_dist.measure.memory import MIB, profile, profile_mode
 from hosfl_dist.measure.modes import ProfileSpec
 
 PAPER = {"hosfl": 4.14 / 4.01, "sfl": 8.78 / 4.01, "full_local": 20.81 / 4.01}
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(model, args.batch, args.seq)
         rows.append(r)
         ratios = " ".join(f"{k}={v:.3f}" for k, v in r["ratio_to_inference"].items())
-        print(f"{model}: inference peak {r['peak_bytes']['inference'] / MB:.1f} MiB; {ratios}", flush=True)
+        print(f"{model}: inference peak {r['peak_bytes']['inference'] / MIB:.1f} MiB; {ratios}", flush=True)
     data = {"paper_ratios": PAPER, "rows": rows, "skipped": skipped}
     rec.write(args.out, data, *figures(data))
     return 0

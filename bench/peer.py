@@ -29,17 +29,29 @@ turn (ABBA) so that load from other processes falls on each alike:
   ``--peer-samples``, the last "<number> samples/s" or "samples/s: <number>" its output prints. Nothing of it is
   fetched or kept by this benchmark. Without ``--peer-command`` one line says that it was not measured.
 
-Warm-up rounds (``--warmup``) are left out of every timing; samples/s is K·B per round over the wall time from the
-end of the last warm-up round to the end of the last round, one figure per turn; the record keeps every turn, the
-figures are medians, and each ratio is the median of the per-turn ratios (both sides measured in the same turn).
-Beside it, samples per CPU second of the process (``time.process_time``; of the authors' command's processes with
-``--peer-samples``): on shared cores a one-thread process waits for a core while others run, which moves its wall time
-by tens of percent from one turn to the next and its CPU time far less.
+Each way runs as a process of its own and is timed over two spans, and a ratio only ever divides one span by the
+same span:
+
+- **rounds**: K·B per round over the wall time from the end of the last warm-up round (``--warmup``) to the end of
+  the last round, inside the process; the authors' code's is the last "samples/s" its output prints (what its
+  training loop says of its rounds);
+- **process**: every round's samples (warm-up included) over the process's wall time, from its start to its exit:
+  interpreter and library start-up, data, model build and the evaluations included. Ours evaluates
+  ``data.eval_max_samples=32`` test images before the first round and after the last, and the reference loop
+  evaluates the same images at the same points; the authors' is ``--peer-samples`` over its command's wall time
+  (with its own evaluations, whatever they are: a command that evaluates more costs more here).
+
+One figure per turn and span; the record keeps every turn, the figures are medians, and each ratio is the median of
+the per-turn ratios (both sides measured in the same turn, over the same span). Beside each, samples per CPU second
+(``time.process_time`` in the process for the rounds; the finished processes' CPU time for the whole process): on
+shared cores a one-thread process waits for a core while others run, which moves its wall time by tens of percent
+from one turn to the next and its CPU time far less.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -99,6 +111,7 @@ def rates(ends: list[tuple[float, float, int]], warmup: int) -> dict[str, float]
 
 
 def run_ours(cfg: Config, rounds: int, warmup: int) -> dict:
+    """ours' rounds in this process (the child of :func:`run_process`)."""
     clock = RoundClock()
     with tempfile.TemporaryDirectory(prefix="peer_") as tmp:
         run = train(load_config(cfg, [f"job.out_dir={tmp}/run"]), callbacks=[clock])
@@ -157,6 +170,8 @@ class ReferenceLoop:
     server: nn.Module
     images: Tensor  # (N, 3, 32, 32) uint8
     labels: Tensor
+    test_images: Tensor
+    test_labels: Tensor
     mean: Tensor
     std: Tensor
     clients: int
@@ -179,7 +194,7 @@ class ReferenceLoop:
             return torch.optim.AdamW(trainable(module), o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
 
         return cls(
-            client, server, data.train_x, data.train_y,
+            client, server, data.train_x, data.train_y, data.test_x, data.test_y,
             torch.tensor(data.mean).view(1, 3, 1, 1), torch.tensor(data.std).view(1, 3, 1, 1),
             cfg.clients.total, cfg.clients.per_round, cfg.clients.batch_size, cfg.zo.num_perturbations, cfg.zo.mu,
             adamw(client, cfg.clients.optim), adamw(server, cfg.server.optim),
@@ -190,7 +205,18 @@ class ReferenceLoop:
         """B samples of client m's IID shard (every M-th image from m)."""
         shard = torch.arange(m, len(self.labels), self.clients)
         idx = shard[torch.randperm(len(shard), generator=self.rng)[: self.batch]]
-        return (self.images[idx].float() / 255 - self.mean) / self.std, self.labels[idx]
+        return self.normalised(self.images[idx]), self.labels[idx]
+
+    def normalised(self, images: Tensor) -> Tensor:
+        return (images.float() / 255 - self.mean) / self.std
+
+    def evaluate(self, n: int) -> float:
+        """The accuracy of f_s(f_c(x)) on the first ``n`` test images, as ours evaluates ``data.eval_max_samples``."""
+        self.server.eval()
+        with torch.no_grad():
+            hits = (self.server(self.client(self.normalised(self.test_images[:n]))).argmax(-1) == self.test_labels[:n])
+        self.server.train()
+        return hits.float().mean().item()
 
     def round(self) -> float:
         """One round; the mean of the K clients' losses."""
@@ -242,13 +268,40 @@ def same_model(cfg: Config, loop: ReferenceLoop) -> bool:
 
 
 def run_reference(cfg: Config, rounds: int, warmup: int) -> dict:
+    """The reference's rounds in this process (the child of :func:`run_process`), evaluated where ours is: before the
+    first round and after the last, on ``data.eval_max_samples`` test images."""
     torch.manual_seed(cfg.job.seed)
     loop = ReferenceLoop.build(cfg)
+    accuracy = [loop.evaluate(cfg.data.eval_max_samples)]
     ends, losses = [], []
     for _ in range(rounds):
         losses.append(loop.round())
         ends.append((time.perf_counter(), time.process_time(), loop.per_round * loop.batch))
-    return {**rates(ends, warmup), "losses": losses, "same_model": same_model(cfg, loop)}
+    accuracy.append(loop.evaluate(cfg.data.eval_max_samples))
+    return {**rates(ends, warmup), "losses": losses, "accuracy": accuracy, "same_model": same_model(cfg, loop)}
+
+
+CHILD = {"ours": run_ours, "reference": run_reference}
+"""The ways run in a process of their own, with ``--child WAY``."""
+
+
+def run_process(way: str, settings: list[str], samples: int) -> dict:
+    """``way`` in a process of its own (``python -m bench.peer --child WAY``, one thread): its rounds as it timed them,
+    and ``process``, its ``samples`` over the process's wall time and CPU time, from its start to its exit."""
+    with tempfile.TemporaryDirectory(prefix="peer_child_") as tmp:
+        out = Path(tmp) / "child.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        cmd = [sys.executable, "-m", "bench.peer", "--child", way, "--child-out", str(out), *settings]
+        start, cpu = time.perf_counter(), _children_cpu()
+        got = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
+        if got.returncode != 0:
+            raise RuntimeError(f"{way} exited {got.returncode}: {(got.stdout + got.stderr)[-2000:]}")
+        result = json.loads(out.read_text())
+    result["process"] = {"samples": samples, "wall_s": wall, "cpu_s": cpu, "samples_per_s": samples / wall,
+                         "samples_per_cpu_s": samples / cpu if cpu > 0 else None}  # fmt: skip
+    return result
 
 
 # -- authors: their code, where someone has it -------------------------------------------------------------------------
@@ -269,19 +322,17 @@ def run_authors(command: str, code: str, samples: int | None, timeout: float) ->
     out = got.stdout + got.stderr
     if got.returncode != 0:
         raise RuntimeError(f"--peer-command exited {got.returncode}: {out.strip().splitlines()[-1:] or ''}")
-    if samples is not None:
-        per_cpu = samples / cpu if cpu > 0 else None
-        return {"samples_per_s": samples / wall, "samples_per_cpu_s": per_cpu, "wall_s": wall,
-                "how": f"{samples} samples / wall time (CPU time)"}  # fmt: skip
     printed = [float(a or b) for a, b in RATE.findall(out)]
-    if not printed:
+    if samples is None and not printed:
         raise RuntimeError("--peer-command printed no samples/s and --peer-samples was not given")
-    return {
-        "samples_per_s": printed[-1],
-        "samples_per_cpu_s": None,
-        "wall_s": wall,
-        "how": "the last samples/s it printed",
-    }
+    result: dict = {"wall_s": wall, "samples_per_s": None, "samples_per_cpu_s": None, "process": None}
+    if printed:  # what its training loop says of its rounds: the rounds' span
+        result.update(samples_per_s=printed[-1], how="rounds: the last samples/s it printed")
+    if samples is not None:  # its whole process: start-up and its evaluations included
+        result["process"] = {"samples": samples, "wall_s": wall, "cpu_s": cpu, "samples_per_s": samples / wall,
+                             "samples_per_cpu_s": samples / cpu if cpu > 0 else None}  # fmt: skip
+        result["how"] = ", ".join(filter(None, [result.get("how"), f"process: {samples} samples / its wall time"]))
+    return result
 
 
 # -- the invocation ----------------------------------------------------------------------------------------------------
@@ -294,11 +345,38 @@ def figures(data: dict) -> tuple[dict, dict]:
         "reference_samples_per_s": med.get("reference"),
         "ours_vs_reference": med.get("ours_vs_reference"),
         "ours_vs_reference_cpu": med.get("ours_vs_reference_cpu"),
+        "ours_process_samples_per_s": med.get("ours_process"),
+        "reference_process_samples_per_s": med.get("reference_process"),
+        "ours_vs_reference_process": med.get("ours_vs_reference_process"),
+        "ours_vs_reference_process_cpu": med.get("ours_vs_reference_process_cpu"),
         "authors_samples_per_s": med.get("authors"),
+        "authors_process_samples_per_s": med.get("authors_process"),
         "ours_vs_authors": med.get("ours_vs_authors"),
+        "ours_vs_authors_process": med.get("ours_vs_authors_process"),
         "same_model": data["same_model"],
     }
     return {k: v for k, v in values.items() if k in names}, {}
+
+
+SPANS = {"": lambda r: r, "_process": lambda r: r.get("process")}
+"""The spans a figure is over, by the suffix of its name: the rounds (a way's own timing), the whole process."""
+
+
+def medians(turns: list[dict], ways: list[str]) -> dict[str, float]:
+    """Per span: each way's median samples/s, and ours / each other way's, the median of the per-turn ratios (wall and
+    CPU time), where every turn measured both over that span; a span one side lacks has no ratio."""
+    med: dict[str, float] = {}
+    for suffix, span in SPANS.items():
+        for way in ways:
+            got = [span(r[way]) for r in turns]
+            if all(g and g.get("samples_per_s") for g in got):
+                med[f"{way}{suffix}"] = statistics.median(g["samples_per_s"] for g in got)
+        for other in ways[1:]:
+            pairs = [(span(r["ours"]), span(r[other])) for r in turns]
+            for kind, cpu in (("samples_per_s", ""), ("samples_per_cpu_s", "_cpu")):
+                if all(a and b and a.get(kind) and b.get(kind) for a, b in pairs):
+                    med[f"ours_vs_{other}{suffix}{cpu}"] = statistics.median(a[kind] / b[kind] for a, b in pairs)
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,12 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-command", default=None, help="shell command that runs the authors' code at this setting")
     p.add_argument("--peer-samples", type=int, default=None, help="samples the command processes (else parsed)")
     p.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds the command may take [3600]")
+    p.add_argument("--child", choices=tuple(CHILD), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = options(p).parse_args(argv)
     if args.peer_code and not args.peer_command:
         p.error("--peer-code needs --peer-command (how to run it at this setting)")
     if not 1 <= args.warmup < args.rounds:
         p.error(f"--warmup {args.warmup} must be at least 1 and below --rounds {args.rounds}")
-    rec = Recorder(BENCHMARKS["peer"], argv, args.via)
     torch.set_num_threads(1)
     base = load_config(args.config, list(args.overrides))
     per_round = base.clients.per_round * base.clients.batch_size
@@ -327,31 +406,30 @@ def main(argv: list[str] | None = None) -> int:
         f"train.budget_samples={args.rounds * per_round}", f"train.eval_every_samples={args.rounds * per_round}",
         "data.eval_max_samples=32",
     ])  # fmt: skip
+    if args.child:  # one way's rounds, in the process its parent times whole
+        result = CHILD[args.child](cfg, args.rounds, args.warmup)
+        Path(args.child_out).write_text(json.dumps(result))
+        return 0
+    rec = Recorder(BENCHMARKS["peer"], argv, args.via)
+    settings = ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--replicas", args.replicas, "--config",
+                args.config, *args.overrides]  # fmt: skip
     code = str(Path(args.peer_code or ROOT).expanduser().resolve())
     ways = ["ours", "reference"] + (["authors"] if args.peer_command else [])
     turns: list[dict] = []
     for turn in range(args.repeat):
         row: dict = {}
         for way in ways if turn % 2 == 0 else ways[::-1]:
-            if way == "ours":
-                row[way] = run_ours(cfg, args.rounds, args.warmup)
-            elif way == "reference":
-                row[way] = run_reference(cfg, args.rounds, args.warmup)
-            else:
+            if way == "authors":
                 row[way] = run_authors(args.peer_command, code, args.peer_samples, args.peer_timeout)
-            cpu = row[way]["samples_per_cpu_s"]
-            print(f"turn {turn} {way:9s} {row[way]['samples_per_s']:8.1f} samples/s"
-                  + (f"  {cpu:8.1f} samples/CPU s" if cpu else ""), flush=True)  # fmt: skip
+            else:
+                row[way] = run_process(way, settings, args.rounds * per_round)
+            print(f"turn {turn} {way:9s} " + "; ".join(
+                f"{span}: {got['samples_per_s']:.1f} samples/s" + (f", {got['samples_per_cpu_s']:.1f} samples/CPU s"
+                                                                   if got.get("samples_per_cpu_s") else "")
+                for span, got in (("rounds", row[way]), ("process", row[way].get("process") or {}))
+                if got.get("samples_per_s")), flush=True)  # fmt: skip
         turns.append(row)
-    med = {w: statistics.median(r[w]["samples_per_s"] for r in turns) for w in ways}
-    for other in ways[1:]:
-        med[f"ours_vs_{other}"] = statistics.median(
-            r["ours"]["samples_per_s"] / r[other]["samples_per_s"] for r in turns
-        )
-        if all(r[other]["samples_per_cpu_s"] for r in turns):
-            med[f"ours_vs_{other}_cpu"] = statistics.median(
-                r["ours"]["samples_per_cpu_s"] / r[other]["samples_per_cpu_s"] for r in turns
-            )
+    med = medians(turns, ways)
     data = {
         "setting": {"config": args.config, "overrides": list(args.overrides), "replicas": args.replicas,
                     "M": cfg.clients.total, "K": cfg.clients.per_round, "B": cfg.clients.batch_size,
@@ -368,15 +446,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HO-SFL, {cfg.model.name} cut {cfg.split.cut}, M={cfg.clients.total} K={cfg.clients.per_round} "
           f"B={cfg.clients.batch_size} P={cfg.zo.num_perturbations}, 1 thread, {args.rounds - args.warmup} timed "
           f"rounds of {args.rounds}, medians of {args.repeat} turns")  # fmt: skip
-    print(f"  ours (hosfl_dist in-process, clients.replicas={args.replicas}): {med['ours']:.1f} samples/s")
-    print(f"  reference ({REFERENCE}): {med['reference']:.1f} samples/s; "
-          f"same model: {str(data['same_model']).lower()}")  # fmt: skip
-    print(f"  ours / reference: {med['ours_vs_reference']:.2f}x wall, {med['ours_vs_reference_cpu']:.2f}x CPU time "
+    print(f"  ours (hosfl_dist in-process, clients.replicas={args.replicas}): {med['ours']:.1f} samples/s over the "
+          f"rounds, {med['ours_process']:.1f} over the whole process")  # fmt: skip
+    print(f"  reference ({REFERENCE}): {med['reference']:.1f} samples/s over the rounds, "
+          f"{med['reference_process']:.1f} over the whole process; same model: "
+          f"{str(data['same_model']).lower()}")  # fmt: skip
+    print(f"  ours / reference, rounds against rounds: {med['ours_vs_reference']:.2f}x wall, "
+          f"{med['ours_vs_reference_cpu']:.2f}x CPU time; whole process against whole process: "
+          f"{med['ours_vs_reference_process']:.2f}x wall, {med['ours_vs_reference_process_cpu']:.2f}x CPU time "
           "(medians of the per-turn ratios)")  # fmt: skip
     if args.peer_command:
-        print(
-            f"  authors' code ({code}): {med['authors']:.1f} samples/s; ours / authors: {med['ours_vs_authors']:.2f}x"
-        )
+        for suffix, span in (("", "rounds against rounds"), ("_process", "whole process against whole process")):
+            if f"ours_vs_authors{suffix}" in med:
+                print(f"  ours / authors' code ({code}), {span}: {med[f'ours_vs_authors{suffix}']:.2f}x "
+                      f"(theirs {med[f'authors{suffix}']:.1f} samples/s)")  # fmt: skip
+            else:
+                print(f"  ours / authors' code, {span}: not measured (their command gave no figure over that span: "
+                      + ("it printed no samples/s)" if not suffix else "no --peer-samples)"))  # fmt: skip
     else:
         print(f"  {NOT_MEASURED}")
     print(f"  history: {HISTORY}")

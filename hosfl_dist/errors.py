@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
+from collections.abc import Iterable
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's first line (its type's name when it has no message), at most ``limit`` characters: what a
     one-line error quotes of an error from below (torch, RPC, a library)."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
+def close_to(word: object, choices: Iterable[object]) -> str | None:
+    """The choice ``word`` was most likely meant to be (difflib's ratio of at least 0.6, case folded), or None when
+    none is close: what a "did you mean" names."""
+    if not isinstance(word, str):
+        return None
+    by_folded = {str(c).lower(): str(c) for c in choices}
+    found = difflib.get_close_matches(word.lower(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[found[0]] if found else None
+
+
+def did_you_mean(word: object, choices: Iterable[object], prefix: str = "", quote: bool = False) -> str:
+    """``"; did you mean X?"`` for the choice closest to ``word`` (:func:`close_to`; ``quote``: X as repr), or ``""``
+    when none is close: the end of a message that names the choices."""
+    found = close_to(word, choices)
+    if found is None:
+        return ""
+    return f"; did you mean {prefix}{found!r}?" if quote else f"; did you mean {prefix}{found}?"
 
 
 class HosflError(Exception):

@@ -27,6 +27,7 @@ a short excerpt. Torch-free.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,23 @@ def load_file(path: str | Path, what: str = "config file") -> Any:
         got = f"{size:,} bytes" if size > MAX_FILE_BYTES else f"more than {MAX_FILE_BYTES:,} bytes"
         raise ConfigError(f"{what} {path} holds {got}; a config file may hold at most {MAX_FILE_BYTES:,} (is it the "
                           "right file?)")  # fmt: skip
-    return load_text(data, f"{what} {path}")
+    return _copied(_parsed(data, f"{what} {path}"))  # a copy: the caller may change what it got
+
+
+def _copied(data: Any) -> Any:
+    """A copy of loaded YAML: new mappings and lists, the same (immutable) scalars."""
+    if isinstance(data, dict):
+        return {k: _copied(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_copied(v) for v in data]
+    return data
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed(data: bytes, where: str) -> Any:
+    """:func:`load_text` of a file's bytes, parsed once per content: a study builds each of its points' configs from
+    one file several times (10,000 points: 40,000 parses of the same bytes otherwise)."""
+    return load_text(data, where)
 
 
 def _where(exc: yaml.YAMLError) -> str:

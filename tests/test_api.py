@@ -6,6 +6,7 @@ a method in the user's own module (``--plugin``, ``job.plugins``) runs in one pr
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -22,9 +23,12 @@ import hosfl_dist
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ArgumentError, CallbackError, ConfigError
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
-from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun, user_folder
+from tiny import ROOT, TINY_OVERRIDES, page_block, read_run, rows_of, torchrun, user_folder, user_module
 
 PLUGIN = page_block('register(AlgorithmSpec("my_method"')
+MINE, WATCHED = user_module("mymethod"), user_module("watch")
+"""The page's mymethod.py and this file's watch.py, as the tests write and import them (no user's file of the page's
+name in the checkout stands for them)."""
 """The method written outside the repository, as the page shows it (architecture.md's "Adding a method" links it)."""
 
 WATCH = '''
@@ -87,14 +91,15 @@ class CtrlC(hosfl_dist.Callback):
 
 @pytest.fixture
 def user_modules(tmp_path, monkeypatch):
-    """mymethod.py and watch.py in a folder of the user's, importable here and by every process started from here."""
+    """mymethod.py and watch.py in a folder of the user's (as :data:`MINE` and :data:`WATCHED`), importable here and by
+    every process started from here."""
     folder = user_folder(tmp_path, monkeypatch, {"mymethod": PLUGIN, "watch": WATCH})
     monkeypatch.setenv("EVENTS_DIR", str(tmp_path))
     yield folder
     from hosfl_dist import algorithms
 
     algorithms._REGISTRY.pop("my_method", None)  # the registry lists the package's methods to the other tests
-    for name in ("mymethod", "watch"):
+    for name in (MINE, WATCHED):
         sys.modules.pop(name, None)
 
 
@@ -215,14 +220,14 @@ def test_the_api_refuses_an_argument_of_the_wrong_type_in_one_line_before_buildi
 
 # -- callbacks -----------------------------------------------------------------------------------------------------
 def test_callbacks_given_by_name_are_built_as_job_callbacks_are(tmp_path, user_modules):
-    run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'api'}"], callbacks=["watch:Log"])
+    run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'api'}"], callbacks=[f"{WATCHED}:Log"])
     seen = [e["event"] for e in events(tmp_path)]
     assert seen[0] == "on_train_start" and seen[-1] == "on_train_end" and seen.count("on_round_end") == 10
-    assert load_config(run.out_dir / "config.yaml").job.callbacks == ["watch:Log"]
+    assert load_config(run.out_dir / "config.yaml").job.callbacks == [f"{WATCHED}:Log"]
 
 
 def test_a_callback_that_fails_after_the_end_leaves_the_record_as_it_was(tmp_path, user_modules):
-    import watch
+    watch = importlib.import_module(WATCHED)
 
     reference = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ref'}"]).summary
     run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'api'}"], callbacks=[watch.EndBoom()])
@@ -251,14 +256,14 @@ def test_a_callback_that_raises_at_any_event_is_one_line_and_only_the_end_keeps_
     assert summary["status"] == "failed" and summary["error"].endswith(said) and "callback_error" not in summary
 
 
-END_BOOM = "callback watch:EndBoom.on_train_end raised ValueError: boom at the end"
-QUIT = ("callback watch:Quit.on_evaluate raised SystemExit(0) (sys.exit ends the process, not the run: a callback "
+END_BOOM = f"callback {WATCHED}:EndBoom.on_train_end raised ValueError: boom at the end"
+QUIT = (f"callback {WATCHED}:Quit.on_evaluate raised SystemExit(0) (sys.exit ends the process, not the run: a callback "
         "ends a run with control.should_training_stop = True)")  # fmt: skip
 AT_ONCE = "KeyboardInterrupt after round 5: stopped at once, without a checkpoint of its own"
 
 
 def test_sys_exit_and_keyboard_interrupt_in_a_callback_end_the_run_as_the_record_says(tmp_path, user_modules):
-    import watch
+    watch = importlib.import_module(WATCHED)
 
     with pytest.raises(CallbackError) as exc:
         hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'quit'}"], callbacks=[watch.Quit()])
@@ -277,18 +282,18 @@ def test_sys_exit_and_keyboard_interrupt_in_a_callback_end_the_run_as_the_record
 def test_the_command_says_what_the_record_says_of_a_callback_that_exits_interrupts_or_fails_after_the_end(
     tmp_path, user_modules
 ):
-    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'end'}", "job.callbacks=[watch:EndBoom]")
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'end'}", f"job.callbacks=[{WATCHED}:EndBoom]")
     assert res.returncode == 0, res.stderr  # the record says completed: so does the exit code
     told = [line for line in res.stderr.splitlines() if "EndBoom" in line]
     assert told == [f"{END_BOOM}, after the run had ended: summary.json keeps status completed, with this error as "
                     "callback_error"]  # fmt: skip
     assert res.stdout.startswith("done: 10 rounds") and read_run(tmp_path / "end")[1]["callback_error"] == END_BOOM
 
-    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'quit'}", "job.callbacks=[watch:Quit]")
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'quit'}", f"job.callbacks=[{WATCHED}:Quit]")
     assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == f"error: {QUIT}"
     assert read_run(tmp_path / "quit")[1]["status"] == "failed"
 
-    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ctrl_c'}", "job.callbacks=[watch:CtrlC]")
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ctrl_c'}", f"job.callbacks=[{WATCHED}:CtrlC]")
     assert res.returncode == 130
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith(f"interrupted: the run hosfl (job.out_dir={tmp_path / 'ctrl_c'}) stopped at once by "
@@ -297,26 +302,29 @@ def test_the_command_says_what_the_record_says_of_a_callback_that_exits_interrup
 
 
 def test_a_callback_that_raises_fails_the_run_in_one_line_and_keeps_its_rows(tmp_path, user_modules):
-    import watch
+    import importlib
+
+    watch = importlib.import_module(WATCHED)
 
     out = tmp_path / "api"
-    with pytest.raises(CallbackError, match=r"callback watch:Boom.on_evaluate raised ValueError: boom"):
+    with pytest.raises(CallbackError, match=rf"callback {WATCHED}:Boom.on_evaluate raised ValueError: boom"):
         hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={out}"], callbacks=[watch.Boom()])
     rows, summary = read_run(out)
-    assert summary["status"] == "failed" and summary["error"].endswith("watch:Boom.on_evaluate raised ValueError: boom")
+    assert summary["status"] == "failed"
+    assert summary["error"].endswith(f"{WATCHED}:Boom.on_evaluate raised ValueError: boom")
     assert [r["round"] for r in rows] == [0, 5]  # the row the callback saw is written, nothing after it
 
-    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'cli'}", "job.callbacks=[watch:Boom]")
+    res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'cli'}", f"job.callbacks=[{WATCHED}:Boom]")
     assert res.returncode == 1
-    assert res.stderr.strip().splitlines()[-1] == "error: callback watch:Boom.on_evaluate raised ValueError: boom"
+    assert res.stderr.strip().splitlines()[-1] == f"error: callback {WATCHED}:Boom.on_evaluate raised ValueError: boom"
     assert json.loads((tmp_path / "cli/summary.json").read_text())["status"] == "failed"
 
 
 def test_callbacks_and_plugins_that_cannot_be_imported_are_one_line_exit_2(tmp_path, user_modules):
     for args, said in (
         (["--plugin", "nosuchmodule"], "error: job.plugins: cannot import plug-in 'nosuchmodule' (ModuleNotFoundError"),
-        (["job.callbacks=[watch:Nope]"], "error: job.callbacks: cannot import 'watch:Nope' (AttributeError"),
-        (["job.callbacks=[watch]"], "error: invalid value for job.callbacks"),
+        ([f"job.callbacks=[{WATCHED}:Nope]"], f"error: job.callbacks: cannot import '{WATCHED}:Nope' (AttributeError"),
+        ([f"job.callbacks=[{WATCHED}]"], "error: invalid value for job.callbacks"),
         (["job.callbacks=[json:JSONDecoder]"], "error: job.callbacks: 'json:JSONDecoder' is not a callback class"),
     ):
         res = run_command(*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'x'}", *args, "--check")
@@ -325,32 +333,32 @@ def test_callbacks_and_plugins_that_cannot_be_imported_are_one_line_exit_2(tmp_p
 
 def test_callbacks_are_not_identity_and_plugins_left_empty_keep_every_earlier_fingerprint():
     base = load_config(None, TINY_OVERRIDES)
-    watched = load_config(None, [*TINY_OVERRIDES, "job.callbacks=[watch:Log]"])
+    watched = load_config(None, [*TINY_OVERRIDES, f"job.callbacks=[{WATCHED}:Log]"])
     assert comparable_config(watched) == comparable_config(base)
     assert "plugins" not in comparable_config(base)["job"] and "callbacks" not in comparable_config(base)["job"]
-    plugged = load_config(None, [*TINY_OVERRIDES, "job.plugins=[mymethod]"])
+    plugged = load_config(None, [*TINY_OVERRIDES, f"job.plugins=[{MINE}]"])
     assert fingerprint({"config": comparable_config(plugged)}) != fingerprint({"config": comparable_config(base)})
 
 
 # -- plug-ins ------------------------------------------------------------------------------------------------------
 def test_a_method_outside_the_package_runs_by_plugin_and_equals_the_method_it_reuses(tmp_path, user_modules):
-    res = run_command("--plugin", "mymethod", *TINY_OVERRIDES, "algorithm.name=my_method",
-                      f"job.out_dir={tmp_path / 'mine'}", "job.callbacks=[watch:Log]")  # fmt: skip
+    res = run_command("--plugin", MINE, *TINY_OVERRIDES, "algorithm.name=my_method",
+                      f"job.out_dir={tmp_path / 'mine'}", f"job.callbacks=[{WATCHED}:Log]")  # fmt: skip
     assert res.returncode == 0, res.stderr
     hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'ref'}"])
     (mine_rows, mine), (ref_rows, reference) = read_run(tmp_path / "mine"), read_run(tmp_path / "ref")
     assert mine["algorithm"] == "my_method" and mine["client_digests"] == reference["client_digests"]
     assert mine_rows == ref_rows
     api = hosfl_dist.train(None, [*TINY_OVERRIDES, "algorithm.name=my_method", f"job.out_dir={tmp_path / 'api'}"],
-                           plugins=["mymethod"])  # fmt: skip
+                           plugins=[MINE])  # fmt: skip
     assert api.summary["algorithm"] == "my_method" and rows_of(api.out_dir) == rows_of(tmp_path / "mine")
-    assert set(mine["code"]["plugins"]) == {"mymethod"}  # the plug-in's source is part of the code's identity
-    assert load_config(tmp_path / "mine/config.yaml").job.plugins == ["mymethod"]  # a resume imports it too
+    assert set(mine["code"]["plugins"]) == {MINE}  # the plug-in's source is part of the code's identity
+    assert load_config(tmp_path / "mine/config.yaml").job.plugins == [MINE]  # a resume imports it too
     seen = [e["event"] for e in events(tmp_path)]
     assert seen[0] == "on_train_start" and seen[-1] == "on_train_end" and seen.count("on_evaluate") == 3
 
-    listed = run_command("--plugin", "mymethod", "--help-config", "algorithm")
-    assert listed.returncode == 0 and "From the plug-ins (mymethod): my_method" in listed.stdout
+    listed = run_command("--plugin", MINE, "--help-config", "algorithm")
+    assert listed.returncode == 0 and f"From the plug-ins ({MINE}): my_method" in listed.stdout
     unknown = run_command(*TINY_OVERRIDES, "algorithm.name=my_method", "--check")
     assert unknown.returncode == 2 and "invalid value for algorithm.name: 'my_method'" in unknown.stderr
 
@@ -360,7 +368,7 @@ def test_a_plugin_method_and_config_callbacks_under_torchrun(tmp_path, user_modu
     """rank 0 (the front) sees the start, the rows, the checkpoint and the end; the leader worker the rounds; the
     run equals the in-process one."""
     out = tmp_path / "dist"
-    plugged = ["--plugin", "mymethod", "algorithm.name=my_method", "job.callbacks=[watch:Log]"]
+    plugged = ["--plugin", MINE, "algorithm.name=my_method", f"job.callbacks=[{WATCHED}:Log]"]
     rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, *plugged, f"job.out_dir={out}"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(out)
@@ -374,9 +382,9 @@ def test_a_plugin_method_and_config_callbacks_under_torchrun(tmp_path, user_modu
     assert [e["value"] for e in seen if e["event"] == "on_round_end"][-1] == [10, 240]
 
     boom = tmp_path / "boom"
-    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, "job.callbacks=[watch:Boom]",
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, f"job.callbacks=[{WATCHED}:Boom]",
                               f"job.out_dir={boom}"], timeout=120)  # fmt: skip
-    assert rc != 0 and "[server] error: callback watch:Boom.on_evaluate raised ValueError: boom" in log
+    assert rc != 0 and f"[server] error: callback {WATCHED}:Boom.on_evaluate raised ValueError: boom" in log
     assert "Traceback" not in log.split("[server] error")[0]  # no RPC handler's traceback before the one line
     rows, summary = read_run(boom)
     assert summary["status"] == "failed" and [r["round"] for r in rows] == [0, 5]
@@ -386,7 +394,7 @@ def test_a_study_runs_a_plugin_method(tmp_path, user_modules):
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY_YAML)
     res = subprocess.run([sys.executable, "-m", "hosfl_dist.experiments.compare", "--config", str(config),
-                          "--methods", "my_method", "--plugin", "mymethod", "--out", str(tmp_path / "study"),
+                          "--methods", "my_method", "--plugin", MINE, "--out", str(tmp_path / "study"),
                           "train.budget_samples=48", "train.eval_every_samples=24"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
@@ -414,3 +422,26 @@ def test_the_pages_example_runs_at_the_tiny_size(tmp_path, monkeypatch):
     one = next(x for x in lines if x.startswith("one process:"))
     assert one.replace("one process:", "torchrun:") in lines  # the same rows under torchrun
     assert sum(x.startswith("on_evaluate: round") for x in lines) == 6  # 3 rows in each run, each seen once
+
+
+def test_a_users_file_in_the_folder_a_test_process_starts_in_stands_for_none_of_the_tests_modules(
+    tmp_path, monkeypatch
+):
+    """docs/python-api.md has the user write watch.py and mymethod.py in the checkout, where the tests' processes
+    start: the tests' own modules have names no user would choose, and no process a test starts puts its working folder
+    (or its script's) first on its import path, so a file there named as a test's module is not what it imports."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("watch", "mymethod", user_module("watch")):  # the user's files, as the docs name them, and worse
+        (checkout / f"{name}.py").write_text(f"raise RuntimeError('the user\\'s {name}.py was imported')\n")
+    user_folder(tmp_path, monkeypatch, {"watch": "SEEN = 'the test module'\n"})
+    try:
+        assert user_module("watch") not in ("watch", "mymethod") and (tmp_path / "user" / f"{WATCHED}.py").is_file()
+        for argv in (["-c", f"import {WATCHED}; print({WATCHED}.SEEN)"], ["-m", WATCHED]):
+            done = subprocess.run([sys.executable, *argv], cwd=checkout, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr[-1000:]
+        done = subprocess.run([sys.executable, "-c", "import sys; print(sys.path[0])"], cwd=checkout,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.stdout.strip() not in ("", str(checkout))
+    finally:
+        sys.modules.pop(WATCHED, None)

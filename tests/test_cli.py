@@ -70,7 +70,8 @@ def test_a_bad_config_fails_before_torch_is_imported():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stderr
-    assert done.stderr.startswith("error: unknown key zo.bogus in section zo")
+    assert done.stderr.startswith("error: 2 errors in the config: (1) unknown key zo.bogus in section zo")
+    assert "; (2) invalid value for clients.total: 0 (must be >= 1)" in done.stderr  # both at once, on one line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CUDA config on a machine without CUDA")
@@ -84,3 +85,58 @@ def test_a_cuda_config_dry_runs_on_a_cpu_node_and_its_check_refuses_in_one_line(
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: job.device=cuda but this machine has no CUDA device (torch.cuda.is_available() is False)"
     )
+
+
+def test_status_of_a_path_that_is_no_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    from hosfl_dist.run import main
+
+    for path, why in ((tmp_path / "missing", "no such folder"), (ROOT / "README.md", "not a folder")):
+        assert main(["--status", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [f"error: --status {path}: {why} (give a run's folder: job.out_dir, "
+                                                  "or runs/<job.name>/latest)"]  # fmt: skip
+    assert main(["--status", str(tmp_path)]) == 0  # a folder without a run: said, not refused
+    assert capsys.readouterr().out.strip() == f"{tmp_path}: holds no run"
+
+
+def help_examples(module: str) -> list[list[str]]:
+    """The commands ``python -m MODULE --help`` ends with: each example's words after ``-m MODULE`` (a line ending in
+    a backslash goes on on the next; a comment ends it)."""
+    import shlex
+
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout.split("\nexamples:\n", 1)[1].split("\n\n")[0].replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if f"hosfl_dist.{module.split('.')[-1]}" in words or module in words:
+            commands.append(words[words.index("-m") + 2 :] if words[words.index("-m") + 1] == module else [])
+    return [c for c in commands if c]
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["hosfl_dist.run", "hosfl_dist.export", "hosfl_dist.predict", "hosfl_dist.experiments.compare",
+     "hosfl_dist.experiments.sweep"],
+)  # fmt: skip
+def test_help_ends_with_examples_that_parse_and_name_real_keys(module):
+    """Every example in ``--help`` is a command its parser takes, with config keys and files that exist."""
+    import importlib
+
+    from hosfl_dist.config import load_config
+
+    examples = help_examples(module)
+    assert len(examples) >= 3, examples
+    parse_args = importlib.import_module({"hosfl_dist.run": "hosfl_dist.cli.run", "hosfl_dist.predict":
+                                          "hosfl_dist.cli.predict", "hosfl_dist.export": "hosfl_dist.export.cli"}
+                                         .get(module, module)).parse_args  # fmt: skip
+    for argv in examples:
+        args = parse_args(argv)
+        config = getattr(args, "config", None)
+        if config is not None:
+            assert (ROOT / config).is_file(), argv
+        overrides = [*getattr(args, "sets", []), *getattr(args, "overrides", []),
+                     *(o.partition(":")[2] for o in getattr(args, "method_set", []))]  # fmt: skip
+        overrides += [g.split(",")[0] for g in getattr(args, "grid", None) or []]
+        load_config(ROOT / config if config else None, overrides)  # every key named exists

@@ -306,3 +306,72 @@ def test_a_bad_preset_is_one_line(path, overrides, needle):
 def test_presets_are_package_data():
     assert "hosfl_dist.config = presets/*.yaml" in (ROOT / "setup.cfg").read_text()
     assert set(preset_names()) >= {"paper_text", "paper_code"}
+
+
+# -- a mistyped name: did you mean, and every error of a file at once ----------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["zo.muu=1"], "unknown key zo.muu in section zo (did you mean zo.mu?)"),
+        (["clinets.total=3"], "unknown key clinets in section <root> (did you mean clients?)"),  # a section
+        (["clients.optim.lrr=1"], "unknown key clients.optim.lrr in section clients.optim (did you mean clients.optim."
+                                  "lr?)"),  # fmt: skip
+        (["zo.batch_size=3"], "unknown key zo.batch_size in section zo (did you mean clients.batch_size?)"),
+        (["clients.replicas=per-client"], "(choose one of ['per_client', 'shared']; did you mean 'per_client'?)"),
+        (["algorithm.name=hosf"], "; did you mean 'hosfl'?)"),
+        (["data.name=fashion_mnst"], "; did you mean 'fashion_mnist'?)"),
+        (["model.name=resnet81"], "; did you mean 'resnet18'?)"),
+        (["preset=paper_cod"], "; did you mean paper_code?)"),
+    ],
+)
+def test_a_mistyped_name_says_which_it_was_most_likely_meant_to_be(overrides, needle):
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(None, overrides)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_mistyped_model_source_architecture_or_text_task_says_which_it_was_meant_to_be():
+    from hosfl_dist.data.text import get_task
+    from hosfl_dist.models.archs import arch_fields
+    from hosfl_dist.models.sources import resolve
+
+    with pytest.raises(ConfigError, match=r"unknown tiny name 'lama'; known: .*; did you mean tiny:llama\?$"):
+        resolve("tiny:lama")
+    with pytest.raises(ConfigError, match=r"unknown architecture 'qwen3-8'; .*; did you mean qwen3-8b\?$"):
+        arch_fields("qwen3-8")
+    with pytest.raises(ConfigError, match=r"unknown text task 'sst'; .*; did you mean sst2\?$"):
+        get_task("sst")
+    # a name near nothing lists the choices and guesses none
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["zo.qqqqqq=1"])
+    assert "(known keys: batch_clients, " in str(exc.value) and "did you mean" not in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        load_run_config(None, ["algorithm.name=qqqqqq"])
+    assert "did you mean" not in str(exc.value)
+
+
+def test_a_file_reports_every_error_at_once_in_one_line_in_the_order_written(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("zo:\n  muu: 1\n  num_perturbations: many\nclients:\n  total: 0\n  replicas: per-client\n"
+                 "trian:\n  budget_samples: 10\n")  # fmt: skip
+    with pytest.raises(ConfigError) as exc:
+        load_config(f, ["job.nmae=x"])
+    said = str(exc.value)
+    assert "\n" not in said and said.startswith("5 errors in the config: (1) unknown key zo.muu in section zo")
+    order = ["zo.muu", "zo.num_perturbations: 'many'", "clients.replicas: 'per-client'", "unknown key trian",
+             "job.nmae"]  # fmt: skip
+    assert [said.index(n) for n in order] == sorted(said.index(n) for n in order), said
+    # a section whose values are refused is not checked further (clients.total=0 waits for clients.replicas)
+    assert "clients.total" not in said
+    f.write_text("clients:\n  total: 0\n")  # on its own, the section's own check speaks
+    with pytest.raises(ConfigError, match=r"^invalid value for clients.total: 0 \(must be >= 1\)$"):
+        load_config(f)
+
+
+def test_a_file_with_many_errors_lists_the_first_twenty_and_counts_the_rest():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [f"zo.bogus{i}=1" for i in range(25)])
+    said = str(exc.value)
+    assert said.startswith("25 errors in the config: (1) unknown key zo.bogus0")
+    assert "(20) unknown key zo.bogus19" in said
+    assert "(21)" not in said and said.endswith("; and 5 more")

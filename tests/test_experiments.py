@@ -330,3 +330,157 @@ def test_a_point_its_model_cannot_build_stops_the_grid_before_any_run(tmp_path, 
         for p in (1, 2)
     ] + ["error: 2 of 4 grid points cannot be built: nothing was run"]
     assert built == ["tiny:llama", "arch:qwen3-0.6b"] and not out.exists()
+
+
+def test_a_study_rerun_into_its_folder_with_other_rows_keeps_the_earlier_rows_and_says_they_are_reused(
+    tmp_path, capsys
+):
+    """compare --methods hosfl, then --methods sfl into the same --out: the table and the plots hold both rows, the
+    hosfl run said to be reused; collect reports both; the same command under another setting leaves the earlier
+    row out, naming it and why, and the first setting again brings it back. A sweep's grid points the same way."""
+    from hosfl_dist.experiments import collect
+    from hosfl_dist.runtime.checks import load_run_config
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    out = tmp_path / "cmp"
+
+    def study(*methods: str, extra: tuple[str, ...] = ()) -> list[str]:
+        argv = ["--config", str(cfg), "--methods", ",".join(methods), "--out", str(out), *extra]
+        specs, _, _ = compare.build(compare.parse_args(argv))
+        for spec in (s for v in specs.values() for s in v):  # as the study would run them (another setting replaced)
+            wanted = resolve(str(cfg), spec)
+            if not runs.is_finished(spec, wanted):
+                again = [*spec.all_overrides(), *runs.start_overrides(spec, wanted)]
+                InProcessRunner(load_run_config(str(cfg), again)).setup().run()
+        capsys.readouterr()
+        assert compare.main(argv) == 0
+        return capsys.readouterr().out.splitlines()
+
+    study("hosfl")
+    said = study("sfl")
+    hosfl_run = out / "runs" / "hosfl" / "seed0"
+    assert f"reusing {hosfl_run.resolve()} (completed, same identity: config and inputs): method hosfl of an earlier " \
+        "invocation into --out, kept in the report" in said  # fmt: skip
+    assert said[-1].endswith(f" s; 0 run(s) launched (0.0 s), 2 reused -> {out}")
+    table = json.loads((out / "table.json").read_text())
+    assert [r["variant"] for r in table["rows"]] == ["hosfl", "sfl"] and table["traffic_ratio_hosfl_over_sfl"] > 0
+    assert table["this_invocation"]["earlier_rows"] == {"hosfl": [0]}
+    assert table["title"] == "tiny: sfl over seeds [0], with hosfl kept from earlier invocations"
+    md = (out / "table.md").read_text()
+    assert "| HO-SFL | " in md and "| SFL | " in md
+    assert "Kept from earlier invocations into this folder, their runs reused: method hosfl (seed 0)." in md
+    assert [r["row"] for r in json.loads((out / "study.json").read_text())["earlier"]] == ["hosfl"]
+
+    assert collect.main([str(out)]) == 0  # the report again from the record: both rows
+    assert [r["variant"] for r in json.loads((out / "table.json").read_text())["rows"]] == ["hosfl", "sfl"]
+
+    said = study("sfl", extra=("zo.num_perturbations=3",))  # another setting: hosfl's run is not what it would run
+    table = json.loads((out / "table.json").read_text())
+    assert [r["variant"] for r in table["rows"]] == ["sfl"]
+    (note,) = [line for line in said if line.startswith("note: method hosfl seed 0")]
+    assert "is left out of the report: holds a completed run of another setting (zo.num_perturbations" in note
+    md = (out / "table.md").read_text()
+    assert "## Left out" in md and "- hosfl, seed 0: holds a completed run of another setting" in md
+    study("sfl")  # the first setting again: the hosfl row is back (the record kept it)
+    assert [r["variant"] for r in json.loads((out / "table.json").read_text())["rows"]] == ["hosfl", "sfl"]
+
+    sw = tmp_path / "sweep"
+    for grid in ("zo.num_perturbations=1", "zo.num_perturbations=3"):
+        argv = ["--config", str(cfg), "--grid", grid, "--out", str(sw)]
+        specs, _, _ = sweep.build(sweep.parse_args(argv))
+        finish_in_process(cfg, specs[grid])
+        assert sweep.main(argv) == 0
+    table = json.loads((sw / "table.json").read_text())
+    assert [r["variant"] for r in table["rows"]] == ["zo.num_perturbations=1", "zo.num_perturbations=3"]
+    assert "| zo.num_perturbations | final eval_accuracy (%)" in (sw / "table.md").read_text()
+
+
+CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+def stop(signum, frame):
+    with open(folder / "signals", "a") as f:
+        f.write("SIGINT\\n")
+    time.sleep(0.3)  # a run checkpoints and records its end before it exits
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+(folder / "started").write_text(str(os.getpid()))
+time.sleep(30)
+"""
+"""A stand-in run: says it started, and on SIGINT records it and exits 130 as hosfl_dist.run does."""
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_ctrl_c_stops_a_study_at_once_interrupting_each_running_point_once_and_starting_none(
+    tmp_path, monkeypatch, jobs
+):
+    """Ctrl-C while the first point(s) run: each running point gets one SIGINT (and records it), no other point is
+    started, and the study ends with KeyboardInterrupt (its command's one line, exit 130)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    specs = [RunSpec(f"p{i}", 0, ["zo.num_perturbations=2"], tmp_path / f"p{i}") for i in range(5)]
+    monkeypatch.setattr(runs, "job", lambda config, spec, cfg, launcher: ([sys.executable, "-c", CHILD,
+                                                                         str(spec.out_dir)], {}))  # fmt: skip
+    monkeypatch.setattr(runs, "say", lambda line: None)
+
+    def ctrl_c_once_running() -> None:
+        deadline = time.monotonic() + 120
+        while sum((s.out_dir / "started").exists() for s in specs) < jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C reaches the study's process (its group's)
+
+    threading.Thread(target=ctrl_c_once_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        runs.launch(None, specs, jobs=jobs)
+    started = [s.out_dir.name for s in specs if (s.out_dir / "started").exists()]
+    assert started == [f"p{i}" for i in range(jobs)]  # none launched after Ctrl-C
+    for name in started:  # interrupted, once each, and waited for until it had recorded it
+        assert (tmp_path / name / "signals").read_text() == "SIGINT\n"
+
+
+def test_a_point_stopped_by_ctrl_c_stops_the_study_before_the_next_point_starts(tmp_path, monkeypatch):
+    """A Ctrl-C that reached a run and not the study (a study that ignores SIGINT, started in the background): the
+    run's exit code 130 stops the study, no point is launched after it."""
+    specs = [RunSpec(f"p{i}", 0, ["zo.num_perturbations=2"], tmp_path / f"p{i}") for i in range(4)]
+    stopped_by_ctrl_c = "import sys; from pathlib import Path; Path(sys.argv[1], 'started').touch(); sys.exit(130)"
+    monkeypatch.setattr(runs, "job", lambda config, spec, cfg, launcher: ([sys.executable, "-c", stopped_by_ctrl_c,
+                                                                         str(spec.out_dir)], {}))  # fmt: skip
+    said: list[str] = []
+    monkeypatch.setattr(runs, "say", said.append)
+    with pytest.raises(KeyboardInterrupt):
+        runs.launch(None, specs, jobs=1)
+    assert [s.out_dir.name for s in specs if (s.out_dir / "started").exists()] == ["p0"]
+    assert [line.split(":")[0] for line in said if not line.startswith("[start]")] == ["[interrupted] p0 seed 0"]
+
+
+def test_a_large_study_says_it_is_planning_and_reads_its_config_file_once(tmp_path, monkeypatch, capsys):
+    """A plan of many runs says it is planning, how far it is and its time (on stderr: a dry run's stdout stays its
+    commands); the config file is parsed once however many points it has, and a small plan says nothing."""
+    from hosfl_dist import safe_yaml
+    from hosfl_dist.experiments.cli import Planning
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY)
+    parsed = []
+    load_text = safe_yaml.load_text
+    monkeypatch.setattr(safe_yaml, "load_text", lambda data, where: (parsed.append(where), load_text(data, where))[1])
+    safe_yaml._parsed.cache_clear()
+    argv = ["--config", str(cfg), "--grid", "zo.num_perturbations=1,2,3", "--grid", "zo.mu=1e-3,2e-3",
+            "--out", str(tmp_path / "s"), "--dry-run"]  # fmt: skip
+    assert sweep.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and len(out.splitlines()) == 6 and parsed == [f"config file {cfg}"]
+    monkeypatch.setattr(Planning, "SAY_FROM_RUNS", 6)
+    monkeypatch.setattr(Planning, "EVERY_S", 0.0)
+    assert sweep.main([*argv, "--seeds", "0"]) == 0
+    out, err = capsys.readouterr()
+    said = err.splitlines()
+    assert said[0] == "planning 6 run(s) of 6 grid point(s): every config, world, build and run folder is checked " \
+        "before anything starts"  # fmt: skip
+    assert "planning: 5 of 6 configs read (0 s)" in said and "planning: 3 of 6 run folders read (0 s)" in said
+    assert said[-1].startswith("planned 6 run(s) in ") and said[-1].endswith(" s") and len(out.splitlines()) == 6

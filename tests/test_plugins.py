@@ -5,6 +5,7 @@ built-in it derives from."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from tiny import (
     rows_of,
     torchrun,
     user_folder,
+    user_module,
     write_text_files,
 )
 
@@ -98,6 +100,11 @@ register_source(SourceSpec("badtoy", toy_config, names=names))
 """What tests/test_plugins.py's checks of a plug-in's code refuse (docs/python-api.md, "What the package checks")."""
 PLUGGED = [*TINY_OVERRIDES, "data.name=blobs", "model.name=mlp", "model.width=8", "split.cut=1"]
 """The tiny run on the plug-in's task and model (TINY_OVERRIDES' budget, clients and P)."""
+PARTS_MOD, METHOD_MOD, SOURCE_MOD, TASK_MOD, BAD_MOD = (
+    user_module(n) for n in ("myparts", "mymethod", "mysource", "mytask", "badparts")
+)
+"""The page's myparts.py, mymethod.py, mysource.py and mytask.py as the tests write and import them (no user's file of
+the page's name in the checkout stands for them)."""
 
 
 @pytest.fixture
@@ -117,7 +124,7 @@ def user_modules(tmp_path, monkeypatch):
     algorithms._REGISTRY.pop("my_method", None)
     sources._SOURCES.pop("toy", None)
     sources._SOURCES.pop("badtoy", None)
-    for name in ("myparts", "mymethod", "mysource", "mytask", "badparts"):
+    for name in (PARTS_MOD, METHOD_MOD, SOURCE_MOD, TASK_MOD, BAD_MOD):
         sys.modules.pop(name, None)
 
 
@@ -127,35 +134,35 @@ def run_command(*args: str, module: str = "hosfl_dist.run", timeout: float = 240
 
 
 def test_a_task_and_a_model_outside_the_package_train_by_plugin(tmp_path, user_modules):
-    res = run_command("--plugin", "myparts", *PLUGGED, f"job.out_dir={tmp_path / 'cli'}")
+    res = run_command("--plugin", PARTS_MOD, *PLUGGED, f"job.out_dir={tmp_path / 'cli'}")
     assert res.returncode == 0, res.stderr[-2000:]
     rows, summary = read_run(tmp_path / "cli")
     assert summary["status"] == "completed" and [r["round"] for r in rows] == [0, 5, 10]
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it learns the blobs
     assert rows[0]["eval_accuracy"] * 200 == round(rows[0]["eval_accuracy"] * 200)  # scored over the 200 held out
-    assert set(summary["code"]["plugins"]) == {"myparts"}
+    assert set(summary["code"]["plugins"]) == {PARTS_MOD}
 
-    api = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'api'}"], plugins=["myparts"])
+    api = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'api'}"], plugins=[PARTS_MOD])
     assert rows_of(api.out_dir) == rows  # job.plugins in this process: the same run
 
 
 def test_help_config_lists_the_plugins_task_and_model(user_modules):
-    res = run_command("--plugin", "myparts", "--help-config")  # every section
+    res = run_command("--plugin", PARTS_MOD, "--help-config")  # every section
     assert res.returncode == 0, res.stderr
-    listed = res.stdout.split("From the plug-ins (myparts): ")[1:]  # under algorithm.name, model.name, data.name
+    listed = res.stdout.split(f"From the plug-ins ({PARTS_MOD}): ")[1:]  # under algorithm.name, model.name, data.name
     assert [line.splitlines()[0] for line in listed] == ["none", "mlp", "blobs"]
 
 
 def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules):
     out = f"job.out_dir={tmp_path / 'x'}"
-    res = run_command("--plugin", "myparts", *PLUGGED, out, "data.name=blob", "--check")
+    res = run_command("--plugin", PARTS_MOD, *PLUGGED, out, "data.name=blob", "--check")
     said = "error: invalid value for data.name: 'blob' (choose one of ["
     assert res.returncode == 2 and res.stderr.startswith(said) and len(res.stderr.splitlines()) == 1, res.stderr
     assert "'blobs'" in res.stderr and "'synthetic'" in res.stderr  # the plug-in's names beside the package's
     res = run_command(*PLUGGED, out, "--check")  # without the plug-in, its names are unknown
     said = "error: invalid value for model.name: 'mlp' (choose one of ['hf', 'resnet18', 'small_cnn'])"
     assert res.returncode == 2 and res.stderr.strip() == said, res.stderr
-    plugged = [*PLUGGED, "job.plugins=[myparts]"]
+    plugged = [*PLUGGED, f"job.plugins=[{PARTS_MOD}]"]
     for args, said in (
         (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['hf', 'mlp', 'resnet18'"),
         (["split.cut=3"], "invalid value for split.cut: 3 (mlp keeps 1..2 blocks on the client"),
@@ -168,7 +175,7 @@ def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules)
 
 
 def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
-    import myparts
+    myparts = importlib.import_module(PARTS_MOD)
 
     with pytest.raises(ValueError, match="'synthetic' is registered twice"):
         register_task(TaskSpec("synthetic", load=myparts.load_blobs))
@@ -178,7 +185,7 @@ def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
         TaskSpec("both", load=myparts.load_blobs, build=lambda cfg, clients, evaluation: None)
     with pytest.raises(ValueError, match="family"):
         ModelSpec("cnn3", myparts.build_mlp, family="audio")
-    cfg = load_run_config(None, [*PLUGGED, "job.plugins=[myparts]", "data.classes=[0, 2]"])
+    cfg = load_run_config(None, [*PLUGGED, f"job.plugins=[{PARTS_MOD}]", "data.classes=[0, 2]"])
     from hosfl_dist.data import build_data, data_info
 
     assert data_info(cfg)["num_classes"] == 2 and data_info(cfg)["input_shape"] == (16,)
@@ -196,7 +203,7 @@ def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_stu
     config = tmp_path / "soft.yaml"
     config.write_text("job:\n  name: soft\n")
     sets = [x for o in [*PLUGGED, "data.name=soft_blobs"] for x in ("--set", o)]
-    argv = ["--config", str(config), "--methods", "hosfl", "--plugin", "mytask", "--out", str(tmp_path / "cmp"),
+    argv = ["--config", str(config), "--methods", "hosfl", "--plugin", TASK_MOD, "--out", str(tmp_path / "cmp"),
             "--metric", "eval_top2_accuracy", *sets]  # fmt: skip
     specs, _, _ = compare.build(compare.parse_args(argv))
     (spec,) = specs["hosfl"]
@@ -210,9 +217,9 @@ def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_stu
     assert table["rows"][0]["final"] == [rows[-1]["eval_top2_accuracy"]]
 
     # eval_loss is the task's loss: round 0's is the smoothed cross-entropy of the initial model over the held out
-    import mytask
+    mytask = importlib.import_module(TASK_MOD)
 
-    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     with torch.no_grad():
@@ -225,9 +232,9 @@ def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
     from hosfl_dist.algorithms.compute import Upload
     from hosfl_dist.runtime.server_compute import GroupCompute
 
-    import mytask
+    mytask = importlib.import_module(TASK_MOD)
 
-    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", "job.plugins=[mytask]"])
+    cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
     data = build_data(cfg)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     x, y = data.next_batch(0)
@@ -248,8 +255,8 @@ def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
 
 
 def test_a_tasks_metric_is_named_eval_something_and_only_a_vision_task_takes_one(user_modules):
-    import myparts
-    import mytask
+    myparts = importlib.import_module(PARTS_MOD)
+    mytask = importlib.import_module(TASK_MOD)
 
     for name in ("top2", "eval_loss", "eval_accuracy"):
         with pytest.raises(ValueError, match=f"metric {name!r} must be named eval_<something>"):
@@ -267,11 +274,11 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
 
     from hosfl_dist.export.cli import main as export_main
 
-    run = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'run'}"], plugins=["myparts"])
+    run = hosfl_dist.train(None, [*PLUGGED, f"job.out_dir={tmp_path / 'run'}"], plugins=[PARTS_MOD])
     out = tmp_path / "export"
     assert export_main([str(run.out_dir), "--out", str(out)]) == 0
     described = json.loads((out / "vision.json").read_text())
-    assert described["model"] == "mlp" and described["plugins"] == ["myparts"]
+    assert described["model"] == "mlp" and described["plugins"] == [PARTS_MOD]
     assert described["config"]["split"]["cut"] == 1 and described["config"]["model"]["width"] == 8
     weights = load_file(str(out / "model.safetensors"))
     assert {k.split(".")[0] for k in weights} == {"client", "server"}  # f_c and f_s, whole
@@ -288,7 +295,7 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
         "    hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in data.eval_batches(64))\n"
         "print(hits / len(data.eval_labels))\n"
     )
-    res = subprocess.run([sys.executable, "-c", score, str(out), json.dumps([*PLUGGED, "job.plugins=[myparts]"])],
+    res = subprocess.run([sys.executable, "-c", score, str(out), json.dumps([*PLUGGED, f"job.plugins=[{PARTS_MOD}]"])],
                          cwd=tmp_path, capture_output=True, text=True, timeout=240)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert float(res.stdout) == run.metrics[-1]["eval_accuracy"]
@@ -299,8 +306,8 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
 def test_a_plugin_task_and_model_under_torchrun_equal_the_one_process_run(tmp_path, user_modules):
     """mytask.py's task (its own loss and metric, over myparts.py's blobs) and myparts.py's model."""
     soft = [*PLUGGED, "data.name=soft_blobs"]
-    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=["mytask"])
-    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", "mytask", *soft, f"job.out_dir={tmp_path}/dist"])
+    one = hosfl_dist.train(None, [*soft, f"job.out_dir={tmp_path / 'one'}"], plugins=[TASK_MOD])
+    rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", "--plugin", TASK_MOD, *soft, f"job.out_dir={tmp_path}/dist"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(tmp_path / "dist")
     assert summary["status"] == "completed" and summary["engine"] != one.summary["engine"]
@@ -315,20 +322,20 @@ def test_the_memory_profiler_measures_a_plugin_method_as_the_method_it_reuses(tm
 
     with pytest.raises(ConfigError, match="unknown mode 'my_method'; choose from inference, hosfl, sfl"):
         check_modes(["my_method"])  # not imported yet
-    assert _parse_args(["--plugin", "mymethod", "--modes", "my_method"]).plugin == ["mymethod"]
-    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, plugins=("mymethod",))
+    assert _parse_args(["--plugin", METHOD_MOD, "--modes", "my_method"]).plugin == [METHOD_MOD]
+    spec = ProfileSpec(model="small_cnn", cut=1, batch=4, plugins=(METHOD_MOD,))
     modes = profile(spec, ["hosfl", "my_method"], isolate=False)["modes"]
     assert modes["my_method"]["peak_bytes"] == modes["hosfl"]["peak_bytes"] > 0  # HO-SFL's worker, its own name
     command = _child_command(spec, "my_method", 1, tmp_path / "mode.json")  # a mode's own process imports it too
-    assert command[command.index("--plugin") + 1] == "mymethod"
+    assert command[command.index("--plugin") + 1] == METHOD_MOD
 
 
 def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, user_modules):
     files = write_text_files(tmp_path)
-    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", "job.plugins=[mysource]"]
+    toy = [*lm_overrides(tmp_path / "toy", files), "model.source=toy:3", f"job.plugins=[{SOURCE_MOD}]"]
     run = hosfl_dist.train(None, toy)
     assert run.summary["status"] == "completed" and len(run.metrics) == 3
-    assert set(run.summary["code"]["plugins"]) == {"mysource"}
+    assert set(run.summary["code"]["plugins"]) == {SOURCE_MOD}
     from hosfl_dist.models.sources import model_config, resolve
 
     assert model_config(resolve("toy:3")).num_hidden_layers == 3
@@ -338,24 +345,24 @@ def test_a_model_source_outside_the_package_trains_an_lm_by_plugin(tmp_path, use
     ):
         with pytest.raises(ConfigError, match=said):
             resolve(source)
-    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", "mysource", "--check")
+    res = run_command(*lm_overrides(tmp_path / "cli", files), "model.source=toy:9", "--plugin", SOURCE_MOD, "--check")
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
     assert "unknown toy name '9'" in res.stderr
 
 
 # -- a plug-in's code, checked where a run is built ----------------------------------------------------------------
 CHECKED = [
-    (["model.name=wide_mlp"], "error: plug-in badparts: model wide_mlp: f_s gives class scores of shape (1, 5) for "
+    (["model.name=wide_mlp"], f"error: plug-in {BAD_MOD}: model wide_mlp: f_s gives class scores of shape (1, 5) for "
                               "one sample; the task has 3 classes (data info num_classes): its head must give (1, 3)"),
-    (["model.name=misfit_mlp"], "error: plug-in badparts: model misfit_mlp: f_s on f_c's output of shape (1, 8) "
+    (["model.name=misfit_mlp"], f"error: plug-in {BAD_MOD}: model misfit_mlp: f_s on f_c's output of shape (1, 8) "
                                 "raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),  # torch's words
-    (["data.name=pair_blobs"], "error: plug-in badparts: task pair_blobs: metric eval_pair(outputs, labels) gave "
+    (["data.name=pair_blobs"], f"error: plug-in {BAD_MOD}: task pair_blobs: metric eval_pair(outputs, labels) gave "
                                "(2, 2) for outputs (2, 3) and labels (2,): it must give one value per sample, a tensor "
                                "of shape (2,)"),
-    (["data.name=broken_blobs"], "error: plug-in badparts: task broken_blobs: metric eval_broken(outputs, labels) "
+    (["data.name=broken_blobs"], f"error: plug-in {BAD_MOD}: task broken_blobs: metric eval_broken(outputs, labels) "
                                  "raised ZeroDivisionError: no score today"),
-    (["data.name=lost_blobs"], "error: plug-in badparts: task lost_blobs: load(data section, job.seed) raised OSError: "
-                               "the blobs are gone"),
+    (["data.name=lost_blobs"], f"error: plug-in {BAD_MOD}: task lost_blobs: load(data section, job.seed) raised "
+                               "OSError: the blobs are gone"),
 ]
 
 
@@ -368,7 +375,7 @@ def test_a_plugins_shapes_and_errors_are_one_line_where_a_run_is_built(tmp_path,
     from hosfl_dist.errors import PluginError
     from hosfl_dist.runtime.inprocess import InProcessRunner
 
-    cfg = load_run_config(None, [*PLUGGED, "job.plugins=[badparts]", f"job.out_dir={tmp_path / 'x'}", *args])
+    cfg = load_run_config(None, [*PLUGGED, f"job.plugins=[{BAD_MOD}]", f"job.out_dir={tmp_path / 'x'}", *args])
     for build in (lambda: InProcessRunner(cfg).setup(), lambda: dry_run(cfg), lambda: check_build(cfg, 1)):
         with pytest.raises(PluginError) as exc:
             build()
@@ -380,7 +387,7 @@ def test_a_plugins_shapes_and_errors_are_one_line_where_a_run_is_built(tmp_path,
 def test_check_and_dry_run_say_a_plugins_fault_in_one_line_exit_2(tmp_path, user_modules):
     for i, (args, said) in enumerate(CHECKED):
         for mode in ("--check", "--dry-run")[: 2 if i < 2 else 1]:  # the models' faults passed both before
-            res = run_command("--plugin", "badparts", *PLUGGED, *args, f"job.out_dir={tmp_path / 'x'}", mode)
+            res = run_command("--plugin", BAD_MOD, *PLUGGED, *args, f"job.out_dir={tmp_path / 'x'}", mode)
             told = res.stderr.strip()
             assert res.returncode == 2 and told.startswith(said) and "\n" not in told, (mode, res.stderr[-2000:])
 
@@ -390,8 +397,8 @@ def test_a_plugin_metric_that_fails_mid_run_is_one_line_and_the_run_is_recorded_
 
     out = tmp_path / "late"
     with pytest.raises(PluginError) as exc:
-        hosfl_dist.train(None, [*PLUGGED, "data.name=late_blobs", f"job.out_dir={out}"], plugins=["badparts"])
-    said = ("plug-in badparts: task late_blobs: metric eval_late(outputs, labels) raised ValueError: more than two "
+        hosfl_dist.train(None, [*PLUGGED, "data.name=late_blobs", f"job.out_dir={out}"], plugins=[BAD_MOD])
+    said = (f"plug-in {BAD_MOD}: task late_blobs: metric eval_late(outputs, labels) raised ValueError: more than two "
             "samples")
     assert str(exc.value) == said
     summary = json.loads((out / "summary.json").read_text())
@@ -402,8 +409,8 @@ def test_a_model_sources_names_that_raise_are_one_line(tmp_path, user_modules):
     from hosfl_dist.errors import PluginError
     from hosfl_dist.models.sources import resolve
 
-    import badparts  # noqa: F401 - registers badtoy
+    importlib.import_module(BAD_MOD)  # registers badtoy
 
-    with pytest.raises(PluginError, match=r"^plug-in badparts: model source badtoy: names\(\) raised RuntimeError: the "
-                       "list of names is unreachable$"):  # fmt: skip
+    said = rf"^plug-in {BAD_MOD}: model source badtoy: names\(\) raised RuntimeError: the list of names is unreachable$"
+    with pytest.raises(PluginError, match=said):
         resolve("badtoy:3")

@@ -169,9 +169,9 @@ def test_the_emulated_link_is_announced_and_summed_up():
     cfg = load_config(None, ["comm.inject_delay=true", "comm.uplink_mbps=10", "comm.rtt_ms=40"])
     line = describe_link(cfg.comm)
     assert "uplink 10 Mb/s" in line and "RTT 40 ms" in line
-    stats = {"messages": 3, "uplink_bytes": 2_000_000, "downlink_bytes": 10, "delay_uplink_s": 1.6,
+    stats = {"messages": 3, "uplink_bytes": 2 * 2**20, "downlink_bytes": 10, "delay_uplink_s": 1.6,
              "delay_downlink_s": 0.02}  # fmt: skip
-    assert describe_traffic(stats).startswith("emulated link carried 3 messages: 2 MB up (1.6 s of delay)")
+    assert describe_traffic(stats).startswith("emulated link carried 3 messages: 2 MiB up (1.6 s of delay)")
 
 
 @pytest.mark.parametrize("bad", ["job.threads=-1", "job.out_dir=' '"])

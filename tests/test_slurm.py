@@ -37,7 +37,7 @@ SBATCH_SCRIPT = REPO / "slurm" / "hosfl.sbatch"
 LOCAL_CLUSTER = REPO / "slurm" / "local_cluster.sh"
 NPROC = 2
 JOB_TIMEOUT_S = 120
-PROBE_MODULE = "slurm_probe"
+PROBE_MODULE = "hosfl_test_slurm_probe"  # a name no user module in the checkout has (tiny.user_module)
 SEARCH_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # daemons live in sbin, often not on a user's PATH
 
 

@@ -6,6 +6,7 @@ stopped."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.folder import describe_status
 from hosfl_dist.runfolder.identity import comparable_config, fingerprint
 from hosfl_dist.runtime.checks import load_run_config
-from tiny import ROOT, TINY_OVERRIDES, read_run, rows_of, torchrun, user_folder
+from tiny import ROOT, TINY_OVERRIDES, read_run, rows_of, torchrun, user_folder, user_module
+
+STOPS_MOD = user_module("stops")
 
 STOPS = '''
 """Callbacks that end a run early, each in its own way."""
@@ -74,10 +77,10 @@ EARLY = [
 @pytest.fixture
 def stops(tmp_path, monkeypatch):
     user_folder(tmp_path, monkeypatch, {"stops": STOPS})
-    import stops as module
+    module = importlib.import_module(STOPS_MOD)
 
     yield module
-    sys.modules.pop("stops", None)
+    sys.modules.pop(STOPS_MOD, None)
 
 
 def run_command(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -92,13 +95,14 @@ def test_a_callback_that_stops_at_round_20_ends_stopped_exportable_and_resumable
     run = hosfl_dist.train(None, [*LONG, f"job.out_dir={out}", "job.plots=true"], callbacks=[stops.StopAt()])
     summary = run.summary
     assert summary["status"] == "stopped" and summary["rounds"] == 20 and summary["processed_samples"] == 480
-    assert summary["stopped"] == {"by": "callback stops:StopAt.on_round_end", "reason": "", "round": 20,
+    assert summary["stopped"] == {"by": f"callback {STOPS_MOD}:StopAt.on_round_end", "reason": "", "round": 20,
                                   "processed_samples": 480, "budget_samples": 720}  # fmt: skip
     assert [r["round"] for r in run.metrics] == [0, 7, 14, 20]  # the stop's round is evaluated
     assert summary["final"]["eval_accuracy"] == run.metrics[-1]["eval_accuracy"]
     assert summary["client_digests"] and summary["server_digest"] and summary["comm"]["training_total_bytes"] > 0
     assert (out / "checkpoints/round-00000020/meta.json").is_file() and (out / "curves.png").is_file()
-    assert describe_status(out).startswith(f"{out}: stopped early (callback stops:StopAt.on_round_end), 20 rounds")
+    said = f"{out}: stopped early (callback {STOPS_MOD}:StopAt.on_round_end), 20 rounds"
+    assert describe_status(out).startswith(said)
 
     exported = tmp_path / "export"
     assert export_main([str(out), "--out", str(exported)]) == 0
@@ -120,7 +124,7 @@ def test_run_should_stop_ends_the_run_after_its_round_and_a_stop_in_the_last_rou
     out = tmp_path / "row"
     run = hosfl_dist.train(None, [*TINY_OVERRIDES, f"job.out_dir={out}"], callbacks=[stops.StopOnRow()])
     assert run.summary["status"] == "stopped" and run.summary["rounds"] == 5
-    assert run.summary["stopped"]["by"] == "callback stops:StopOnRow.on_evaluate"
+    assert run.summary["stopped"]["by"] == f"callback {STOPS_MOD}:StopOnRow.on_evaluate"
     assert [r["round"] for r in run.metrics] == [0, 5]  # the round of the row that asked, evaluated once
     with pytest.raises(ConfigError, match="not a live run's"):
         hosfl_dist.load_run(out).should_stop = True
@@ -193,13 +197,13 @@ def test_early_stopping_and_a_leaders_callback_stop_every_worker_under_torchrun(
     assert summary["client_digests"]["worker_1"] == summary["client_digests"]["worker_2"]  # every worker stopped
 
     led = tmp_path / "led"
-    watched = ["job.callbacks=[stops:StopAt4, stops:EndBoom]"]
+    watched = [f"job.callbacks=[{STOPS_MOD}:StopAt4, {STOPS_MOD}:EndBoom]"]
     rc, log, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, *watched, f"job.out_dir={led}"])
     assert rc == 0, log[-3000:]
     rows, summary = read_run(led)
     assert summary["status"] == "stopped" and summary["rounds"] == 4 and [r["round"] for r in rows] == [0, 4]
-    assert summary["stopped"]["by"] == "callback stops:StopAt4.on_round_end"  # the leader worker's, heard by all
-    assert summary["callback_error"] == "callback stops:EndBoom.on_train_end raised ValueError: boom at the end"
+    assert summary["stopped"]["by"] == f"callback {STOPS_MOD}:StopAt4.on_round_end"  # the leader worker's, heard by all
+    assert summary["callback_error"] == f"callback {STOPS_MOD}:EndBoom.on_train_end raised ValueError: boom at the end"
     assert summary["client_digests"] and summary["final"]["eval_accuracy"] == rows[-1]["eval_accuracy"]
 
 

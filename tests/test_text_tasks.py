@@ -455,3 +455,31 @@ def test_preset_prompt_templates_say_what_the_prompts_are():
     for name, example in examples.items():
         template, _ = PROMPT_TEMPLATES[name]
         assert template.format(**{**example, **noted.get(name, {})}) == _PROMPTS[name](example), name
+
+
+def test_the_offline_sentiment_data_is_named_as_itself_and_prompted_as_sst2(tmp_path):
+    """sentiment_multiemo takes SST-2's fields, prompt and label words under its own name: what a run's data info, an
+    export's record, predict and a bad label say."""
+    import argparse
+
+    from hosfl_dist.cli.predict import task_of
+    from hosfl_dist.config import load_config
+    from hosfl_dist.data.text_fed import task_spec
+
+    overrides = ["model.name=hf", "model.source=tiny:llama", "data.name=sentiment_multiemo"]
+    spec = task_spec(load_config(None, overrides).data)
+    sst2 = get_task("sst2")
+    assert spec.name == "sentiment_multiemo" and spec.label_words == sst2.label_words and spec.fields == sst2.fields
+    example = {"sentence": " A film. ", "label": 1}
+    assert format_example(spec, example) == format_example(sst2, example)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "A film.", "label": 7}) + "\n")
+    with pytest.raises(DataError, match=r"example 0 has label 7; sentiment_multiemo labels are 0\.\.1$"):
+        load_text_split("sentiment_multiemo", "test", "local", str(bad), SENTIMENT_COLUMNS)
+    flags = argparse.Namespace(kind=None, template=None, label_words=None, columns=None)
+    for name in ("sentiment_multiemo", "sst2"):  # an export's record now, and one written before
+        record = {"task": {"name": name, "kind": "classification", "label_words": sst2.label_words,
+                           "columns": dict(SENTIMENT_COLUMNS)}}  # fmt: skip
+        got, columns = task_of(record, flags)
+        assert (got.name, got.template, columns) == (name, "", SENTIMENT_COLUMNS)
+        assert format_example(got, example) == format_example(sst2, example)

@@ -222,13 +222,29 @@ def lm_overrides(out_dir: Path, files: Path, task: str = "sst2", arch: str = "ll
     ]
 
 
+USER_MODULE_PREFIX = "hosfl_test_"
+"""What the tests' modules are named with (``hosfl_test_mymethod``): no user's ``mymethod.py`` or ``watch.py`` in
+the checkout, where the docs have them written, can stand for them."""
+
+
+def user_module(name: str) -> str:
+    """The name a test's module ``name`` (a docs page's ``mymethod``, ``watch``) is written and imported under."""
+    return USER_MODULE_PREFIX + name
+
+
 def user_folder(tmp_path: Path, monkeypatch: Any, modules: dict[str, str]) -> Path:
-    """The user's modules (name -> source) in a folder of theirs, importable here and by every process started from
-    here (the caller's fixture takes them out of ``sys.modules`` and the registries when it ends)."""
+    """The user's modules (name -> source) in a folder of theirs, each as :func:`user_module` names it (the imports
+    of one another renamed too), importable here and by every process started from here (the caller's fixture takes
+    them out of ``sys.modules`` and the registries when it ends)."""
+    import re
+
     folder = tmp_path / "user"
     folder.mkdir()
     for name, source in modules.items():
-        (folder / f"{name}.py").write_text(source)
+        for other in modules:  # "from myparts import load_blobs" -> "from hosfl_test_myparts import load_blobs"
+            source = re.sub(rf"^(\s*(?:from|import)\s+){re.escape(other)}\b", rf"\g<1>{user_module(other)}", source,
+                            flags=re.MULTILINE)  # fmt: skip
+        (folder / f"{user_module(name)}.py").write_text(source)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
     return folder

@@ -96,9 +96,18 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
 
 
 def _discover() -> None:
+    """Import every method module of this package, once (a study checks thousands of configs: each lookup would scan
+    the package's folder again, and an imported module registers nothing new)."""
+    global _discovered
+    if _discovered:
+        return
     for mod in pkgutil.iter_modules(__path__):
         if mod.name not in _SKIP:
             importlib.import_module(f"{__name__}.{mod.name}")
+    _discovered = True
+
+
+_discovered = False
 
 
 def load_plugins(modules: list[str] | tuple[str, ...], key: str = "job.plugins") -> list[str]:

@@ -117,7 +117,7 @@ class SeedScalarHistory:
     """(s_p^τ, v̄_p^τ) for τ = offset..; rows below the oldest replica that may still replay them are dropped.
 
     Memory is P·12 bytes per round kept; the server trims to min over all clients of their round t'_m, so the
-    worst case (a client never sampled) is P·12·T bytes for the whole run, e.g. 6 MB for P=5 and 100k rounds.
+    worst case (a client never sampled) is P·12·T bytes for the whole run, e.g. 5.7 MiB for P=5 and 100k rounds.
     """
 
     def __init__(self, num_perturbations: int) -> None:
@@ -303,10 +303,13 @@ class HOSFLServer(BackpropServer):
         """The history rows a replica at round ``since`` replays to reach round t."""
         if client not in self.client_round:
             raise ProtocolError(f"round {t}: unknown client {client}")
-        if since != self.client_round[client]:
+        # A replica may be further than the server counts it (a live round's late client replayed to round t before
+        # the gate said it was not counted): θc at a round is the same whoever replayed to it. Never behind it, and
+        # never past the round asked for.
+        if isinstance(since, bool) or not isinstance(since, int) or not self.client_round[client] <= since <= t:
             raise ProtocolError(
-                f"round {t}: client {client} reports its replica at round {since}, the server has it at "
-                f"{self.client_round[client]}"
+                f"round {t}: client {client} reports its replica at round {since!r}, the server has it at "
+                f"{self.client_round[client]} (a replica is at that round or later, up to round {t})"
             )
         return self.history.window(since, t)
 
@@ -332,8 +335,7 @@ class HOSFLServer(BackpropServer):
         """ClientSync + seed broadcast: the round-t seeds and the history a replica at ``since`` must replay."""
         # a live round's sampled clients catch up before the gate counts the first uploads: a late one has too
         self.check_sampled(t, client, "sync", counted=self.round_plan.participation.live is None)
-        hist_seeds, hist_scalars = self._window(t, client, since)
-        self.client_round[client] = t  # its replica replays to round t now; t+1 once the round closes, if it delivers
+        hist_seeds, hist_scalars = self._window(t, client, since)  # t'_m moves when the round closes
         return {"seeds": self.seeds_of(t), "hist_seeds": hist_seeds, "hist_scalars": hist_scalars}
 
     @wire(args={"since": CONTROL}, result={"hist_seeds": EVAL, "hist_scalars": EVAL}, after_previous_round=True)

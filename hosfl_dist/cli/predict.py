@@ -86,7 +86,7 @@ def _columns(text: str | None) -> dict[str, str] | None:
 
 def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
     """The task spec and column map: the export's, with the flags over it."""
-    from hosfl_dist.data.text import TASKS, custom_task, get_task
+    from hosfl_dist.data.text import custom_task, get_task, is_preset
 
     task = dict(record.get("task") or {})
     kind = args.kind or task.get("kind")
@@ -97,7 +97,7 @@ def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict
     if kind is None:
         raise PredictError("the task is unknown: the model folder has no hosfl_export.json; give --kind "
                            "classification|generation, --template (and --label-words to classify)")  # fmt: skip
-    if name in TASKS and not args.template and args.kind in (None, task.get("kind")):
+    if is_preset(name) and not args.template and args.kind in (None, task.get("kind")):
         spec = get_task(name)
         if words is not None and words != spec.label_words:
             spec = dataclasses.replace(spec, label_words=list(words))
@@ -244,11 +244,25 @@ def _generate(model, tokenizer, b, idx, examples, has_gold, max_new_tokens):  # 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+EXAMPLES = """\
+examples:
+  python -m hosfl_dist.predict --model runs/exports/quick_lm --data ../shared/data/sentiment_multiemo/test.jsonl \\
+      --out runs/preds.jsonl --max-examples 64      # the run's evaluation (data.eval_max_samples=64): its accuracy
+  python -m hosfl_dist.predict --model runs/exports/quick_lm --data reviews.csv --columns sentence=review \\
+      --out runs/preds.jsonl                        # a file whose column has another name
+  python -m hosfl_dist.predict --model runs/exports/quick_lm --data reviews.jsonl --out runs/preds.jsonl \\
+      --template "Review: {text} Sentiment:" --label-words '[" negative", " positive"]'   # another prompt
+"""
+"""What ``--help`` ends with (tests/test_cli.py parses each command)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m hosfl_dist.predict",
         description="Predict with an exported language model (python -m hosfl_dist.export) on a JSONL, JSON, CSV, "
         "TSV or parquet file: label-word classification or greedy generation, with plain transformers.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", type=Path, required=True, metavar="DIR", help="an export folder (merged or peft)")
     p.add_argument("--data", type=Path, required=True, metavar="FILE", help="the examples (.jsonl, .json, .csv, ...)")
@@ -267,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-unsigned", action="store_true", help="read a model folder without a signed "
                    "hosfl_manifest.json (exported elsewhere or by an earlier version), if you trust whoever could "
                    "write it; a signature mismatch is refused whatever this says")  # fmt: skip
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from hosfl_dist.logs import init_logging
 
     init_logging("predict")  # its steps and batches on stderr; the metrics' JSON alone on stdout

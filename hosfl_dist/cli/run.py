@@ -24,8 +24,28 @@ if TYPE_CHECKING:
     from hosfl_dist.runtime.process.launch import LaunchEnv
 
 
+EXAMPLES = """\
+examples:
+  python -m hosfl_dist.run --config configs/quickstart.yaml                    # train in one process
+  python -m hosfl_dist.run --config configs/quickstart.yaml zo.num_perturbations=8 job.seed=3 job.out_dir=runs/p8
+  python -m hosfl_dist.run --config configs/quickstart.yaml --check            # is the input usable? (exit 0 or 2)
+  python -m hosfl_dist.run --config configs/quickstart.yaml --dry-run --nproc 3   # the config, the build, the roles
+  python -m hosfl_dist.run --help-config zo                                    # every key of a section
+  python -m hosfl_dist.run --status runs/quickstart/latest                     # how a run stands
+  python -m hosfl_dist.run --config configs/quickstart.yaml job.resume=auto job.out_dir=runs/p8   # go on after a stop
+  python -m hosfl_dist.run --plugin mymethod --config configs/quickstart.yaml algorithm.name=my_method
+  python -m hosfl_dist.run --config configs/quickstart.yaml --serve job.out_dir=runs/el   # an elastic run; then:
+  python -m hosfl_dist.run --join runs/el                                      # a worker joins it
+  OMP_NUM_THREADS=1 torchrun --nproc_per_node=3 -m hosfl_dist.run --config configs/quickstart.yaml
+
+Every key: docs/configuration.md, or --help-config. Bad input is one line "error: ...", exit code 2.
+"""
+"""What ``--help`` ends with: one command per mode (tests/test_cli.py parses each)."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hosfl_dist.run", description=__doc__)
+    p = argparse.ArgumentParser(prog="hosfl_dist.run", description=__doc__, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", help="YAML config file (sections of hosfl_dist.config.Config)")
     p.add_argument("--dry-run", action="store_true", help="build the config (and data/model) and print it; no training")
     p.add_argument(
@@ -186,11 +206,15 @@ def _help_config(section: str, plugins: list[str]) -> int:
     return 0
 
 
-def _status(folder: Path, record: bool) -> int:
+def _status(folder: Path, record: bool, given: bool = True) -> int:
     """``--status DIR [--record-death]``: how the run in DIR stands, after writing ``died`` into its summary if it
-    died and ``record`` asks for it."""
+    died and ``record`` asks for it. A DIR that is no folder (``given``: the user named it) is bad input: one line,
+    exit code 2 (a mistyped path must not read as "nothing to report")."""
     from hosfl_dist.runfolder.folder import describe_status, record_death
 
+    if given and not folder.is_dir():
+        why = "no such folder" if not folder.exists() else "not a folder"
+        raise ConfigError(f"--status {folder}: {why} (give a run's folder: job.out_dir, or runs/<job.name>/latest)")
     if record:
         record_death(folder)
     print(describe_status(folder))
@@ -224,8 +248,8 @@ def _record_death(cfg: Config) -> int:
     from hosfl_dist.runfolder.folder import deterministic_out_dir
 
     folder = deterministic_out_dir(cfg, restarted=True)
-    if folder is not None:
-        _status(folder, record=True)
+    if folder is not None:  # a run that never made its folder has nothing to record
+        _status(folder, record=True, given=False)
     return 0
 
 

@@ -5,11 +5,16 @@ type and checked against the range the build can hold; an unknown key or a wrong
 Values are read by YAML 1.2's core schema (:mod:`hosfl_dist.safe_yaml`) and taken as written: a str key takes a
 number's text (``job.name=0x10`` is ``"0x10"``, ``007`` is ``"007"``); an int key takes integers alone (``02000`` is
 2000, ``0x10`` 16; ``2000.0``, ``1e3`` and ``true`` are refused); a float key takes integers and floats (and text
-Python reads as one, such as ``inf``), not booleans."""
+Python reads as one, such as ``inf``), not booleans.
+
+Every key of the tree is checked before one error is raised: a file (with its overrides) that holds several unknown
+keys or bad values gets one :class:`ConfigError` listing each, in the order written. An unknown key names the key it
+was most likely meant to be (difflib: a close name in its section, or the same name in another section)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -18,7 +23,7 @@ from typing import Any, Literal
 
 from hosfl_dist.config.preset import check_models, merge, read_preset
 from hosfl_dist.config.schema import FLOAT32_MAX, INT64, TEXT_KEYS, Config, FieldError, shown
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, close_to, did_you_mean
 from hosfl_dist.safe_yaml import WrittenFloat, WrittenInt, load_file, load_override
 
 
@@ -68,14 +73,76 @@ PRESET = "preset"
 
 
 def build_config(raw: dict[str, Any]) -> Config:
-    """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors)."""
-    return _build(Config, raw, "")
+    """Construct a validated :class:`Config` from a nested mapping (unknown keys and bad types are errors, every one
+    of them in one :class:`ConfigError`)."""
+    return _all_at_once(Config, raw, "")
 
 
 def build_section(cls: type, raw: Any, name: str) -> Any:
     """Construct one dataclass section (of this tree, or another tool's YAML) with the same strict checks, its keys
     named ``name.key`` in errors."""
-    return _build(cls, raw, f"{name}.")
+    return _all_at_once(cls, raw, f"{name}.")
+
+
+MAX_LISTED = 20
+"""Most errors one message lists (the count says how many more there were)."""
+
+
+class _Errors(ConfigError):
+    """Every error found in a tree's keys, raised by :func:`_build` so that a caller above collects them all."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__("; ".join(messages))
+        self.messages = messages
+
+
+def _messages(exc: ConfigError) -> list[str]:
+    return exc.messages if isinstance(exc, _Errors) else [str(exc)]
+
+
+def _all_at_once(cls: type, raw: Any, prefix: str) -> Any:
+    """:func:`_build`, its errors raised as one ConfigError: the error itself where there is one, else ``N errors in
+    the config: (1) ...; (2) ...``, on one line."""
+    try:
+        return _build(cls, raw, prefix, cls)
+    except _Errors as exc:
+        found = exc.messages
+    if len(found) == 1:
+        raise ConfigError(found[0]) from None
+    listed = "; ".join(f"({i}) {m}" for i, m in enumerate(found[:MAX_LISTED], 1))
+    more = f"; and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
+    raise ConfigError(f"{len(found)} errors in the config: {listed}{more}") from None
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A section's field types and names, resolved once (typing.get_type_hints is most of a tree's build time)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+
+
+@functools.cache
+def _paths(cls: type) -> tuple[str, ...]:
+    """Every dotted key of the tree of ``cls`` (``clients.optim.lr``), to find a key written in the wrong section."""
+    found = []
+    hints, _ = _fields(cls)
+    for f in dataclasses.fields(cls):
+        found.append(f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            found += [f"{f.name}.{sub}" for sub in _paths(hints[f.name])]
+    return tuple(found)
+
+
+def _unknown(key: Any, names: frozenset[str], prefix: str, section: str, root: type) -> str:
+    """The line of an unknown key: the key it was most likely meant to be (the same name in other sections, else a
+    close name in the section), or the section's keys when nothing is close."""
+    here = f"unknown key {prefix}{_named(key)} in section {section}"
+    elsewhere = [p for p in _paths(root) if p.rpartition(".")[2] == key and p != f"{prefix}{key}"]
+    if elsewhere:  # zo.batch_size: clients.batch_size, not the zo key closest in spelling
+        return f"{here} (did you mean {' or '.join(elsewhere[:3])}?)"
+    near = close_to(key, names)
+    if near is not None:
+        return f"{here} (did you mean {prefix}{near}?)"
+    return f"{here} (known keys: {', '.join(sorted(names))})"
 
 
 def _named(key: Any) -> str:
@@ -95,30 +162,37 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, root: type) -> Any:
+    """The section ``cls`` of ``raw``; an :class:`_Errors` of every unknown key and bad value in it and below it."""
     section = prefix.rstrip(".") or "<root>"
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"section {section} must be a mapping, got {shown(raw)}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted((k for k in raw if k not in names), key=str)
-    if unknown:
-        raise ConfigError(
-            f"unknown key {prefix}{_named(unknown[0])} in section {section} (known keys: {', '.join(sorted(names))})"
-        )
+        raise _Errors([f"section {section} must be a mapping, got {shown(raw)}"])
+    hints, names = _fields(cls)
+    errors: list[str] = []
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
+    for key, value in raw.items():  # in the order written, so the list reads as the file does
+        if key not in names:
+            errors.append(_unknown(key, names, prefix, section, root))
             continue
-        kwargs[f.name] = _coerce(hints[f.name], raw[f.name], f"{prefix}{f.name}")
+        try:
+            kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", root)
+        except ConfigError as exc:
+            errors += _messages(exc)
+    if errors:  # the section cannot be built: its own checks wait for its values
+        raise _Errors(errors)
     try:
         built = cls(**kwargs)
     except FieldError as exc:  # name the section of a nested check: "lr" -> "clients.optim.lr"
-        raise ConfigError(f"invalid value for {prefix}{exc.key}: {shown(exc.value)} ({exc.why})") from None
+        raise _Errors([f"invalid value for {prefix}{exc.key}: {shown(exc.value)} ({exc.why})"]) from None
     for name in kwargs:  # what the section's own checks let through: sizes that overflow where they are used
-        _check_range(getattr(built, name), f"{prefix}{name}")
+        try:
+            _check_range(getattr(built, name), f"{prefix}{name}")
+        except ConfigError as exc:
+            errors += _messages(exc)
+    if errors:
+        raise _Errors(errors)
     return built
 
 
@@ -140,14 +214,15 @@ def _as_written(value: Any) -> str:
     return value.text if isinstance(value, (WrittenInt, WrittenFloat)) and len(value.text) <= 60 else shown(value)
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
+def _coerce(tp: Any, value: Any, key: str, root: type) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
+        return _build(tp, value, key + ".", root)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"invalid value for {key}: {shown(value)} (choose one of {list(choices)})")
+            hint = did_you_mean(value, choices, quote=True)
+            raise ConfigError(f"invalid value for {key}: {shown(value)} (choose one of {list(choices)}{hint})")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -158,7 +233,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(arg, value, key)
+                return _coerce(arg, value, key, root)
             except ConfigError as exc:
                 errors.append(str(exc))
         head = f"invalid value for {key}: {shown(value)} ("
@@ -169,12 +244,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a list)")
-        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(item_tp, v, f"{key}[{i}]", root) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"invalid value for {key}: {shown(value)} (expected a mapping)")
         k_tp, v_tp = typing.get_args(tp)
-        return {_coerce(k_tp, k, key): _coerce(v_tp, v, f"{key}.{k}") for k, v in value.items()}
+        return {_coerce(k_tp, k, key, root): _coerce(v_tp, v, f"{key}.{k}", root) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             words = isinstance(value, str) and value.lower() in ("yes", "no", "on", "off")

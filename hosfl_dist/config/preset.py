@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, did_you_mean
 from hosfl_dist.safe_yaml import load_file
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -27,7 +27,8 @@ def preset_names() -> list[str]:
 def read_preset(name: Any) -> dict[str, Any]:
     """A preset's file as a mapping (``about``, ``models``, ``set``); an unknown name is a :class:`ConfigError`."""
     if not isinstance(name, str) or name not in preset_names():
-        raise ConfigError(f"unknown preset {name!r} (known presets: {', '.join(preset_names())})")
+        hint = did_you_mean(name, preset_names())
+        raise ConfigError(f"unknown preset {name!r} (known presets: {', '.join(preset_names())}{hint})")
     data = load_file(PRESETS / f"{name}.yaml", "preset file")
     if not isinstance(data, dict) or not isinstance(data.get("set"), dict) or not isinstance(data.get("models"), list):
         raise ConfigError(f"preset file {PRESETS / name}.yaml must hold about, models and set")

@@ -455,7 +455,7 @@ class ServerConfig:
     """Hugging Face decoder LMs on a generation task: the server's LM loss over chunks of at most this many predicted
     tokens, each chunk's (tokens, vocab) logits made, scored and dropped (a frozen head's gradient taken with them; a
     trained head's logits recomputed for the backward), so float32 logits of the whole batch never exist (on a
-    151,936-token vocabulary, 0.6 MB a token). Loss and gradients equal the unchunked path up to float rounding.
+    151,936-token vocabulary, 0.58 MiB a token). Loss and gradients equal the unchunked path up to float rounding.
     0 = off (one logits tensor); other tasks and models ignore it."""
     activation_checkpointing: bool = False
     """Recompute each server decoder block in the backward instead of keeping its activations (hf models)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 
@@ -28,7 +28,9 @@ class Registry(dict[str, T]):
         return sorted(self)
 
     def get_or_refuse(self, name: str) -> T:
-        """The spec of ``name``; a ConfigError naming the key and every registered name otherwise."""
+        """The spec of ``name``; a ConfigError naming the key, every registered name and the one closest to ``name``
+        (did you mean) otherwise."""
         if name not in self:
-            raise ConfigError(f"invalid value for {self.key}: {name!r} (choose one of {self.names()})")
+            hint = did_you_mean(name, self.names(), quote=True)
+            raise ConfigError(f"invalid value for {self.key}: {name!r} (choose one of {self.names()}{hint})")
         return self[name]

@@ -21,8 +21,9 @@ and the label words of RTE and WSC carry no leading space (they follow a newline
 drops the ``Title:`` line. ``spec.label_words[i]`` verbalises data set label ``i``, so a label is also the index of
 its word.
 
-Local sentiment data in SST-2's shape (``/work/shared/data/sentiment_multiemo``, see its README) is the ``sst2`` task
-loaded from local files: ``load_text_split("sst2", "test", "local", path, SENTIMENT_COLUMNS)``.
+Local sentiment data in SST-2's shape (``/work/shared/data/sentiment_multiemo``, see its README) is the
+``sentiment_multiemo`` task: SST-2's fields, prompt and label words (``shape="sst2"``) under its own name, loaded from
+local files: ``load_text_split("sentiment_multiemo", "test", "local", path, SENTIMENT_COLUMNS)``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.errors import ConfigError, DataError, did_you_mean
 from hosfl_dist.tasks.generation import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class TextTaskSpec:
     """One language task: how its examples look, how they are prompted and how predictions are scored."""
 
     name: str
-    """Task name, one of :data:`TASKS`."""
+    """Task name: one of :data:`TASKS`, ``sentiment_multiemo`` or ``custom``."""
     kind: Literal["classification", "generation"]
     """Classification scores ``label_words`` at the last prompt token; generation produces the answer text."""
     label_words: list[str] | None
@@ -71,6 +72,14 @@ class TextTaskSpec:
     """Canonical field -> column of the hub data set, where the names differ."""
     template: str = ""
     """A user-defined task's prompt: ``str.format`` fields naming the file's columns (the presets have their own)."""
+    shape: str = ""
+    """The preset whose prompt it takes, for a data set in another's shape (``sentiment_multiemo``: ``sst2``); empty:
+    its own."""
+
+    @property
+    def preset(self) -> str:
+        """The preset whose prompt, reference example and label rules the task follows."""
+        return self.shape or self.name
 
 
 _SPECS: dict[str, TextTaskSpec] = {
@@ -98,6 +107,9 @@ _SPECS: dict[str, TextTaskSpec] = {
         "squad", "generation", None, "squad_f1", ("context", "question", "answers", "title"), ("squad", None)
     ),
 }
+_SPECS["sentiment_multiemo"] = dataclasses.replace(_SPECS["sst2"], name="sentiment_multiemo", hub=("", None),
+                                                  shape="sst2")  # fmt: skip
+"""The offline sentiment data (local files only), prompted and scored as SST-2 is."""
 _OPTIONAL_FIELDS = frozenset({"title"})
 _BOOLEAN_LABELS = frozenset({"wsc"})
 """Tasks whose files may write the label as a boolean: SuperGLUE's WSC JSONL has ``"label": true`` (label 1, "Yes")."""
@@ -131,10 +143,16 @@ def custom_task(kind: str, template: str, label_words: list[str] | None) -> Text
     return TextTaskSpec(CUSTOM, "generation", None, "squad_f1", (*fields, "answers"), template=template)
 
 
+def is_preset(name: Any) -> bool:
+    """Whether ``name`` is a task of this module (:data:`TASKS`, ``sentiment_multiemo``), with a prompt of its own."""
+    return isinstance(name, str) and name in _SPECS
+
+
 def get_task(name: str) -> TextTaskSpec:
-    """The spec of task ``name``; ConfigError listing :data:`TASKS` for an unknown name."""
+    """The spec of task ``name``; ConfigError listing the tasks (and the one closest to ``name``) for another."""
     if name not in _SPECS:
-        raise ConfigError(f"unknown text task {name!r}; known tasks: {', '.join(TASKS)}")
+        hint = did_you_mean(name, _SPECS)
+        raise ConfigError(f"unknown text task {name!r}; known tasks: {', '.join(_SPECS)}{hint}")
     spec = _SPECS[name]
     label_words = list(spec.label_words) if spec.label_words is not None else None
     return dataclasses.replace(spec, label_words=label_words, hub_columns=dict(spec.hub_columns))
@@ -307,7 +325,7 @@ def _label(spec: TextTaskSpec, value: Any, where: str, i: int) -> int:
     words = [w.strip() for w in spec.label_words or ()]
     if isinstance(value, str) and value.strip() in words and not value.strip().lstrip("-").isdigit():
         return words.index(value.strip())  # a label given as its label word
-    label, boolean = None, isinstance(value, bool) and spec.name not in _BOOLEAN_LABELS
+    label, boolean = None, isinstance(value, bool) and spec.preset not in _BOOLEAN_LABELS
     if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9]+", value.strip()):  # ASCII digits: not "1_0" nor "1.0"
         label = int(value.strip())
     elif isinstance(value, float) and value.is_integer() or isinstance(value, int) and not boolean:
@@ -348,7 +366,7 @@ def local_sentiment_paths(root: str) -> tuple[str, str]:
     """``(train, test)`` JSONL paths of the shipped sentiment data.
 
     ``root`` is either the ``sentiment_multiemo`` folder or the folder that holds it (e.g. ``/work/shared/data``).
-    Load them with ``load_text_split("sst2", split, "local", path, SENTIMENT_COLUMNS)``.
+    Load them with ``load_text_split("sentiment_multiemo", split, "local", path, SENTIMENT_COLUMNS)``.
     """
     candidates = [Path(root), Path(root) / "sentiment_multiemo"]
     for folder in candidates:
@@ -412,12 +430,12 @@ def prompt_template(spec: TextTaskSpec) -> tuple[str, str]:
     """(the exact template, a note on what it does beyond ``str.format``) of a task: the user's, or the preset's."""
     if spec.template:
         return spec.template, ""
-    return PROMPT_TEMPLATES[spec.name]
+    return PROMPT_TEMPLATES[spec.preset]
 
 
 def format_example(spec: TextTaskSpec, example: dict) -> tuple[str, str]:
     """``(prompt, target)`` of one canonical example; the target is the label word or `` <first gold answer>``."""
-    prompt = spec.template.format(**example) if spec.template else _PROMPTS[spec.name](example)
+    prompt = spec.template.format(**example) if spec.template else _PROMPTS[spec.preset](example)
     if spec.kind == "classification":
         assert spec.label_words is not None
         return prompt, spec.label_words[int(example["label"])]
@@ -504,7 +522,7 @@ def label_word_ids(spec: TextTaskSpec, tokenizer: PreTrainedTokenizerBase) -> li
     """First token id of each label word as it follows the task's prompt (DataError when two ids coincide)."""
     if spec.kind != "classification" or not spec.label_words:
         raise ConfigError(f"task {spec.name!r} has no label words")
-    reference = _REFERENCE_EXAMPLES.get(spec.name) or {**dict.fromkeys(spec.fields, "A film."), "label": 0}
+    reference = _REFERENCE_EXAMPLES.get(spec.preset) or {**dict.fromkeys(spec.fields, "A film."), "label": 0}
     prompt, _ = format_example(spec, reference)
     words = list(spec.label_words)
     conts = _continuation_ids(tokenizer, [prompt] * len(words), words)

@@ -81,17 +81,12 @@ class TextFederatedData(FederatedData):
             yield {"input_ids": b.input_ids, "attention_mask": b.attention_mask}, self.eval_labels[idx]
 
 
-def task_name(data: DataConfig) -> str:
-    """The prompt/label task of ``data.name`` (the offline sentiment data is SST-2 shaped)."""
-    return "sst2" if data.name == "sentiment_multiemo" else data.name
-
-
 def task_spec(data: DataConfig) -> TextTaskSpec:
     """The task of ``data.name``: a preset, or the user's (``data.name=custom``: ``data.task``, ``data.template``,
     ``data.label_words``)."""
     if data.name == CUSTOM:
         return custom_task(data.task, data.template, data.label_words)
-    return get_task(task_name(data))
+    return get_task(data.name)  # sentiment_multiemo: its own name, SST-2's prompt (TextTaskSpec.shape)
 
 
 def text_files(data: DataConfig) -> tuple[str, str] | None:

@@ -31,10 +31,15 @@ if TYPE_CHECKING:
 Build = Callable[[argparse.Namespace], tuple[dict[str, list["RunSpec"]], str, dict[str, Any]]]
 Plan = Callable[[argparse.Namespace], dict[str, list[str]]]
 """The overrides of every row of the report (method or grid point), before seeds: what is checked up front."""
+RowOverrides = Callable[[argparse.Namespace, str], list[str]]
+"""The overrides this invocation would give a row of that name (a method, a grid point's label), before seeds: how
+an earlier invocation's row into the same --out is judged the same setting, and kept in the report."""
 
 
-def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog: str, doc: str | None, examples: str | None = None) -> argparse.ArgumentParser:
+    """A study's options; ``examples`` end its ``--help``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, epilog=examples,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--config", required=True, help="YAML config of the setting")
     p.add_argument("--seeds", default="0", help="comma-separated job.seed values (default 0)")
     p.add_argument("--out", required=True, help="output folder")
@@ -130,23 +135,70 @@ def parse_list(text: str, what: str, cast: Callable[[str], Any] = str) -> list[A
     return values
 
 
-def check_overrides(config: str | None, variants: dict[str, list[str]]) -> None:
+class Planning:
+    """What a study says while it plans (every row's config, world and build, then every run's folder, checked before
+    anything starts): for a plan of :attr:`SAY_FROM_RUNS` runs or more, a line that it is planning as it begins, one
+    every :attr:`EVERY_S` with how far it is, and its time when done (a smaller plan takes a few seconds and says
+    nothing). On stderr, so that a dry run's stdout stays its list of commands."""
+
+    SAY_FROM_RUNS = 100
+    EVERY_S = 10.0
+
+    def __init__(self, rows: int, runs: int, row: str) -> None:
+        self.rows, self.runs, self.row = rows, runs, row
+        self.start = self.last = time.perf_counter()
+        self.said = self.finished = False
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        """Where the plan is: ``done`` of ``total`` ``stage`` (e.g. 4,000 of 10,000 configs checked)."""
+        if self.finished or self.runs < self.SAY_FROM_RUNS:
+            return
+        now = time.perf_counter()
+        if not self.said:
+            self._say(f"planning {self.runs:,} run(s) of {self.rows:,} {self.row}(s): every config, world, build and "
+                      "run folder is checked before anything starts")  # fmt: skip
+            self.said, self.last = True, now
+        elif now - self.last >= self.EVERY_S:
+            self._say(f"planning: {done:,} of {total:,} {stage} ({now - self.start:.0f} s)")
+            self.last = now
+
+    def done(self) -> None:
+        """The plan is made: its time, where it was announced."""
+        if self.said and not self.finished:
+            self._say(f"planned {self.runs:,} run(s) in {time.perf_counter() - self.start:.1f} s")
+        self.finished = True
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _quiet(stage: str, done: int, total: int) -> None:
+    pass
+
+
+def check_overrides(
+    config: str | None, variants: dict[str, list[str]], progress: Callable[[str, int, int], None] = _quiet
+) -> dict[str, Any]:
     """Build each row's config once. Unknown keys and malformed overrides of every row fail before the algorithm
     registry (and so torch) is imported; then each row's sections are checked against each other and the registry
-    (:func:`hosfl_dist.runtime.checks.check_config`)."""
+    (:func:`hosfl_dist.runtime.checks.check_config`). Returns the rows' configs, checked."""
     trees = {}
-    for name, overrides in variants.items():
+    for i, (name, overrides) in enumerate(variants.items()):
+        progress("configs read", i, len(variants))
         try:
             trees[name] = load_config(config, overrides)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
     from hosfl_dist.runtime.checks import check_config
 
-    for name, cfg in trees.items():
+    for i, (name, cfg) in enumerate(trees.items()):
+        progress("configs checked", i, len(trees))
         try:
             check_config(cfg)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
+    return trees
 
 
 @dataclass(frozen=True)
@@ -203,9 +255,11 @@ def check_builds(
     row: str = "grid point",
     worlds: dict[str, World] | None = None,
     launch: Launch | None = None,
+    progress: Callable[[str, int, int], None] = _quiet,
+    built: dict[str, Any] | None = None,
 ) -> None:
     """Check every row's config as its run would start, before any run starts; one line per row that fails, naming
-    the row and the cause:
+    the row and the cause (``built``: configs :func:`check_overrides` made, taken for rows of the same overrides):
 
     - its build (:func:`hosfl_dist.cli.precheck.check_build`: an LM's split on the meta device, a text task's files),
       once per distinct build;
@@ -223,8 +277,10 @@ def check_builds(
     sizes: dict[str, Any] = {}
     builds_only = True
     failed = []
-    for name, overrides in variants.items():
-        cfg = load_run_config(config, overrides)
+    for i, (name, overrides) in enumerate(variants.items()):
+        progress("builds checked", i, len(variants))
+        known = (built or {}).get(name)
+        cfg = known[1] if known is not None and known[0] == overrides else load_run_config(config, overrides)
         world = worlds.get(name, World())
         key = build_key(cfg)
         if (key, world.nproc > 1) not in seen:
@@ -281,12 +337,13 @@ def run_experiment(
     build: Build,
     plan: Plan | None = None,
     row: str = "grid point",
+    row_overrides: RowOverrides | None = None,
 ) -> int:
     """:func:`run_rows`, then the invocation's wall time; a bad input or a run that did not complete is one line each
     (exit code 2), as :func:`guarded` says."""
 
     def body(start: float) -> None:
-        record = run_rows(prog, args, argv, build, plan, row)
+        record = run_rows(prog, args, argv, build, plan, row, row_overrides)
         if record is not None:
             complete(record, row)
             print(done_line(start, record, Path(args.out)))
@@ -359,23 +416,31 @@ def run_rows(
     build: Build,
     plan: Plan | None = None,
     row: str = "grid point",
+    row_overrides: RowOverrides | None = None,
 ) -> dict[str, Any] | None:
     """Check the overrides, worlds and builds of every row (with ``plan``; ``row`` names a row in the errors), build
     the runs, launch the unfinished ones (or, with ``--collect``, none), write the report of those that completed;
     returns the record of what ran, its ``missing`` runs named with their cause (None for a dry run, or a Slurm
     submission not waited for). ``args.study_specs`` holds the runs as launched (with their worlds). Except in a dry
-    run, the study holds its lock on ``--out`` (:func:`own_out`) from before the first run starts."""
-    parse_list(args.seeds, "--seeds", int)
+    run, the study holds its lock on ``--out`` (:func:`own_out`) from before the first run starts.
+
+    With ``row_overrides``, the rows of earlier invocations into ``--out`` that this one does not have stay in the
+    report where their runs are what this invocation would run for them (completed, the same identity: reused and
+    said to be); the others are named, left out (:func:`hosfl_dist.experiments.runs.keep_earlier`)."""
+    seeds = parse_list(args.seeds, "--seeds", int)
     free_out(args)
     launch = launch_options(args)
     worlds = None
+    planning = args.planning = Planning(0, 0, row)
     if plan is not None:
         variants = plan(args)
-        check_overrides(args.config, variants)
+        planning.rows, planning.runs = len(variants), len(variants) * len(seeds)
+        trees = check_overrides(args.config, variants, planning)
         worlds = assign_worlds(args.config, variants, launch)  # imports torch (the config's algorithm registry)
         if not args.collect:
             placed_rows = {n: [*o, *worlds[n].overrides] for n, o in variants.items()}
-            check_builds(args.config, placed_rows, row, worlds, launch)  # and transformers for an LM
+            built = {n: (variants[n], cfg) for n, cfg in trees.items()}
+            check_builds(args.config, placed_rows, row, worlds, launch, planning, built)  # and transformers for an LM
     # the runner and the report import torch: only once the input is known to be usable
     from hosfl_dist.experiments.report import few_evaluations, write_report
     from hosfl_dist.experiments.runs import load
@@ -385,15 +450,19 @@ def run_rows(
     args.study_specs = specs
     from hosfl_dist.experiments.runs import check_distinct
 
-    check_distinct(args.config, specs, Path(args.out), row)
+    check_distinct(args.config, specs, Path(args.out), row, planning)
     if not args.dry_run:
         own_out(args)
+    kept, left = earlier_rows(prog, args, specs, row, row_overrides)
     words = argv if argv is not None else sys.argv[1:]
     record = start(prog, args, [w for w in words if w != "--collect"], specs, launch)
     if record is None:
         return None
     out = Path(args.out)
     finished, record["missing"] = gather(args.config, specs, out)
+    record["reused"] = [*(str(s.out_dir) for runs in kept.values() for s in runs), *record["reused"]]
+    record["earlier_rows"] = {name: [s.seed for s in runs] for name, runs in kept.items()}
+    record["earlier_left_out"] = left
     extra = {
         "config": args.config,
         "command": f"python -m {prog} " + " ".join(quote_arg(a) for a in words if a != "--collect"),
@@ -402,14 +471,60 @@ def run_rows(
         **({"worlds": {n: worlds[n].as_dict() for n in specs}} if worlds and launch.launcher != "inprocess" else {}),
         "this_invocation": record,
     }
-    variants = {n: [load(s) for s in v if s.out_dir in finished] for n, v in specs.items()}
+    variants = {n: [load(s) for s in v] for n, v in kept.items()}  # the earlier rows first: they were there first
+    variants |= {n: [load(s) for s in v if s.out_dir in finished] for n, v in specs.items()}
     variants = {n: runs for n, runs in variants.items() if runs}
-    print(write_report(out, variants, args.metric, title, extra, record["missing"]))
+    notes = earlier_notes(record, row)
+    if kept and not args.title:  # the title built from this invocation's rows names the kept ones too
+        title += f", with {', '.join(kept)} kept from earlier invocations"
+    print(write_report(out, variants, args.metric, title, extra, record["missing"], notes))
     for name, runs in variants.items():
         note = few_evaluations(name, [r.rows for r in runs], args.metric, runs[0].summary.get("processed_samples"))
         if note is not None:
             print(note)
     return record
+
+
+def earlier_rows(
+    prog: str, args: argparse.Namespace, specs: dict[str, list[RunSpec]], row: str, row_overrides: RowOverrides | None
+) -> tuple[dict[str, list[RunSpec]], list[dict[str, Any]]]:
+    """The runs of earlier invocations into ``--out`` whose rows this one keeps in its report (by row), said to be
+    reused, and those it leaves out, each said with why (:func:`hosfl_dist.experiments.runs.keep_earlier`)."""
+    if row_overrides is None:
+        return {}, []
+    from hosfl_dist.experiments.launch import study
+    from hosfl_dist.experiments.runs import keep_earlier
+
+    earlier = study.earlier_runs(study.read(Path(args.out)), prog, set(specs))
+    kept, left = keep_earlier(args.config, earlier, lambda name: row_overrides(args, name))
+    if args.collect:  # the report again, as it stands: nothing to announce (table.md names them)
+        return kept, left
+    mark = "# " if args.dry_run else ""
+    for name, runs in kept.items():
+        for spec in runs:
+            print(f"{mark}reusing {spec.out_dir} (completed, same identity: config and inputs): {row} {name} of an "
+                  "earlier invocation into --out, kept in the report")  # fmt: skip
+    for entry in left:
+        print(f"{mark}note: {row} {entry['row']} seed {entry['seed']} of an earlier invocation into --out is left out "
+              f"of the report: {entry['why']}")  # fmt: skip
+    return kept, left
+
+
+def earlier_notes(record: dict[str, Any], row: str) -> list[str]:
+    """table.md's lines on the rows earlier invocations into its folder left in it, and those left out (the same
+    whether the study runs or is collected)."""
+    lines = []
+    earlier = record.get("earlier_rows") or {}
+    if earlier:
+        rows = ", ".join(f"{name} (seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))})" for name, s in
+                         earlier.items())  # fmt: skip
+        lines.append(f"Kept from earlier invocations into this folder, their runs reused: {row} {rows}.")
+    left = record.get("earlier_left_out") or []
+    if left:
+        lines += ["", "## Left out", "", f"{len(left)} run(s) of earlier invocations into this folder are not what "
+                  "this invocation would run for their rows, and are not in the table or the plots:", ""]  # fmt: skip
+        lines += [f"- {e['row']}, seed {e['seed']}: {e['why']}" for e in left]
+    return lines
 
 
 def placed(specs: dict[str, list[RunSpec]], worlds: dict[str, World] | None, launcher: str) -> dict[str, list[RunSpec]]:
@@ -439,8 +554,10 @@ def start(
 
     runs = [s for v in specs.values() for s in v]
     out = Path(args.out)
+    planning = getattr(args, "planning", None) or Planning(0, len(runs), "run")
     if args.collect:
-        _, reused, _ = split(args.config, runs, announce=False)
+        _, reused, _ = split(args.config, runs, announce=False, progress=planning)
+        planning.done()
         return {"launched": [], "reused": [str(s.out_dir) for s in reused], "failed": [], "wall_time_s": 0.0,
                 "collected": True, "launcher": launch.launcher}  # fmt: skip
     record = study.read(out)
@@ -456,10 +573,12 @@ def start(
     if launch.launcher == "slurm":
         from hosfl_dist.experiments.launch import slurm
 
+        planning.done()
         return slurm.launch(
             args.config, runs, out, record, args.threads, launch.sbatch, args.dry_run, args.no_wait, args.jobs
         )
-    record = launch_here(args.config, runs, args.jobs, args.threads, args.dry_run, launch.launcher)
+    record = launch_here(args.config, runs, args.jobs, args.threads, args.dry_run, launch.launcher, planning,
+                         planning.done)  # fmt: skip
     return None if args.dry_run else record
 
 

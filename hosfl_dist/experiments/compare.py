@@ -30,6 +30,21 @@ if TYPE_CHECKING:
     from hosfl_dist.experiments.runs import RunSpec
 
 PROG = "hosfl_dist.experiments.compare"
+EXAMPLES = """\
+examples:
+  python -m hosfl_dist.experiments.compare --config configs/quickstart.yaml --methods hosfl,frozen_client \\
+      --seeds 0,1 --out runs/cmp                 # two methods over two seeds: runs/cmp/table.md, accuracy.png
+  python -m hosfl_dist.experiments.compare --config configs/quickstart.yaml --methods sfl --seeds 0,1 \\
+      --out runs/cmp                             # one more row: the earlier rows stay, their runs reused
+  python -m hosfl_dist.experiments.compare --config configs/quickstart.yaml --methods hosfl,sfl --out runs/cmp_lr \\
+      --method-set sfl:clients.optim.lr=0.01 train.budget_samples=20000   # one method's override, one for all
+  python -m hosfl_dist.experiments.compare --config configs/quickstart.yaml --methods hosfl,sfl --out runs/cmp \\
+      --dry-run                                  # the commands of the runs still to do; nothing runs
+  python -m hosfl_dist.experiments.compare --config configs/quickstart.yaml --methods hosfl,sfl --out runs/cmp_tr \\
+      --launcher torchrun --nproc 3 --jobs 2     # each run a torchrun job of 3 processes, two at a time
+  python -m hosfl_dist.experiments.collect runs/cmp   # the report again from the runs as they stand
+"""
+"""What ``--help`` ends with (tests/test_cli.py parses each command)."""
 
 # App. B.4: "For MU-SplitFed, we follow the original paper and use standard SGD without momentum, with client
 # learning rate 0.005, server learning rate 0.01, and global learning rate 0.3." (τ = 2 per App. B.3.)
@@ -50,7 +65,7 @@ PAPER_METHOD_DEFAULTS: dict[str, list[str]] = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(PROG, __doc__)
+    p = parser(PROG, __doc__, EXAMPLES)
     p.add_argument("--methods", required=True, help="comma-separated algorithm names (hosfl, sfl, fsl_sage, ...)")
     p.add_argument(
         "--method-set",
@@ -96,8 +111,14 @@ def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict
     return specs, title, {"overrides": overrides}
 
 
+def row_overrides(args: argparse.Namespace, method: str) -> list[str]:
+    """The overrides this invocation would give ``method`` (a row of an earlier invocation into --out)."""
+    methods = parse_list(args.methods, "--methods")
+    return method_overrides(args, [*methods, *([method] if method not in methods else [])])[method]
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build, plan, row="method")
+    return run_experiment(PROG, parse_args(argv), argv, build, plan, row="method", row_overrides=row_overrides)
 
 
 if __name__ == "__main__":

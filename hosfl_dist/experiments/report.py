@@ -236,10 +236,11 @@ def write_table(
     title: str,
     extra: dict[str, Any],
     missing: list[dict[str, Any]] | None = None,
+    notes: list[str] | None = None,
 ) -> str:
     """table.md (human) and table.json (every number, per seed); returns the markdown. Rows whose runs ran
     distributed get a table per role; ``missing`` (runs that did not complete: row, seed, run, why) a section that
-    names each."""
+    names each; ``notes`` (lines) end it."""
     scale = 100.0 if _pct(metric) else 1.0
     pct = " (%)" if scale == 100 else ""
     unit, size = unit_for(max((r.training_total_bytes for r in rows), default=1.0))
@@ -285,6 +286,8 @@ def write_table(
         lines += role_table(rows, row_header, names)
     if missing:
         lines += missing_section(missing, sum(len(r.seeds) for r in rows))
+    if notes:
+        lines += ["", *notes]
     md = "\n".join(lines) + "\n"
     (out / "table.md").write_text(md)
     payload = {
@@ -467,12 +470,13 @@ def write_report(
     title: str,
     extra: dict[str, Any],
     missing: list[dict[str, Any]] | None = None,
+    notes: list[str] | None = None,
 ) -> str:
     """All outputs of an experiment into ``out``; returns table.md's text. ``missing``: the runs that did not
-    complete (named in the table; no plots when no run completed)."""
+    complete (named in the table; no plots when no run completed); ``notes``: table.md's last lines."""
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(variants, metric)
-    md = write_table(out, rows, metric, title, extra, missing)
+    md = write_table(out, rows, metric, title, extra, missing, notes)
     if rows:
         plot_metric(out / ("accuracy.png" if metric == "eval_accuracy" else f"{metric}.png"), variants, metric, title)
         plot_traffic(out / "traffic.png", rows, title)

@@ -11,13 +11,15 @@ from its latest checkpoint (``job.resume=auto``); a folder holding another setti
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +64,16 @@ def resolve(config: str | None, spec: RunSpec) -> Config:
         raise ConfigError(f"{spec.variant} seed {spec.seed}: {exc}") from None
 
 
-def check_distinct(config: str | None, specs: dict[str, list[RunSpec]], out: Path, row: str = "grid point") -> None:
+Progress = Callable[[str, int, int], None]
+"""What a study's planning calls as it goes: (what is being checked, how many so far, of how many)."""
+
+
+def _quiet(stage: str, done: int, total: int) -> None:
+    pass
+
+
+def check_distinct(config: str | None, specs: dict[str, list[RunSpec]], out: Path, row: str = "grid point",
+                   progress: Progress = _quiet) -> None:  # fmt: skip
     """Refuse a study in which two runs are one point, which the report would count twice: two runs in one folder
     (labels that make the same folder name), or two runs of one config (``--grid zo.mu=1e-3,0.001``, a value written
     two ways); and a run folder that resolves out of ``out`` (a link to another run's folder). One line each."""
@@ -72,8 +83,10 @@ def check_distinct(config: str | None, specs: dict[str, list[RunSpec]], out: Pat
     folders: dict[Path, str] = {}
     configs: dict[str, str] = {}
     problems = []
+    total = sum(len(runs) for runs in specs.values())
     for name, runs in specs.items():
         for spec in runs:
+            progress("runs told apart", len(folders), total)
             here = f"{row} {name} seed {spec.seed}"
             folder = spec.out_dir.resolve()
             if not folder.is_relative_to(base):
@@ -101,6 +114,30 @@ def is_finished(spec: RunSpec, cfg: Config) -> bool:
     )
 
 
+def keep_earlier(config: str | None, earlier: list[dict[str, Any]], overrides_of: Callable[[str], list[str]]) -> tuple[
+    dict[str, list[RunSpec]], list[dict[str, Any]]
+]:  # fmt: skip
+    """The runs of earlier invocations into a study's folder (:func:`~hosfl_dist.experiments.launch.study.
+    earlier_runs`) that this invocation would have made as they are: by row, the completed ones whose identity
+    (config and inputs) is the one ``overrides_of(row)`` gives the row now (reused, so their rows stay in the
+    report); and the others, each ``{row, seed, run, why}`` (another setting, not completed, gone)."""
+    kept: dict[str, list[RunSpec]] = {}
+    left: list[dict[str, Any]] = []
+    for entry in earlier:
+        spec = RunSpec(entry["row"], entry["seed"], [], Path(entry["run"]))
+        try:
+            spec.overrides = list(overrides_of(spec.variant))
+            cfg = resolve(config, spec)
+        except ConfigError as exc:
+            left.append({**entry, "why": f"its row does not build with this invocation's settings: {exc}"})
+            continue
+        if is_finished(spec, cfg):
+            kept.setdefault(spec.variant, []).append(spec)
+        else:
+            left.append({**entry, "why": why_missing(spec, cfg)})
+    return kept, left
+
+
 def command(config: str | None, spec: RunSpec, cfg: Config | None = None) -> list[str]:
     """The run's command: it continues an unfinished run of the same config and replaces another setting's."""
     cmd = [sys.executable, "-m", "hosfl_dist.run"]
@@ -118,12 +155,12 @@ def start_overrides(spec: RunSpec, cfg: Config | None) -> list[str]:
     return [] if diff is None else ["job.resume=auto"] if not diff else ["job.overwrite=true"]
 
 
-def split(config: str | None, specs: Sequence[RunSpec], dry_run: bool = False, announce: bool = True) -> tuple[
-    dict[Path, Config], list[RunSpec], list[RunSpec]
-]:  # fmt: skip
+def split(config: str | None, specs: Sequence[RunSpec], dry_run: bool = False, announce: bool = True,
+          progress: Progress = _quiet) -> tuple[dict[Path, Config], list[RunSpec], list[RunSpec]]:  # fmt: skip
     """Each run's config (validated), and the runs to reuse (announced) and to do."""
     todo, reused, cfgs = [], [], {}
-    for spec in specs:
+    for i, spec in enumerate(specs):
+        progress("run folders read", i, len(specs))
         cfgs[spec.out_dir] = cfg = resolve(config, spec)
         (reused if is_finished(spec, cfg) else todo).append(spec)
     for spec in reused if announce else ():  # a comment line in a dry run's list of commands
@@ -149,13 +186,17 @@ def launch(
     threads: int = 1,
     dry_run: bool = False,
     launcher: str = "inprocess",
+    progress: Progress = _quiet,
+    planned: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Run the unfinished specs on this machine, ``jobs`` at a time, each process with ``threads`` intra-op threads:
     one process each (``launcher`` inprocess) or a torchrun job of the run's world (torchrun); returns a record of
-    what ran (launched, reused, failed runs, and the wall time of this invocation)."""
+    what ran (launched, reused, failed runs, and the wall time of this invocation). ``progress`` is told how far
+    the reading of the run folders is, ``planned`` called once it is done."""
     if jobs < 1 or threads < 1:
         raise ConfigError(f"--jobs and --threads must be >= 1 (got {jobs}, {threads})")
-    cfgs, reused, todo = split(config, specs, dry_run)
+    cfgs, reused, todo = split(config, specs, dry_run, progress=progress)
+    planned()
     if dry_run:
         for spec in todo:
             cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
@@ -170,8 +211,11 @@ def launch(
     env.pop("HOSFL_JOB_TOKEN", None)  # every torchrun job makes a token of its own (launch/torchrun.sh)
     start = time.perf_counter()
     watch = Watch(len(todo))
+    jobs_now = Running()
 
     def one(spec: RunSpec) -> tuple[RunSpec, int, float]:
+        if jobs_now.stopped.is_set():  # after Ctrl-C nothing starts
+            return spec, NOT_STARTED, 0.0
         spec.out_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         watch.started(spec)
@@ -181,21 +225,30 @@ def launch(
         else:
             with log:
                 cmd, added = job(config, spec, cfgs[spec.out_dir], launcher)
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **added}).returncode
+                rc = jobs_now.run(spec.out_dir, cmd, log, {**env, **added})
             said = ""
         took = time.perf_counter() - t0
         watch.ended(spec)
         world = "" if launcher == "inprocess" else f" ({spec.world.describe()})"
-        say(f"[{'ok' if rc == 0 else f'FAILED rc={rc}'}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s"
-            f" (its process, set-up included){said}")  # fmt: skip
+        how = "ok" if rc == 0 else "interrupted" if rc in CTRL_C else f"FAILED rc={rc}"
+        say(f"[{how}] {spec.variant} seed {spec.seed}{world}: {took:.1f} s (its process, set-up included){said}")
+        if rc in CTRL_C:  # a run stopped by Ctrl-C: the study stops with it
+            jobs_now.stopped.set()
         return spec, rc, took
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool, watch:
-        results = list(pool.map(one, todo))
-    if any(rc in CTRL_C for _, rc, _ in results):
-        # the terminal's Ctrl-C reached the runs (each checkpointed and stopped): the study was interrupted too, even
-        # where the signal woke one of its threads rather than the one that waits for them
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    with watch:
+        futures = [pool.submit(one, spec) for spec in todo]
+        try:
+            results = [f.result() for f in futures]  # Ctrl-C reaches this thread, which waits
+        except KeyboardInterrupt:
+            jobs_now.stop(pool)  # the running runs checkpoint and record it; none starts after
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+    if jobs_now.stopped.is_set():  # a run was stopped by a Ctrl-C that woke none of this process's threads
         raise KeyboardInterrupt
+    results = [r for r in results if r[1] != NOT_STARTED]
     return {
         "launched": [{"run": str(s.out_dir), "wall_time_s": round(w, 1)} for s, rc, w in results if rc == 0],
         "reused": [str(s.out_dir) for s in reused],
@@ -215,6 +268,58 @@ def say(line: str) -> None:
 
 CTRL_C = (130, -2)
 """A run's exit code after Ctrl-C: the command's own (128 + SIGINT), or the signal's where it had no handler yet."""
+NOT_STARTED = -(2**31)
+"""The code of a run that Ctrl-C kept from starting."""
+
+
+class Running:
+    """The study's running jobs, each in a session of its own, so that a Ctrl-C reaches them once, from the study:
+    the terminal's goes to the study alone, which forwards one SIGINT to each job's process group (what the terminal
+    would have sent), so each run checkpoints, records that it was interrupted and stops; ``stopped`` keeps any run
+    from starting after."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.procs: dict[Path, subprocess.Popen] = {}
+        self.stopped = threading.Event()
+
+    def run(self, folder: Path, cmd: list[str], log: Any, env: dict[str, str]) -> int:
+        """The job's exit code (``cmd`` started with ``log`` as its output, or never where the study stopped). A study
+        that ignores SIGINT (started in the background by a shell) forwards none: its jobs then stay in its process
+        group, where a Ctrl-C sent to the group reaches them, and the first that stops by it stops the study."""
+        own_session = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+        with self.lock:
+            if self.stopped.is_set():
+                return NOT_STARTED
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=own_session)
+            self.procs[folder] = proc
+        try:
+            return proc.wait()
+        finally:
+            with self.lock:
+                self.procs.pop(folder, None)
+
+    def interrupt(self) -> None:
+        """One SIGINT to each running job's process group (a torchrun job's every process)."""
+        with self.lock:
+            procs = list(self.procs.values())
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # ended meanwhile
+                os.killpg(proc.pid, signal.SIGINT)
+
+    def stop(self, pool: ThreadPoolExecutor) -> None:
+        """After Ctrl-C: start nothing more, interrupt the running jobs and wait until each has recorded its end; a
+        second Ctrl-C while waiting is forwarded too (the runs then stop at once), a third stops the wait."""
+        self.stopped.set()
+        for _ in range(3):
+            self.interrupt()
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+                return
+            except KeyboardInterrupt:
+                continue
 WATCH_S = 60.0
 """How often a study says where each running point is (its log's last progress line)."""
 

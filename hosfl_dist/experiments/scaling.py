@@ -63,12 +63,13 @@ QUANTITIES = {
     "client_peak_bytes": ("client peak memory [MiB] (profiler)", 1 / 2**20),
     "client_step_s": ("client step [s] (one client, profiler)", 1.0),
     "server_s_per_round": ("server compute per round [s]", 1.0),
-    "traffic_bytes_per_round": ("training traffic per round [MB]", 1e-6),
+    "traffic_bytes_per_round": ("training traffic per round [MiB]", 1 / 2**20),
     "wall_s_per_round": ("wall time per round [s] (in-process)", 1.0),
-    "peak_rss_bytes": ("peak RSS of the in-process run [GB]", 1e-9),
-    "client_param_bytes": ("f_c bytes [MB]", 1e-6),
+    "peak_rss_bytes": ("peak RSS of the in-process run [GiB]", 1 / 2**30),
+    "client_param_bytes": ("f_c bytes [MiB]", 1 / 2**20),
 }
-"""Fitted (and, but for the last two, plotted) quantities: key -> (label with unit, scale to that unit)."""
+"""Fitted (and, but for the last two, plotted) quantities: key -> (label with unit, scale to that unit); sizes in
+binary units (MiB = 2^20 bytes, GiB = 2^30), as every table of the package."""
 SMALL_CNN_PROFILED_WIDTH = 16
 """The memory profiler builds small_cnn at this width only: other widths get no client profile."""
 PLOTTED = ("client_peak_bytes", "client_step_s", "server_s_per_round", "traffic_bytes_per_round")
@@ -343,21 +344,23 @@ def write_scaling(
     categories = [c for c in sorted({k for p in points.values() for k in p if k.startswith("traffic/")})
                   if any(p.get(c) for p in points.values()) and c != "traffic/eval"]  # fmt: skip
     lines = [f"# {title}", "", f"`{command}`", "",
-             "| grid point | model params | client blocks | f_c params | d_c (trainable) | f_c MB | P | "
+             "| grid point | model params | client blocks | f_c params | d_c (trainable) | f_c MiB | P | "
              + " | ".join(f"{c.split('/', 1)[1]} / round" for c in categories)
              + " | server s / round | client step s | client peak MiB | client RSS MiB | wall s / round | run peak "
-               f"RSS GB | {metric} |",
+               f"RSS GiB | {metric} |",
              "|---" + "|---:" * (12 + len(categories)) + "|"]  # fmt: skip
     for name, p in points.items():
         lines.append(
             f"| {name} | {p['model_params'] / 1e6:,.1f}M | {p['client_blocks']} | {p['client_params']:,} | "
-            f"{p['client_trainable_params']:,} | {p['client_param_bytes'] / 1e6:,.1f} | {p['P']} | "
+            f"{p['client_trainable_params']:,} | {p['client_param_bytes'] / 2**20:,.1f} | {p['P']} | "
             + " | ".join(f"{p[c]:,.0f} B" for c in categories)
             + f" | {_num(p.get('server_s_per_round'), '.3f')} | {_num(p.get('client_step_s'), '.3f')} | "
             f"{_mib(p.get('client_peak_bytes'))} | {_mib(p.get('client_rss_bytes'))} | "
-            f"{p['wall_s_per_round']:.3f} | {p['peak_rss_bytes'] / 1e9:.2f} | {_num(p.get(metric), '.4f')} |"
+            f"{p['wall_s_per_round']:.3f} | {p['peak_rss_bytes'] / 2**30:.2f} | {_num(p.get(metric), '.4f')} |"
         )
-    lines += ["", "Per round and mean over seeds. Client peak MiB: live tensor bytes of one client step (the memory "
+    lines += ["", "Per round and mean over seeds. Model params: f_c's and f_s's as split (an embedding tied to the "
+              "head counts in both: SmolLM2-135M is 163M here, 134.5M as transformers counts it); sizes in MiB and "
+              "GiB (2^20 and 2^30 bytes). Client peak MiB: live tensor bytes of one client step (the memory "
               "profiler's count); client RSS: that profiling process's peak; client step: one sampled client's "
               "compute (clients run in parallel); server s: its training calls in the in-process run; wall s and run "
               "peak RSS: the in-process run (every client and the server in one process). "

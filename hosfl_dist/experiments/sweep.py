@@ -29,10 +29,22 @@ if TYPE_CHECKING:
     from hosfl_dist.experiments.runs import RunSpec
 
 PROG = "hosfl_dist.experiments.sweep"
+EXAMPLES = """\
+examples:
+  python -m hosfl_dist.experiments.sweep --config configs/quickstart.yaml --grid zo.num_perturbations=1,4,16 \\
+      --seeds 0,1 --out runs/sweep_P             # a row per value of P: runs/sweep_P/table.md, accuracy.png
+  python -m hosfl_dist.experiments.sweep --config configs/quickstart.yaml --grid zo.mu=1e-4,1e-3 \\
+      --grid split.cut=1,2 --out runs/mu_cut     # the product of two grids: four rows
+  python -m hosfl_dist.experiments.sweep --config configs/quickstart.yaml --grid zo.num_perturbations=1,4 \\
+      --out runs/sweep_P2 --jobs 2 --threads 1 train.budget_samples=20000   # two runs at a time, one override for all
+  python -m hosfl_dist.experiments.sweep --config configs/quickstart.yaml --grid zo.num_perturbations=1,4,16 \\
+      --out runs/sweep_P --dry-run               # the commands of the runs still to do; nothing runs
+"""
+"""What ``--help`` ends with (tests/test_cli.py parses each command)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser(PROG, __doc__)
+    p = parser(PROG, __doc__, EXAMPLES)
     p.add_argument(
         "--grid",
         action="append",
@@ -75,8 +87,14 @@ def build(args: argparse.Namespace) -> tuple[dict[str, list[RunSpec]], str, dict
     return specs, title, {"grid": args.grid}
 
 
+def row_overrides(args: argparse.Namespace, label: str) -> list[str]:
+    """The overrides this invocation would give the grid point ``label`` (``key=value,key=value``: a row of an earlier
+    invocation into --out): the common ones, then the point's."""
+    return [*user_overrides(args), *label.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_experiment(PROG, parse_args(argv), argv, build, plan)
+    return run_experiment(PROG, parse_args(argv), argv, build, plan, row_overrides=row_overrides)
 
 
 if __name__ == "__main__":

@@ -200,11 +200,24 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def main(argv: list[str] | None = None) -> int:
+EXAMPLES = """\
+examples:
+  python -m hosfl_dist.export runs/quickstart/latest --out runs/exports/quickstart   # vision: state dict + load_vision
+  python -m hosfl_dist.export runs/quick_lm/latest --out runs/exports/quick_lm       # LM: a Hugging Face folder
+  python -m hosfl_dist.export runs/quick_lm/latest --format peft --out runs/exports/quick_lm_peft   # a PEFT adapter
+  python -m hosfl_dist.export runs/quick_lm/latest --checkpoint round-100 --out runs/exports/r100   # another checkpoint
+  python -m hosfl_dist.export runs/quick_lm/latest --out runs/exports/quick_lm --force   # replace an earlier export
+"""
+"""What ``--help`` ends with (tests/test_cli.py parses each command)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m hosfl_dist.export",
         description="Export a run's fine-tuned model: a Hugging Face folder with LoRA merged (merged), one PEFT "
         "adapter of the unsplit model (peft), or a vision model's state dict, with a model card.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's folder (runs/<name>/latest, job.out_dir)")
     p.add_argument("--checkpoint", default="latest", metavar="latest|round-N",
@@ -224,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-unsigned", action="store_true", help="export a checkpoint whose manifest carries no "
                    "signature, if you trust whoever could write the run's folder; a signature mismatch is refused "
                    "whatever this says")  # fmt: skip
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from hosfl_dist.logs import init_logging
 
     init_logging("export")

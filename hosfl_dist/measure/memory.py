@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-MB = 1024**2
+MIB = 1024**2
 PROCESS_OVERHEAD = 0.6 * 1024**3
 """RSS of a profiling process beyond its tensors: the interpreter, torch and transformers (on CPU)."""
 
@@ -105,7 +105,7 @@ def say(line: str) -> None:
 
 
 def size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", MB)):
+    for unit, scale in (("GiB", 1024**3), ("MiB", MIB)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes / 1024:.1f} KiB"
@@ -241,9 +241,9 @@ def figure(report: dict[str, Any]) -> Figure:
     x = np.arange(len(modes))
     fig, (totals, parts) = plt.subplots(1, 2, figsize=(1.6 * len(modes) + 5, 4.6), layout="constrained")
 
-    peaks = {"live tensor storage (counted)": [r["peak_bytes"] / MB for r in rows]}
+    peaks = {"live tensor storage (counted)": [r["peak_bytes"] / MIB for r in rows]}
     if report.get("isolated_processes") and all(r.get("rss_peak_bytes") for r in rows):  # RSS is the mode's own
-        peaks["process peak RSS"] = [r["rss_peak_bytes"] / MB for r in rows]
+        peaks["process peak RSS"] = [r["rss_peak_bytes"] / MIB for r in rows]
     width = 0.8 / len(peaks)
     ratios = report.get("ratio_to_inference", {})
     for i, (name, values) in enumerate(peaks.items()):
@@ -257,7 +257,7 @@ def figure(report: dict[str, Any]) -> Figure:
     totals.legend(fontsize=8, loc="upper left")
     totals.grid(axis="y", alpha=0.3)
 
-    series = {name: [max(get(r), 0) / MB for r in rows] for name, get in COMPONENTS}
+    series = {name: [max(get(r), 0) / MIB for r in rows] for name, get in COMPONENTS}
     absent = [name for name, values in series.items() if not any(values)]
     shown = {name: values for name, values in series.items() if any(values)}
     width = 0.8 / max(len(shown), 1)
@@ -387,8 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratio = report["ratio_to_inference"].get(m)
         rss = r.get("rss_peak_bytes")
         print(
-            f"{m:<11} {r['peak_bytes'] / MB:>9.2f} {r['resident_bytes'] / MB:>9.2f} {r['working_bytes'] / MB:>9.2f}"
-            f" {ratio if ratio is not None else float('nan'):>7.3f} {rss / MB if rss else float('nan'):>8.1f}"
+            f"{m:<11} {r['peak_bytes'] / MIB:>9.2f} {r['resident_bytes'] / MIB:>9.2f} {r['working_bytes'] / MIB:>9.2f}"
+            f" {ratio if ratio is not None else float('nan'):>7.3f} {rss / MIB if rss else float('nan'):>8.1f}"
             f" {r['step_s']:>7.3f}"
         )
     print(f"wrote {out / 'memory.json'} and {out / 'memory.png'}")

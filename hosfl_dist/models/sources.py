@@ -38,7 +38,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from hosfl_dist.core.plugins import plugin_call
 from hosfl_dist.core.registry import Registry
-from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.errors import ConfigError, DataError, did_you_mean
 from hosfl_dist.models.hf_load import TINY_ARCHS, load_causal_config, load_causal_lm, tiny_causal_lm, tiny_config
 
 if TYPE_CHECKING:
@@ -138,7 +138,8 @@ def resolve(source: str, gguf_file: str = "", key: str = "model.source") -> Mode
             with plugin_call(spec.names, f"model source {spec.prefix}: names()"):
                 known = [str(n) for n in spec.names()]
         if known is not None and name not in known:
-            raise ConfigError(f"{key} {source!r}: unknown {spec.prefix} name {name!r}; known: {', '.join(known)}")
+            raise ConfigError(f"{key} {source!r}: unknown {spec.prefix} name {name!r}; known: {', '.join(known)}"
+                              + did_you_mean(name, known, f"{spec.prefix}:"))
         return ModelSource(source, name, scheme=spec.prefix)
     path = source
     if source.startswith(PKG_PREFIX):

@@ -276,8 +276,8 @@ def describe_link(link: LinkConfig) -> str:
 def describe_traffic(summary: Mapping[str, Any]) -> str:
     """One line for the end of a run: what the emulated link carried and the delay it injected (:meth:`summary`)."""
     return (
-        f"emulated link carried {summary['messages']} messages: {summary['uplink_bytes'] / 1e6:.3g} MB up "
-        f"({summary['delay_uplink_s']:.3g} s of delay), {summary['downlink_bytes'] / 1e6:.3g} MB down "
+        f"emulated link carried {summary['messages']} messages: {summary['uplink_bytes'] / 2**20:.3g} MiB up "
+        f"({summary['delay_uplink_s']:.3g} s of delay), {summary['downlink_bytes'] / 2**20:.3g} MiB down "
         f"({summary['delay_downlink_s']:.3g} s)"
     )
 

@@ -95,8 +95,8 @@ def _hint(cfg: Config, world: World) -> str:
 
 
 def slurm_mem_gib(options: list[str]) -> float | None:
-    """The node memory a ``--mem=SIZE`` among sbatch options asks for, in GiB (Slurm's unit default: MB); None
-    without one (``--mem=0``, the whole node, is unknown here too)."""
+    """The node memory a ``--mem=SIZE`` among sbatch options asks for, in GiB (Slurm's default unit, which it calls
+    MB, is 2^20 bytes: MiB); None without one (``--mem=0``, the whole node, is unknown here too)."""
     value = None
     for i, opt in enumerate(options):
         if opt.startswith("--mem="):
@@ -107,7 +107,7 @@ def slurm_mem_gib(options: list[str]) -> float | None:
         return None
     m = _MEM.fullmatch(value.strip())
     if m is None:
-        raise ConfigError(f"--sbatch --mem={value}: not a size such as 64G or 64000 (MB)")
+        raise ConfigError(f"--sbatch --mem={value}: not a size such as 64G or 64000 (MiB, Slurm's default unit)")
     scale = {"K": 2**10, "M": 2**20, "": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
     gib = float(m.group(1)) * scale / GIB
     return gib or None

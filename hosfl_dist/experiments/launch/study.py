@@ -1,7 +1,9 @@
 """The study's record, ``OUT/study.json``: the command that made it, its runs, and its Slurm submissions.
 
 Written when a study starts launching (not by a dry run), and after every ``sbatch`` (a job id is never lost between
-the submission and the record). ``python -m hosfl_dist.experiments.collect OUT`` reads it to report the study again
+the submission and the record). The runs of earlier invocations of the same command into ``OUT`` whose rows this one
+does not have are kept as ``earlier``: the report keeps their rows where their runs are what this invocation would
+run for them (:func:`earlier_runs`). ``python -m hosfl_dist.experiments.collect OUT`` reads it to report the study again
 from its runs as they stand; the same command run again reads it to find the runs still queued in Slurm (they are
 waited for, not submitted twice). Torch-free.
 """
@@ -61,7 +63,8 @@ def write(out: Path, record: dict[str, Any]) -> None:
 
 
 def begin(out: Path, prog: str, argv: Sequence[str], launcher: str, specs: Sequence[RunSpec]) -> dict[str, Any]:
-    """The record of this invocation (its command and runs), with the submissions of the earlier ones kept."""
+    """The record of this invocation (its command and runs), with the submissions of the earlier ones kept, and
+    their runs of rows this one does not have (``earlier``)."""
     old = read(out) or {}
     record = {
         "prog": prog,
@@ -72,7 +75,24 @@ def begin(out: Path, prog: str, argv: Sequence[str], launcher: str, specs: Seque
             {"row": s.variant, "seed": s.seed, "run": str(s.out_dir.resolve()), "world": s.world.as_dict()}
             for s in specs
         ],
+        "earlier": earlier_runs(old, prog, {s.variant for s in specs}),
         "submissions": old.get("submissions", []),
     }
     write(out, record)
     return record
+
+
+def earlier_runs(record: dict[str, Any] | None, prog: str, rows: set[str]) -> list[dict[str, Any]]:
+    """The runs ``record`` holds (its invocation's and those it kept) of rows not in ``rows``, where it is a record
+    of ``prog`` (a compare's rows are no sweep's): each ``{row, seed, run}``, once, in the order recorded; entries
+    of another shape are left out (the record is read from a folder)."""
+    if not record or record.get("prog") != prog:
+        return []
+    found, seen = [], set()
+    for entry in [*record.get("runs", []), *record.get("earlier", [])]:
+        ok = (isinstance(entry, dict) and isinstance(entry.get("row"), str) and isinstance(entry.get("run"), str)
+              and isinstance(entry.get("seed"), int) and not isinstance(entry.get("seed"), bool))  # fmt: skip
+        if ok and entry["row"] not in rows and entry["run"] not in seen:
+            seen.add(entry["run"])
+            found.append({"row": entry["row"], "seed": entry["seed"], "run": entry["run"]})
+    return found

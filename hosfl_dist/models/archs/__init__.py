@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.errors import ConfigError, did_you_mean
 
 ARCH_NAMES: list[str] = sorted(
     entry.name.removesuffix(".json") for entry in resources.files(__name__).iterdir() if entry.name.endswith(".json")
@@ -29,7 +29,8 @@ def arch_fields(name: str) -> dict[str, Any]:
     study; note that Gemma-3's ``layer_types`` must keep one entry per block.
     """
     if name not in ARCH_NAMES:
-        raise ConfigError(f"unknown architecture {name!r}; choose one of {', '.join(ARCH_NAMES)}")
+        raise ConfigError(f"unknown architecture {name!r}; choose one of {', '.join(ARCH_NAMES)}"
+                          + did_you_mean(name, ARCH_NAMES))
     return json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text(encoding="utf-8"))
 
 

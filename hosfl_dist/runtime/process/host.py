@@ -185,12 +185,12 @@ def set_threads(
                     else "its launcher's (an experiment command's --threads) or the shell's")  # fmt: skip
         why = f"job.threads=0 (auto): OMP_NUM_THREADS={n}, set in the environment this process started with: {launcher}"
     elif params < SMALL_MODEL_PARAMS:
-        n, why = 1, f"job.threads=0 (auto): a model of {params / 1e6:.2g}M parameters runs fastest on one"
+        n, why = 1, f"job.threads=0 (auto): {held(params, '.2g')} run fastest on one"
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if load is None and hasattr(os, "getloadavg"):
             load = os.getloadavg()[0]
-        size = f"job.threads=0 (auto): a model of {params / 1e6:.3g}M parameters"
+        size = f"job.threads=0 (auto): {held(params, '.3g')}"
         if recorded:
             n, why = recorded, f"{size}, the threads its newest checkpoint was written with (job.resume=auto)"
         elif load is None:
@@ -201,6 +201,14 @@ def set_threads(
                    f"{load:.2f}, at least 1)")  # fmt: skip
     torch.set_num_threads(n)
     return n, why
+
+
+def held(params: int, spec: str) -> str:
+    """What ``params`` counts, in words: the parameters of the parts of the split model this process holds. Not a
+    model card's count: f_c and f_s each hold an embedding tied to the head (SmolLM2-135M in one process: 163M here,
+    134.5M as transformers counts it once)."""
+    return (f"{params / 1e6:{spec}}M parameters in the parts of the model this process holds (an embedding tied to "
+            "the head counts in f_c and in f_s)")  # fmt: skip
 
 
 def resumed_threads(cfg: Config) -> int | None:

@@ -68,14 +68,14 @@ def curves_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str) -
                 loss_ax.plot(x, y, style, ms=3, color=color, label=f"{name}: {key}" if several else key)
         comm = [(r["processed_samples"], r.get("comm") or {}) for r in rows]
         if several:  # one line per run: its training traffic in all (per category, the lines would be a thicket)
-            pts = [(x, sum(c.get(cat, 0) for cat in PAPER_CATEGORIES) / 1e6) for x, c in comm]
+            pts = [(x, sum(c.get(cat, 0) for cat in PAPER_CATEGORIES) / 2**20) for x, c in comm]
             pts = [(x, y) for x, y in pts if y > 0]  # log scale: nothing sent yet is no point
             if pts:
                 comm_ax.plot(*zip(*pts), "o-", ms=3, color=color, label=f"{name}: training traffic")
             continue
         drawn: list[tuple[list[tuple[float, float]], list[str]]] = []  # a line's points, the categories on it
         for cat in PAPER_CATEGORIES:
-            pts = [(x, c[cat] / 1e6) for x, c in comm if c.get(cat)]
+            pts = [(x, c[cat] / 2**20) for x, c in comm if c.get(cat)]
             if not pts:
                 continue
             # z up and λ down carry (nearly) the same bytes: one line named by both, none hidden under the other
@@ -91,7 +91,7 @@ def curves_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str) -
             comm_ax.plot(*zip(*pts), style, ms=3, color=f"C{j}", label=label)
     score_ax.set_ylabel("evaluation score (%)")
     loss_ax.set_ylabel("loss")
-    comm_ax.set_ylabel("cumulative traffic (MB)")
+    comm_ax.set_ylabel("cumulative traffic (MiB)")  # binary units, as table.md's
     comm_ax.set_yscale("log")
     traffic = "training traffic (the paper's categories summed)" if several else "traffic by category"
     for ax, what in ((score_ax, "evaluation"), (loss_ax, "losses"), (comm_ax, traffic)):
