@@ -214,6 +214,27 @@ def _dist() -> Benchmark:
     )
 
 
+def _elastic() -> Benchmark:
+    what = "quickstart, 6400 samples, 1 thread per process, nothing dropping, median of 3 alternating runs"
+    return Benchmark(
+        name="elastic",
+        module="bench.elastic_bench",
+        options=("--repeat", "3"),
+        measures="an elastic run (--serve + 2 --join workers) against the torchrun job and the in-process runtime, "
+        "one invocation",
+        takes="~4 min",
+        figures=(
+            Figure("in_process_samples_per_s", "samples/s", f"in-process runtime, {what}"),
+            Figure("torchrun_samples_per_s", "samples/s", f"torchrun 1 server + 2 workers, {what}"),
+            Figure("elastic_samples_per_s", "samples/s", f"--serve + 2 --join workers, {what}"),
+            Figure("elastic_vs_torchrun", X, "samples/s of the elastic run over the torchrun job's", 0.9, ">="),
+            Figure("elastic_rpc_messages", "RPCs/worker-round", "messages an elastic worker sends per round (its "
+                   "clients' uploads together, its round's end with the next round's catch-up)", 2.0, "<="),
+            Figure("same_final_metrics", "bool", "the three runtimes' final metrics are equal", True, "="),
+        ),
+    )
+
+
 def _overlap() -> Benchmark:
     figures = []
     runs = [("quickstart", "scaled", 1.10), ("quickstart", "paper", None), ("resnet18", "scaled", None)]
@@ -407,6 +428,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         _memory(),
         _agg_traffic(),
         _dist(),
+        _elastic(),
         _overlap(),
         _threads(),
         _cpu_hygiene(),

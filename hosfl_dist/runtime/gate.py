@@ -302,7 +302,9 @@ class RoundGate:
         """An upload after the round was decided: recorded as late (it was sent, it is not this round's), where it is
         one of the round's and its worker's."""
         p = r.decided
-        if client not in r.sampled or client in r.arrived or p is None or p.skipped:
+        # late in the record's sense is an arrival after the K-th; one after a round timeout that left the round
+        # fewer than K stays dropped before its upload (counted as the record reads it, it would change the round)
+        if client not in r.sampled or client in r.arrived or p is None or p.skipped or len(p.counted) < self.K:
             return
         if caller is not None and r.owners.get(client) != caller:
             return

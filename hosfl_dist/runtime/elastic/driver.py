@@ -36,7 +36,7 @@ from hosfl_dist.runfolder.identity import run_identity
 from hosfl_dist.runtime.build import client_stack, worker_rounds
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
-from hosfl_dist.runtime.elastic.membership import join_rpc, leave_rpc
+from hosfl_dist.runtime.elastic.membership import CONNECT_S, join_rpc, leave_rpc
 from hosfl_dist.runtime.elastic.serve import JOIN_FILE
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads
@@ -71,6 +71,16 @@ def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
         raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (its server, pid {pid} on this machine, is not "
                           f"running: python -m hosfl_dist.run --status {run_dir})")  # fmt: skip
     return join, load_config(run_dir / "config.yaml")
+
+
+def _reachable(join: dict[str, Any]) -> bool:
+    """Whether something listens at the join file's address (a quick look before the store's client, which logs
+    every failed try at length)."""
+    try:
+        with socket.create_connection((str(join["host"]), int(join["port"])), timeout=1.0):
+            return True
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -136,7 +146,8 @@ class Member:
         while True:
             try:
                 join, _ = read_join(self.folder)
-                if join.get("token") != old.get("token") or "lost" in why or "does not answer" in why:
+                if _reachable(join) and (join.get("token") != old.get("token") or "lost" in why
+                                         or "does not answer" in why):  # fmt: skip
                     return join
             except ConfigError:  # no join file (yet), or one of a server that is not running
                 pass
@@ -151,7 +162,10 @@ class Member:
         timeout = cfg.server.rpc_timeout_s
         host, port = join["host"], int(join["port"])
         try:
-            join_rpc(host, port, timeout, join["token"])
+            # a rejoin attempt waits no longer than what is left of server.rejoin_timeout_s
+            gone = self._gone_since
+            left = CONNECT_S if gone is None else gone + cfg.server.rejoin_timeout_s - time.monotonic()
+            join_rpc(host, port, timeout, join["token"], left)
             front = fetch_front(timeout, join["token"])
             where = {"host": socket.gethostname(), "pid": os.getpid()}
             welcome = RPCControl(front, timeout, join["token"]).send(Join(where, self.identity))

@@ -354,10 +354,12 @@ def serve_rpc(host: str, port: int, timeout_s: float, token: str) -> dist.TCPSto
     return store
 
 
-def join_rpc(host: str, port: int, timeout_s: float, token: str) -> tuple[dist.TCPStore, str]:
+def join_rpc(
+    host: str, port: int, timeout_s: float, token: str, connect_s: float = CONNECT_S
+) -> tuple[dist.TCPStore, str]:
     """Join the server's dynamic group as a new member; returns the store and this process's RPC name."""
     # a server that is gone (its join.json left behind by SIGKILL) is said within half a minute, not an RPC timeout
-    connect_s = min(timeout_s, CONNECT_S)
+    connect_s = max(1.0, min(timeout_s, connect_s))
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_s))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     rank = int(store.add(RANK_KEY, 1)) - 1
