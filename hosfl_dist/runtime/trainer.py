@@ -242,8 +242,8 @@ class Trainer:
                 processed=processed,
                 comm=comm,
                 client_digests={_label(r): digest for r, digest, _, _, _ in everyone if digest is not None},
-                transport={_label(r): timing for r, _, timing, _, _ in everyone},
-                memory=[mem for *_, mem in everyone],
+                transport={_label(r): timing for r, _, timing, _, _ in everyone if timing is not None},
+                memory=[mem for *_, mem in everyone if mem is not None],
                 link=sum_links([lk for _, _, _, lk, _ in everyone if lk is not None]),
                 stopped=stopped,
             )

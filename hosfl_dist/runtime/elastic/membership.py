@@ -308,6 +308,9 @@ class MembershipPeers:
         """Tells every worker the run has ended (the round gate's :meth:`~hosfl_dist.runtime.gate.RoundGate.finish`)."""
         self.deadline_s = deadline_s
 
+    waited_s = 0.0
+    """Seconds the run's driver waited for workers to join (the first round, and whenever none was left)."""
+
     def any(self, flag: bool) -> bool:
         return flag
 
@@ -317,7 +320,11 @@ class MembershipPeers:
     def gather(self, obj: Any) -> list[Any]:
         """This process's end-of-run entry and every member's: the workers are told the run ended first."""
         self.end()
-        out = [("server_evaluation", *obj[1:])]
+        _, digest, timing, link, memory = obj
+        # the server's evaluation replica's digest, and the rounds' wall time as the run's driver (the coordinator)
+        # saw it: from each round's opening to its close at the gate, and the time spent waiting for workers
+        out = [("server_evaluation", digest, None, link, memory),
+               ("coordinator", None, {**timing, "waiting_for_workers_s": round(self.waited_s, 6)}, None, None)]
         for name, final in self.membership.finals(self.deadline_s).items():
             self.membership.report_counts(name, final.counts)
             out.append((name, final.digest, final.timing, final.link, final.memory))

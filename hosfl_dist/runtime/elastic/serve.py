@@ -133,6 +133,8 @@ class ElasticServer:
         transport, collective, self.link = client_stack(cfg, spec, InProcessTransport(endpoint), LocalCollective(meter),
                                                         meter)  # fmt: skip
         self._opened = False
+        self.peers = MembershipPeers(self.membership, lambda: self.gate.finish({"end": self.gate.next_t}),
+                                     2 * cfg.server.worker_timeout_s + 30)  # fmt: skip
         rounds = LeaderRounds(self.gate, self._before_open)
         self.worker = spec.worker(cfg, split, data, [], transport, collective, rounds)
         self.front.processed = lambda: self.worker.processed
@@ -151,13 +153,14 @@ class ElasticServer:
             return
         least = self.cfg.server.min_workers if not self._opened else 1
         self._opened = True
-        told = False
+        told, began = False, time.monotonic()
         while len(self.membership.members) < least and self.stop.signal is None:
             if not told:
                 logger.info(f"round {t}: waiting for {least - len(self.membership.members)} more client worker(s) "
                             f"to join (python -m hosfl_dist.run --join {self.cfg.job.out_dir})")  # fmt: skip
                 told = True
             time.sleep(0.05)
+        self.peers.waited_s += time.monotonic() - began
         self.membership.start(t, self.worker.processed)
 
     def train(self) -> dict[str, Any]:
@@ -165,8 +168,7 @@ class ElasticServer:
         cfg, gate = self.cfg, self.gate
         watch = threading.Thread(target=self.membership.watch, name="hosfl-membership", daemon=True)
         watch.start()
-        peers = MembershipPeers(self.membership, lambda: gate.finish({"end": gate.next_t}),
-                                2 * cfg.server.worker_timeout_s + 30)  # fmt: skip
+        peers = self.peers
         split = self.split
         trainer = Trainer(
             cfg,
