@@ -423,3 +423,36 @@ def test_a_callback_hears_the_same_events_in_one_process_and_in_an_elastic_run(t
             assert job.finish() == 0, job.said()
         events[runtime] = log.read_text().splitlines()
     assert events["elastic"] == events["in_process"] and "on_train_end" in events["elastic"]
+
+
+@pytest.mark.slow
+def test_an_elastic_server_group_of_two_ranks_computes_the_torchrun_jobs_run(tmp_path):
+    """--serve under torchrun with server.ranks=2 (f_s sharded with FSDP2 over the server group) and two joined
+    workers: the run completes at the digests of the torchrun job with the same server group (the same data-parallel
+    arithmetic; tests/test_distributed.py compares that one with one server rank)."""
+    from tiny import torchrun
+
+    overrides = [*ELASTIC, "server.ranks=2"]
+    out = tmp_path / "run"
+    job = Job.__new__(Job)
+    job.tmp, job.run_dir, job.overrides, job.procs, job.logs = tmp_path, out, overrides, [], []
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+                "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"]  # fmt: skip
+    log = tmp_path / "server.log"
+    with open(log, "w") as fh:
+        job.server = subprocess.Popen([*launcher, "-m", "hosfl_dist.run", "--serve", *overrides, f"job.out_dir={out}"],
+                                      stdout=fh, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    job.procs.append(job.server)
+    job.server_log = log
+    job.wait_for(lambda: (out / "join.json").exists(), "join.json")
+    job.join(), job.join()
+    assert job.finish() == 0, job.said()
+    s = job.summary()
+    assert s["status"] == "completed" and len(set(s["client_digests"].values())) == 1
+    rc, said, _ = torchrun(4, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, "server.ranks=2",
+                               f"job.out_dir={tmp_path / 'fixed'}"])  # fmt: skip
+    assert rc == 0, said[-3000:]
+    fixed = json.loads((tmp_path / "fixed" / "summary.json").read_text())
+    assert set(s["client_digests"].values()) == set(fixed["client_digests"].values())
+    assert s["server_digest"] == fixed["server_digest"]

@@ -148,11 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return _dry_run(cfg, launch, world)
         if args.serve:
-            if launch is not None:
-                raise ConfigError("invalid value for --serve: an elastic server runs alone, not under torchrun")
-            from hosfl_dist.runtime.elastic.serve import run_serve
+            from hosfl_dist.runtime.elastic.serve import run_serve, run_serve_group
             from hosfl_dist.runtime.record.writer import done_line
 
+            if launch is not None:  # the server as a group of server.ranks ranks (FSDP2 over f_s)
+                init_logging("server" if launch.rank == 0 else f"server-shard {launch.rank}", launch.rank == 0)
+                code, out = run_serve_group(cfg, launch, args.address)
+                if out is not None:
+                    print(done_line(*out), flush=True)
+                return code
             init_logging("server")
             summary, folder = run_serve(cfg, args.address)
             print(done_line(summary, folder), flush=True)

@@ -103,7 +103,7 @@ class TorchrunJob:
         """Rank 0's front, once built (a failure is recorded through it)."""
 
     def run(self) -> dict[str, Any] | None:
-        self.cfg = self._agree_out_dir()
+        self.cfg = self.agree_out_dir()
         d = self.d
         with StopRequest() as stop:
             if d.rank == 0:
@@ -207,7 +207,7 @@ class TorchrunJob:
         if not outcome.completed:  # stopped by a signal, after the checkpoint
             raise Interrupted(f"{stop.signal or 'a signal to another worker'}: stopped after round {outcome.rounds}")
 
-    def _agree_out_dir(self) -> Config:
+    def agree_out_dir(self) -> Config:
         """Every rank's ``job.out_dir``: the user's, or the folder rank 0 makes for this run (runs/<job.name>/<start
         time>, see :mod:`hosfl_dist.runfolder.folder`), handed to the others through the store."""
         cfg, d = self.cfg, self.d

@@ -28,7 +28,7 @@ from typing import Any
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config
 from hosfl_dist.data import build_data
-from hosfl_dist.errors import ConfigError, first_line
+from hosfl_dist.errors import ConfigError, HosflError, first_line
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
@@ -39,13 +39,17 @@ from hosfl_dist.runtime.checks import check_config, check_live
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal, handles
 from hosfl_dist.runtime.elastic.membership import Membership, MembershipPeers, free_port, leave_rpc, serve_rpc
 from hosfl_dist.runtime.front import LocalControl, RunFront
+from hosfl_dist.runtime.fsdp import shard_server_model
 from hosfl_dist.runtime.live import LeaderRounds
 from hosfl_dist.runtime.memory import process_memory
+from hosfl_dist.runtime.process.groups import init_distributed
 from hosfl_dist.runtime.process.host import check_devices, set_threads
+from hosfl_dist.runtime.process.launch import server_role_map
 from hosfl_dist.runtime.process.signals import StopRequest
 from hosfl_dist.runtime.record.progress import Progress
 from hosfl_dist.runtime.rpc import expect_members, expect_token, publish
 from hosfl_dist.runtime.server_group import ServerGroup
+from hosfl_dist.runtime.torchrun import TorchrunJob
 from hosfl_dist.runtime.trainer import Trainer
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
@@ -56,15 +60,17 @@ logger = logging.getLogger(__name__)
 JOIN_FILE = "join.json"
 
 
-def check_elastic(cfg: Config) -> None:
-    """What an elastic run refuses, in one line each, before anything is built."""
+def check_elastic(cfg: Config, grouped: bool = False) -> None:
+    """What an elastic run refuses, in one line each, before anything is built (``grouped``: its server is a group of
+    ``server.ranks`` ranks under torchrun)."""
     if cfg.clients.participation:
         raise ConfigError("invalid value for clients.participation: with --serve the workers that answer decide who "
                           "takes part; replay an elastic run's record in one process instead")  # fmt: skip
     check_live(cfg, "--serve")
-    if cfg.server.ranks != 1:
-        raise ConfigError("invalid value for server.ranks: an elastic server holds θs in one process "
-                          "(server.ranks=1)")  # fmt: skip
+    if cfg.server.ranks != 1 and not grouped:
+        raise ConfigError(f"invalid value for server.ranks: {cfg.server.ranks} (an elastic server of several ranks "
+                          "is a torchrun job: torchrun --nproc_per_node=S -m hosfl_dist.run --serve … "
+                          "server.ranks=S)")  # fmt: skip
     if cfg.comm.speed_spread and not cfg.comm.inject_delay:
         raise ConfigError(f"invalid value for comm.speed_spread: {cfg.comm.speed_spread:g} (per-client links are "
                           "emulated with comm.inject_delay=true)")  # fmt: skip
@@ -107,19 +113,24 @@ class ElasticServer:
     """The server side of an elastic run, built and its folder opened (resumed from its checkpoint where
     ``job.resume`` says); :meth:`train` runs it. How workers reach it is the caller's (RPC: :func:`run_serve`)."""
 
-    def __init__(self, cfg: Config, stop: Any, callbacks: tuple[Callback, ...] = ()) -> None:
+    def __init__(self, cfg: Config, stop: Any, callbacks: tuple[Callback, ...] = (), d: Any = None) -> None:
         cfg = check_config(cfg)
-        check_elastic(cfg)
+        check_elastic(cfg, grouped=d is not None)
         check_devices(cfg)
         if not chosen(cfg):
             cfg = resolve_out_dir(cfg)
         self.cfg, self.stop = cfg, stop
         spec = get_algorithm(cfg.algorithm.name)
         data = build_data(cfg, clients=[], evaluation=True)
-        self.split = split = build_split_model(cfg, data.info, spec.zeroth_order_client)
-        server, evaluator = server_side(cfg, spec, split)
-        store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep)
-        servers = ServerGroup(server, evaluator, store=store)
+        group = d.server_group if d is not None else None  # --serve under torchrun: f_s sharded over the server group
+        shard = None
+        if group is not None:
+            reshard = cfg.server.reshard_after_forward
+            shard = lambda module: shard_server_model(module, group, d.device, reshard)  # noqa: E731
+        self.split = split = build_split_model(cfg, data.info, spec.zeroth_order_client, shard=shard)
+        server, evaluator = server_side(cfg, spec, split, group)
+        store = CheckpointStore(cfg.job.out_dir, cfg.checkpoint.keep, group)
+        self.servers = servers = ServerGroup(server, evaluator, group, store)
         self.endpoint = endpoint = ServerEndpoint(server, servers.execute, evaluator)
         payload = lambda ids: endpoint.locked(lambda: server.resume_payload(ids, False))  # noqa: E731
         self.membership = Membership(cfg.clients.total, cfg.server.worker_timeout_s, {}, Path(cfg.job.out_dir), payload)
@@ -213,11 +224,39 @@ class ElasticState:
         self.membership.load_state_dict(state)
 
 
-def run_serve(cfg: Config, address: str, callbacks: tuple[Callback, ...] = ()) -> tuple[dict[str, Any], str]:
-    """Serve an elastic run over RPC until its budget; returns its summary and folder."""
+def run_serve_group(cfg: Config, env: Any, address: str) -> tuple[int, tuple[dict[str, Any], str] | None]:
+    """``torchrun --nproc_per_node=S -m hosfl_dist.run --serve … server.ranks=S``: an elastic run's server as a group
+    of S ranks (f_s sharded with FSDP2). Rank 0 serves the run (:func:`run_serve`); ranks 1..S-1 follow its
+    executions on their shards. Returns (exit code, on rank 0 of a completed run its summary and folder)."""
+    cfg = check_config(cfg)
+    check_elastic(cfg, grouped=True)
+    d = init_distributed(cfg, env, server_role_map(cfg, env.world_size))
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device=str(d.device)))
+    job = TorchrunJob(cfg, get_algorithm(cfg.algorithm.name), d)
+    ok = False
+    try:
+        job.cfg = job.agree_out_dir()
+        if d.rank == 0:
+            out = run_serve(job.cfg, address, d=d)
+            ok = True
+            return 0, out
+        job.server_group().follow()
+        ok = True
+        return 0, None
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the group the same way
+        job.report_failure(exc)
+        return (exc.exit_code if isinstance(exc, HosflError) else 1), None
+    finally:
+        d.shutdown(graceful=ok)
+
+
+def run_serve(cfg: Config, address: str, callbacks: tuple[Callback, ...] = (), d: Any = None) -> tuple[dict[str, Any],
+                                                                                                        str]:
+    """Serve an elastic run over RPC until its budget (``d``: its torchrun server group); returns its summary and
+    folder."""
     host, port = parse_address(address)
     with StopRequest() as stop:
-        served = ElasticServer(cfg, stop, callbacks)
+        served = ElasticServer(cfg, stop, callbacks, d)
         cfg = served.cfg
         join_path = Path(cfg.job.out_dir) / JOIN_FILE
         try:

@@ -198,7 +198,9 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
     out = Distributed(env, roles, device, None, None, interface=interface, token=token, worker_device=worker_device)
     try:
         # new_group is collective over the whole world: every rank creates every group, in the same order.
-        workers = dist.new_group(list(roles.worker_ranks), timeout=timeout, backend="gloo" if shared else None)
+        workers = None
+        if roles.worker_ranks:  # (an elastic run's server group has none: its workers join over its own RPC)
+            workers = dist.new_group(list(roles.worker_ranks), timeout=timeout, backend="gloo" if shared else None)
         # a server rank also waits in this group for rank 0's next call, which may come after a whole evaluation or
         # the clients' slowest step: its bound is the longest of the waits it can stand for
         idle = max(cfg.server.collective_timeout_s, cfg.server.rpc_timeout_s, cfg.train.eval_timeout_s)
@@ -207,6 +209,8 @@ def init_distributed(cfg: Config, env: LaunchEnv, roles: RoleMap) -> Distributed
             servers = dist.new_group(list(roles.server_ranks), timeout=datetime.timedelta(seconds=idle))
         out.worker_group = workers if env.rank in roles.worker_ranks else None
         out.server_group = servers if env.rank in roles.server_ranks else None
+        if not roles.worker_ranks:
+            return out
         # RPC meets its peers in the store as the gate shows it: TensorPipe's listener shielded, its peers reached
         # through their gates (runtime/process/gate.py)
         gate = open_gate(token, cfg.server.rpc_timeout_s)

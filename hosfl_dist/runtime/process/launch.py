@@ -87,8 +87,9 @@ class RoleMap:
 
     @property
     def leader(self) -> int:
-        """The client worker that reports v̄ to the server, runs evaluation and sends the metrics rows."""
-        return self.worker_ranks[0]
+        """The client worker that reports v̄ to the server, runs evaluation and sends the metrics rows (an elastic
+        server group's: rank 0, which runs the trainer)."""
+        return self.worker_ranks[0] if self.worker_ranks else 0
 
     def role(self, rank: int) -> str:
         if rank == 0:
@@ -140,6 +141,15 @@ def role_map(cfg: Config, world_size: int) -> RoleMap:
     workers = tuple(range(s, world_size))
     hosted = {r: tuple(range(i, m, len(workers))) for i, r in enumerate(workers)}
     return RoleMap(world_size, tuple(range(s)), workers, hosted)
+
+
+def server_role_map(cfg: Config, world_size: int) -> RoleMap:
+    """An elastic run's server under torchrun: every rank a server rank (``server.ranks`` = the world), no client
+    worker (they join with ``--join``)."""
+    if world_size != cfg.server.ranks:
+        raise ConfigError(f"invalid value for server.ranks: {cfg.server.ranks} (--serve under torchrun runs the server "
+                          f"group alone: server.ranks must be the world size, {world_size}; workers join with --join)")
+    return RoleMap(world_size, tuple(range(world_size)), ())
 
 
 def _ids(ids: tuple[int, ...]) -> str:
