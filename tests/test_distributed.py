@@ -190,11 +190,11 @@ ORDER_SCRIPT = textwrap.dedent(
         rpc.RPCTransport.call_async = late
     if rank == 0:
         serve = endpoint.ServerEndpoint.serve
-        def logged(self, method, kwargs):
+        def logged(self, method, kwargs, *rest, **more):
             if method == "submit":
                 with open(log, "a") as f:
                     f.write(json.dumps([kwargs["t"], kwargs["client"]]) + "\\n")
-            return serve(self, method, kwargs)
+            return serve(self, method, kwargs, *rest, **more)
         endpoint.ServerEndpoint.serve = logged
     sys.exit(main(sys.argv[1:]))
     """

@@ -48,7 +48,7 @@ def test_list_names_every_benchmark_with_its_figures_targets_and_floors():
             assert f"    floor measured: {how}" in lines
     assert {"zo_step", "zo_step_tuned", "zo_step_noise_cache", "gpu_zo_step", "gpu_zo_step_cuda_rng", "zo_step_batched",
             "gpu_zo_step_batched", "zo_step_compile", "gpu_zo_step_compile", "server_step", "server_loss", "memory",
-            "agg_traffic", "dist", "overlap", "threads", "cpu_hygiene", "checkpoint_cost", "generation",
+            "agg_traffic", "dist", "elastic", "overlap", "threads", "cpu_hygiene", "checkpoint_cost", "generation",
             "scale", "peer"} == set(BENCHMARKS)  # fmt: skip
     for b in BENCHMARKS.values():
         assert (", needs a CUDA GPU)" in next(x for x in lines if x.startswith(f"{b.name} ("))) == b.gpu

@@ -55,7 +55,7 @@ class _Front:
     def handle(self, msg: object) -> str:
         return f"handled {msg}"
 
-    def enqueue(self, method: str, kwargs: dict) -> Future:
+    def enqueue(self, method: str, kwargs: dict, caller: str | None = None) -> Future:
         return done(f"served {method}")
 
 
@@ -99,7 +99,7 @@ def test_calls_sent_in_one_message_are_served_each_on_its_own_and_each_gets_its_
     each call's future gets its own answer, or its own error; a refused message fails every call of it."""
     served = []
 
-    def enqueue(method, kwargs):
+    def enqueue(method, kwargs, caller=None):
         served.append(kwargs["client"])
         return entry.failed(ProtocolError(f"client {kwargs['client']}: bad")) if kwargs["client"] == 1 else \
             done({"lam": kwargs["client"]})  # fmt: skip
@@ -124,7 +124,7 @@ def test_calls_of_several_methods_in_one_message_are_served_in_order_and_counted
     in the order given, each future gets its own answer; a method counted once per message."""
     served = []
 
-    def enqueue(method, kwargs):
+    def enqueue(method, kwargs, caller=None):
         served.append((method, kwargs.get("client")))
         return done(f"{method} {kwargs.get('client')}")
 

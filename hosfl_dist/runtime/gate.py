@@ -352,11 +352,11 @@ class RoundGate:
     def _take_rows(self, r: GateRound, rows: Mapping[Any, Any], caller: str | None) -> list[int]:
         """Check a worker's contributions before any counts: its counted clients, once each, (width,) floats.
         Returns the clients whose contribution is left out as non-finite (counted as skips by the caller)."""
-        if rows and r.decided is None:
-            raise ProtocolError(f"round {r.t}: contributions before the round's uploads were decided")
         checked: dict[int, Tensor] = {}
         for key, v in rows.items():
             m = _int(key, "a client id")
+            if r.decided is None:
+                raise ProtocolError(f"round {r.t}: contributions before the round's uploads were decided")
             if r.decided is None or m not in r.decided.counted:
                 raise ProtocolError(f"round {r.t}: a contribution of client {m}, which the round does not count")
             if caller is not None and r.owners.get(m) != caller:
