@@ -36,7 +36,7 @@ from hosfl_dist.runfolder.identity import run_identity
 from hosfl_dist.runtime.build import client_stack, worker_rounds
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
-from hosfl_dist.runtime.elastic.membership import CONNECT_S, join_rpc, leave_rpc
+from hosfl_dist.runtime.process.dynamic import CONNECT_S, join_rpc, leave_rpc
 from hosfl_dist.runtime.elastic.serve import JOIN_FILE
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.host import set_threads

@@ -11,23 +11,15 @@ worker knows its clients of round t+1 before that round opens, and a client that
 end. A lost worker's clients of the next round are dropped before their upload (nobody serves them); from the round
 after they are someone else's.
 
-Membership over RPC is torch's dynamic RPC group (``init_rpc`` without a world size): torch's own join tells every
-member it knows that a new one arrived, and a member that died without leaving is still known, so the next join
-fails and keeps the group's join token taken. Here workers only ever call the server: a joining worker tells only
-the server and itself (:func:`join_rpc`) and every process leaves without telling anyone (:func:`leave_rpc`).
-Ranks come from a counter in the server's store, so a worker that comes back is a new member. Every member's agent
-sits behind its RPC gate (:mod:`hosfl_dist.runtime.process.gate`, keyed by the run's token): only holders of the
-token reach TensorPipe.
+How a worker reaches the server (torch's dynamic RPC group) is :mod:`hosfl_dist.runtime.process.dynamic`'s.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,22 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
-from torch.distributed.rpc import TensorPipeAgent, api
-from torch.distributed.rpc._utils import _group_membership_management, _update_group_membership
 from torch.futures import Future
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.identity import identity_differences
-from hosfl_dist.runtime.process.gate import close_gate, open_gate
-from hosfl_dist.runtime.process.groups import RPC_CHANNELS, RPC_TRANSPORTS
-
-SERVER_NAME = "server"
-RANK_KEY = "hosfl/elastic/next_rank"
-CONNECT_S = 30.0
-_PREFIX = "rpc_prefix_0"  # what init_rpc's first call names its store prefix
 
 logger = logging.getLogger(__name__)
 
@@ -338,66 +318,3 @@ class MembershipPeers:
 
     def wait_for(self, key: str, timeout_s: float) -> None:
         pass
-
-
-# -- dynamic RPC membership ------------------------------------------------------------------------------------------
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _options(timeout_s: float) -> rpc.TensorPipeRpcBackendOptions:
-    return rpc.TensorPipeRpcBackendOptions(rpc_timeout=timeout_s, num_worker_threads=32, _transports=RPC_TRANSPORTS,
-                                           _channels=RPC_CHANNELS)  # fmt: skip
-
-
-def serve_rpc(host: str, port: int, timeout_s: float, token: str) -> dist.TCPStore:
-    """Start the store and the server's RPC agent (rank 0, named ``server``) of a dynamic group; returns the store."""
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
-    store.add(RANK_KEY, 1)  # rank 0 is the server's
-    _start(dist.PrefixStore(_PREFIX, store), SERVER_NAME, 0, timeout_s, token, tell=())
-    return store
-
-
-def join_rpc(
-    host: str, port: int, timeout_s: float, token: str, connect_s: float = CONNECT_S
-) -> tuple[dist.TCPStore, str]:
-    """Join the server's dynamic group as a new member; returns the store and this process's RPC name."""
-    # a server that is gone (its join.json left behind by SIGKILL) is said within half a minute, not an RPC timeout
-    connect_s = max(1.0, min(timeout_s, connect_s))
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=connect_s))
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    rank = int(store.add(RANK_KEY, 1)) - 1
-    name = f"rpc{rank}"
-    _start(dist.PrefixStore(_PREFIX, store), name, rank, timeout_s, token, tell=(name, SERVER_NAME))
-    return store, name
-
-
-def _start(store: dist.Store, name: str, rank: int, timeout_s: float, token: str, tell: tuple[str, ...]) -> None:
-    try:
-        dist_autograd._init(rank)  # as init_rpc does before its agent
-    except RuntimeError as exc:  # a worker rejoining a restarted server: its container is the first member's (the
-        if "already initialized" not in str(exc):  # run uses no distributed autograd)
-            raise
-    with _group_membership_management(store, name, True):
-        gated = open_gate(token, timeout_s).view(store)
-        agent = TensorPipeAgent(gated, name, rank, None, _options(timeout_s), {}, [])
-        api._init_rpc_states(agent)
-        me = agent.get_worker_info()
-        try:
-            for target in tell:  # the server learns of the new member; nobody else needs to
-                rpc.rpc_sync(target, _update_group_membership, args=(me, [], {}, True), timeout=timeout_s)
-        except Exception:
-            rpc.shutdown(graceful=False)
-            raise
-
-
-def leave_rpc() -> None:
-    """Leave without telling the other members (a dead member among them would make a polite leave fail)."""
-    try:
-        rpc.shutdown(graceful=False)
-    except Exception as exc:  # noqa: BLE001 - leaving is best effort
-        logger.debug(f"rpc shutdown: {exc}")
-    close_gate()

@@ -37,7 +37,8 @@ from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_live
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal, handles
-from hosfl_dist.runtime.elastic.membership import Membership, MembershipPeers, free_port, leave_rpc, serve_rpc
+from hosfl_dist.runtime.elastic.membership import Membership, MembershipPeers
+from hosfl_dist.runtime.process.dynamic import free_port, leave_rpc, serve_rpc
 from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
 from hosfl_dist.runtime.live import LeaderRounds
