@@ -456,3 +456,33 @@ def test_an_elastic_server_group_of_two_ranks_computes_the_torchrun_jobs_run(tmp
     fixed = json.loads((tmp_path / "fixed" / "summary.json").read_text())
     assert set(s["client_digests"].values()) == set(fixed["client_digests"].values())
     assert s["server_digest"] == fixed["server_digest"]
+
+
+@pytest.mark.slow
+def test_a_worker_whose_copy_of_the_data_differs_is_refused_in_one_line(tmp_path):
+    """The same config, the same path, other bytes (a copy of the training file with its labels shifted, as on
+    another machine): the join is refused naming the input, and the run goes on with the worker whose data is the
+    run's; summary.json's inputs are what every member read."""
+    from tiny import lm_overrides, write_text_files
+
+    ours, theirs = tmp_path / "a", tmp_path / "b"
+    for folder in (ours, theirs):
+        folder.mkdir()
+        write_text_files(folder)
+    shifted = [json.loads(x) for x in (theirs / "sst2.jsonl").read_text().splitlines()]
+    (theirs / "sst2.jsonl").write_text("".join(json.dumps({**r, "y": 1 - r["y"]}) + "\n" for r in shifted))
+    overrides = [o.replace(str(ours) + "/", "") for o in lm_overrides(tmp_path / "unused", ours)
+                 if not o.startswith("job.out_dir")]  # data.train_path=sst2.jsonl: relative to each one's cwd
+    overrides += ["train.budget_samples=8000", "train.eval_every_samples=4000", "server.worker_timeout_s=10"]
+    job = Job(ours, overrides)
+    job.join()
+    job.joined(1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    other = subprocess.run([sys.executable, "-m", "hosfl_dist.run", "--join", str(job.run_dir)], cwd=theirs, env=env,
+                           capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert other.returncode == 2, other.stderr[-2000:]
+    errors = [line for line in other.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "refused to join" in errors[0] and "input" in errors[0], errors
+    assert job.finish() == 0, job.said()
+    s = job.summary()
+    assert s["status"] == "completed" and s["participation"]["workers_joined"] == 1
