@@ -44,6 +44,7 @@ class Member:
     joined_at: int
     final: Future = field(default_factory=Future)
     """Its end-of-run report (MemberFinal), once it sent it."""
+    warned: bool = False
 
 
 class Membership:
@@ -142,6 +143,14 @@ class Membership:
             now = time.monotonic()
             with self.lock:
                 silent = [(n, now - m.seen) for n, m in self.members.items() if now - m.seen > self.timeout]
+                for name, m in self.members.items():  # a round waiting on a worker says so, before it gives up
+                    quiet = now - m.seen
+                    if quiet > self.timeout / 2 and not m.warned:
+                        m.warned = True
+                        logger.warning(f"{name} silent for {quiet:.0f} s: lost at {self.timeout:g} s "
+                                       "(server.worker_timeout_s) unless it is heard from")  # fmt: skip
+                    elif quiet <= self.timeout / 2:
+                        m.warned = False
                 if now - self._written > 1.0:
                     self._write()
             for name, quiet in silent:
