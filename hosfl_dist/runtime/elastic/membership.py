@@ -31,6 +31,7 @@ from torch.futures import Future
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.identity import identity_differences
+from hosfl_dist.runtime.peers import LocalPeers
 
 logger = logging.getLogger(__name__)
 
@@ -285,11 +286,9 @@ class Membership:
             logger.warning(f"could not write {self.folder / 'workers.json'}: {exc}")
 
 
-class MembershipPeers:
-    """The elastic server's trainer's peers: it is the leader and decides alone; the traffic is summed over the
-    members' reports; the end-of-run reports are the members'."""
-
-    is_leader = True
+class MembershipPeers(LocalPeers):
+    """The elastic server's trainer's peers: it is the leader and decides alone (nobody to wait for or agree with:
+    :class:`LocalPeers`); the traffic is summed over the members' reports; the end-of-run reports are the members'."""
 
     def __init__(self, membership: Membership, end: Callable[[], None], deadline_s: float) -> None:
         self.membership = membership
@@ -299,9 +298,6 @@ class MembershipPeers:
 
     waited_s = 0.0
     """Seconds the run's driver waited for workers to join (the first round, and whenever none was left)."""
-
-    def any(self, flag: bool) -> bool:
-        return flag
 
     def sum_counts(self, counts: dict[str, int]) -> dict[str, int]:
         return self.membership.summed_counts(dict(counts))
@@ -318,12 +314,3 @@ class MembershipPeers:
             self.membership.report_counts(name, final.counts)
             out.append((name, final.digest, final.timing, final.link, final.memory))
         return out
-
-    def barrier(self) -> None:
-        pass
-
-    def post(self, key: str) -> None:
-        pass
-
-    def wait_for(self, key: str, timeout_s: float) -> None:
-        pass
