@@ -1,6 +1,8 @@
 """The documentation still runs: every command line shown in README.md and docs/*.md parses, every relative link
-resolves, docs/configuration.md is what the config tree generates, and a packed experiment's archive
-(results/<experiment>/runs.tar.xz) holds every run its tables list.
+there and in results/ resolves, docs/configuration.md is what the config tree generates; and results/ stays a report:
+at most 150 files, each experiment's archive (results/<experiment>/runs.tar.xz or records.tar.xz) ignored by git once
+unpacked, a packed experiment's archive holding every run its tables list, and the scripts that collect packed tables
+stopping when they are not unpacked.
 
 A command line is read from fenced ``bash`` / ``sh`` / ``shell`` / ``console`` blocks (in ``console`` blocks only the
 ``$ `` lines), from indented code, and from inline code that starts with ``python -m`` or ``torchrun``; backslash
@@ -26,10 +28,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -440,6 +446,168 @@ def test_the_extractor_reads_every_kind_of_shown_line(tmp_path, monkeypatch):
     assert line.env == {"OMP_NUM_THREADS": "1"} and line.words[-1] == "c.yaml" and not line.placeholder
 
 
+# --- results/: a report, not a store of raw files ----------------------------------------------------------------
+
+RESULTS_MAX_FILES = 150
+"""What results/ may hold: its READMEs, tables, figures, scripts and one archive per experiment (issue 43, item 6)."""
+PACKED_RUNS = ["finetune", "studies"]
+"""Experiments whose runs.tar.xz the experiment's summarize step reads back: every run a table lists must be in it."""
+
+
+def _gitignore_rules(path: Path) -> list[tuple[re.Pattern[str], bool]]:
+    """The patterns of one .gitignore as (regex over a path relative to its folder, folders only). Only what git's
+    syntax offers and these files use: anchored and unanchored patterns, ``*``, ``?``, ``**``, a trailing ``/``."""
+    rules = []
+    for raw in path.read_text().splitlines():
+        line = raw.rstrip()
+        if not line or line.startswith("#"):
+            continue
+        assert not line.startswith("!"), f"{path}: a negated pattern ({line}) is not read by this walk"
+        dir_only = line.endswith("/")
+        line = line.rstrip("/")
+        anchored = "/" in line
+        parts = re.split(r"(\*\*/|/\*\*$|\*\*|\*|\?)", line.lstrip("/"))
+        regex = {"**/": "(?:.*/)?", "/**": "/.*", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+        body = "".join(regex.get(part, re.escape(part)) for part in parts)
+        rules.append((re.compile(("" if anchored else "(?:.*/)?") + body), dir_only))
+    return rules
+
+
+@cache
+def _rules_of(folder: Path) -> list[tuple[re.Pattern[str], bool]]:
+    return _gitignore_rules(folder / ".gitignore") if (folder / ".gitignore").is_file() else []
+
+
+def _matched(path: Path, is_dir: bool) -> bool:
+    """Whether a pattern of a .gitignore in a folder above ``path`` (the repository's root included) matches it."""
+    for folder in path.parents:
+        rel = path.relative_to(folder).as_posix()
+        if any(regex.fullmatch(rel) and (is_dir or not dir_only) for regex, dir_only in _rules_of(folder)):
+            return True
+        if folder == ROOT:
+            return False
+    raise AssertionError(f"{path} is outside {ROOT}")
+
+
+def _ignored(path: Path, is_dir: bool) -> bool:
+    """Whether git ignores a path under the repository: it, or a folder above it, is matched."""
+    above = [folder for folder in path.parents if folder.is_relative_to(ROOT) and folder != ROOT]
+    return _matched(path, is_dir) or any(_matched(folder, is_dir=True) for folder in above)
+
+
+def _walk_results() -> list[str]:
+    """results/'s files that git would list: the folders and files no .gitignore ignores (a checkout without git)."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT / "results"):
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not _ignored(here / d, is_dir=True))
+        found += [(here / f).relative_to(ROOT).as_posix() for f in files if not _ignored(here / f, is_dir=False)]
+    return sorted(found)
+
+
+def _git_results() -> list[str] | None:
+    """results/'s tracked files and its untracked ones no ignore rule covers (what a commit of everything would hold),
+    or None where this is not a git checkout."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    cmd = ["git", "-C", str(ROOT), "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", "results"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return sorted(set(proc.stdout.split("\0")) - {""}) if proc.returncode == 0 else None
+
+
+@cache
+def results_files() -> tuple[str, ...]:
+    listed = _git_results()
+    return tuple(_walk_results() if listed is None else listed)
+
+
+RESULT_PAGES = [ROOT / f for f in results_files() if f.endswith(".md") and (ROOT / f).is_file()]
+
+
+def _archives() -> list[Path]:
+    return [ROOT / f for f in results_files() if re.fullmatch(r"results/[^/]+/(runs|records)\.tar\.xz", f)]
+
+
+def test_results_hold_at_most_150_files():
+    files = results_files()
+    by_folder: dict[str, int] = {}
+    for f in files:
+        top = f.split("/")[1] if f.count("/") > 1 else "."
+        by_folder[top] = by_folder.get(top, 0) + 1
+    largest = ", ".join(f"{d}/ {n}" for d, n in sorted(by_folder.items(), key=lambda kv: -kv[1])[:4])
+    assert len(files) <= RESULTS_MAX_FILES, (
+        f"results/ holds {len(files)} files, more than {RESULTS_MAX_FILES} (largest: {largest}): pack an experiment's "
+        "per-run or per-point files (json records, logs, per-seed tables) into its runs.tar.xz or records.tar.xz (a "
+        "case in results/pack_runs.sh, the files in results/.gitignore, its README saying how to unpack), merge small "
+        "markdown files into its README, or drop what a committed script makes again where the README says how"
+    )
+
+
+def test_the_walk_without_git_lists_what_git_lists():
+    """The count holds in a copy without git too: the .gitignore walk gives git's own listing of this checkout."""
+    listed = _git_results()
+    if listed is None:
+        pytest.skip("not a git checkout")
+    assert _walk_results() == [f for f in listed if (ROOT / f).is_file()]
+
+
+@pytest.mark.parametrize("archive", _archives(), ids=lambda p: p.relative_to(ROOT / "results").as_posix())
+def test_an_archives_files_stay_out_of_the_tree_once_unpacked(archive: Path):
+    """Unpacking an archive where its files were written adds nothing git would list, and no packed file is also in
+    the tree: otherwise every unpack pushes results/ past its limit, or a record is kept twice and drifts."""
+    with tarfile.open(archive) as tar:
+        members = [archive.parent / m.name for m in tar.getmembers() if m.isfile()]
+    assert members
+    tracked = set(results_files())
+    name = archive.relative_to(ROOT)
+    twice = [m.relative_to(ROOT).as_posix() for m in members if m.relative_to(ROOT).as_posix() in tracked]
+    listed = [m.relative_to(ROOT).as_posix() for m in members if not _ignored(m, is_dir=False)]
+    assert not twice, f"in {name} and in the tree (git rm one of them): {twice[:5]}"
+    assert not listed, f"{name} unpacks files git would list (add them to results/.gitignore): {listed[:5]}"
+
+
+@pytest.mark.parametrize("experiment", PACKED_RUNS)
+def test_a_packed_experiments_tables_have_their_runs_in_its_archive(experiment: str):
+    """results/<experiment>/runs.tar.xz holds every run its tables list, whether a table is kept in the tree
+    (studies) or packed beside its runs (finetune): a table whose run folders were never packed stops the
+    experiment's summarize.py (and run.sh, which ends with it) on a fresh checkout."""
+    from hosfl_dist.experiments.runs import safe_name
+
+    root = ROOT / "results" / experiment
+    with tarfile.open(root / "runs.tar.xz") as archive:
+        packed = set(archive.getnames())
+        members = [m for m in archive.getmembers() if m.name.endswith("table.json")]
+        tables = {m.name: json.load(archive.extractfile(m)) for m in members}
+    prefix = f"results/{experiment}/"
+    for f in results_files():
+        if f.startswith(prefix) and f.endswith("/table.json"):
+            tables.setdefault(f.removeprefix(prefix), json.loads((ROOT / f).read_text()))
+    assert tables
+    runs = [
+        f"{Path(name).parent.as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}"
+        for name, table in sorted(tables.items())
+        for row in table["rows"]
+        for seed in row["seeds"]
+    ]
+    missing = [run for run in runs if f"{run}/summary.json" not in packed]
+    assert not missing, f"not in results/{experiment}/runs.tar.xz (bash results/pack_runs.sh {experiment}): {missing}"
+
+
+@pytest.mark.parametrize("script", ["finetune/summarize.py", "elastic/combine.py"])
+def test_a_summary_script_with_its_tables_still_packed_stops_before_it_writes(script: str, tmp_path: Path):
+    """Run on a fresh checkout (its tables still in the archive), the script that collects an experiment's tables
+    says how to unpack them and exits 2, rather than writing the committed summary again from no table at all."""
+    here = tmp_path / Path(script).parent
+    here.mkdir()
+    shutil.copy(ROOT / "results" / script, here)
+    (here / "runs.tar.xz").touch()  # what a checkout has: the archive, not what it holds
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(here / Path(script).name)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "tar xJf results/" in proc.stderr
+    assert sorted(p.name for p in here.iterdir()) == sorted([Path(script).name, "runs.tar.xz"])
+
+
 # --- links and the generated page ---------------------------------------------------------------------------------
 
 
@@ -460,7 +628,7 @@ def _links(path: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in re.finditer(r"\]\(([^)\s]+)\)", text)]
 
 
-@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize("path", DOC_FILES + RESULT_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(path: Path):
     broken = []
     for line, target in _links(path):
@@ -490,27 +658,3 @@ def test_configuration_page_is_generated_from_the_config_tree():
 
     page = ROOT / "docs" / "configuration.md"
     assert page.read_text() == markdown_config(), f"docs/configuration.md is out of date: run `{MARKDOWN_COMMAND}`"
-
-
-@pytest.mark.parametrize("experiment", ["finetune", "studies"])
-def test_a_packed_experiments_tables_have_their_runs_in_its_archive(experiment: str):
-    """results/<experiment>/runs.tar.xz holds every run its tables list: a table whose run folders were never packed
-    stops the experiment's summarize.py (and run.sh, which ends with it) on a fresh checkout."""
-    import json
-    import tarfile
-
-    from hosfl_dist.experiments.runs import safe_name
-
-    root = ROOT / "results" / experiment
-    with tarfile.open(root / "runs.tar.xz") as archive:
-        packed = set(archive.getnames())
-    tables = sorted(root.glob("**/table.json"))
-    assert tables
-    runs = [
-        f"{t.parent.relative_to(root).as_posix()}/runs/{safe_name(row['variant'])}/seed{seed}"
-        for t in tables
-        for row in json.loads(t.read_text())["rows"]
-        for seed in row["seeds"]
-    ]
-    missing = [run for run in runs if f"{run}/summary.json" not in packed]
-    assert not missing, f"not in results/{experiment}/runs.tar.xz (bash results/pack_runs.sh {experiment}): {missing}"

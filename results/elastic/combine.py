@@ -6,7 +6,9 @@ Reads results/elastic/dropout_<Q>/table.json (Q = 0, 0.1, 0.3, 0.5): rows = meth
 final eval accuracy (%) as mean ± sample std over the seeds that completed, with n. Where the (git-ignored) run
 folders are present it adds, per cell, the rounds run, the rounds skipped and the fraction of sampled client-rounds
 that delivered (from each run's summary.json `participation`), as means over the seeds. A level or a seed that has not
-finished is shown as missing, never filled in.
+finished is shown as missing, never filled in. The committed tables are in records.tar.xz: with none of the four on
+disk it stops before it writes anything (exit code 2) and says how to unpack them, so the committed combined.md is
+never rewritten from nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,7 +59,11 @@ def participation(level: str, method: str, seeds: list[int]) -> dict | None:
             "delivered_fraction": statistics.fmean(frac)}
 
 
-def main() -> None:
+def main() -> int:
+    if not any((HERE / f"dropout_{q}" / "table.json").is_file() for q in LEVELS):
+        print("error: no results/elastic/dropout_<Q>/table.json on disk: unpack them first: "
+              "tar xJf results/elastic/records.tar.xz -C results/elastic", file=sys.stderr)
+        return 2
     out: dict = {"levels": LEVELS, "metric": "final eval_accuracy", "cells": {}}
     missing: list[str] = []
     for m in METHODS:
@@ -135,7 +142,8 @@ def plot(out: dict) -> None:
     fig.tight_layout()
     fig.savefig(HERE / "elastic.png", dpi=120)
     plt.close(fig)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

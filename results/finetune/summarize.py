@@ -5,10 +5,10 @@
 It reads each experiment's table.json (written by hosfl_dist.experiments.compare / sweep) and, for the curves, the
 runs' metrics.jsonl; it computes nothing the tables do not already hold except the mean accuracy over a run's
 evaluations (a convergence-speed figure: the area under the accuracy curve divided by the budget) and the per-depth
-means. A folder that does not exist yet is left out and said so. The committed runs are in runs.tar.xz: unpack them
-first (``tar xJf results/finetune/runs.tar.xz -C results/finetune``); a table whose run folders are missing stops
-it before it writes anything (exit code 2), so the committed summary.md and figures are never rewritten from half
-the inputs.
+means. A folder that does not exist yet is left out and said so. The committed runs and tables are in runs.tar.xz:
+unpack them first (``tar xJf results/finetune/runs.tar.xz -C results/finetune``); no table on disk at all, or a table
+whose run folders are missing, stops it before it writes anything (exit code 2), so the committed summary.md and
+figures are never rewritten from none or half of the inputs.
 """
 
 from __future__ import annotations
@@ -320,6 +320,10 @@ def tables_without_runs() -> list[str]:
 
 
 def main() -> int:
+    if (HERE / "runs.tar.xz").is_file() and not any(HERE.glob("**/table.json")):
+        print(f"error: no experiment table in {HERE.name}/ (they are packed with the runs): unpack them first: "
+              "tar xJf results/finetune/runs.tar.xz -C results/finetune", file=sys.stderr)  # fmt: skip
+        return 2
     if missing := tables_without_runs():
         print(f"error: {len(missing)} experiment folder(s) have a table but no runs/ ({', '.join(missing[:3])}, ...): "
               f"unpack the committed runs first: tar xJf results/finetune/runs.tar.xz -C results/finetune",
