@@ -21,7 +21,7 @@ from hosfl_dist.errors import ConfigError
 MODEL_PARTS = ("client", "server")
 """f_c and f_s. A role that does not need a part drops it after the model is built."""
 FAMILIES = ("vision", "hf")
-"""Model families: the vision models (small_cnn, resnet18) and Hugging Face decoder LMs."""
+"""Model families: the vision models (small_cnn, conv_mlp, resnet18) and Hugging Face decoder LMs."""
 
 
 @dataclass(frozen=True)

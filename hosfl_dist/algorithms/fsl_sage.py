@@ -75,6 +75,10 @@ def build_aux(split: SplitModel, seed: int) -> AuxModel:
             f"algorithm.name=fsl_sage builds its auxiliary model from a vision split (small_cnn, resnet18), "
             f"not {type(server).__name__}"
         )
+    if any(isinstance(m, nn.Linear) for m in block.modules()):  # conv_mlp: z is a vector, nothing to pool
+        raise ConfigError("algorithm.name=fsl_sage builds its auxiliary model from a convolutional activation; this "
+                          "split's server part begins with a fully connected layer (model.name=conv_mlp): use "
+                          "small_cnn or resnet18")  # fmt: skip
     convs = [m for m in block.modules() if isinstance(m, nn.Conv2d)]
     convs = convs or [m for m in split.client.modules() if isinstance(m, nn.Conv2d)]
     block = copy.deepcopy(block)  # its own weights: the server's first block as it is at this moment (θs^0)

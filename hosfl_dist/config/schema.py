@@ -33,7 +33,7 @@ MAX_THREADS = 1024
 """Most intra-op threads of a process (job.threads, OMP_NUM_THREADS): more than any node's cores; 16,384 threads
 failed to start here (libgomp: "Thread creation failed") and 100,000 ended in a segmentation fault."""
 MAX_WIDTH = 1024
-"""Widest small_cnn (model.width): its second block has 2·width channels."""
+"""Widest small_cnn / conv_mlp (model.width): small_cnn's second block has 2·width channels."""
 MAX_LORA_RANK = 4096
 """Largest lora.r: the hidden size of the widest model the paper uses (Qwen3-8B); a rank of 2^31 is an allocation of
 hundreds of GB that fails with a traceback."""
@@ -158,7 +158,8 @@ class AlgorithmConfig:
 @dataclass
 class ModelConfig:
     name: str = "small_cnn"
-    """Model: small_cnn, resnet18, hf (a Hugging Face decoder LM), or one a plug-in registers
+    """Model: small_cnn, conv_mlp (a conv block and two hidden fully connected layers: the quickstart's), resnet18, hf
+    (a Hugging Face decoder LM), or one a plug-in registers
     (hosfl_dist.models.register_model, docs/python-api.md#plug-ins)."""
     source: str = ""
     """hf: hub name, local HF directory, directory holding model.gguf_file, pkg:<package>, tiny:<arch> (random, for
@@ -170,22 +171,24 @@ class ModelConfig:
     """hf: dtype of the frozen base weights. Trainable tensors (LoRA adapters) and optimizer state stay float32."""
     pretrained: str = ""
     """Local path to a state dict with pretrained weights of the whole vision model: ResNet-18 in torchvision's layout
-    (an ImageNet file, or what python -m hosfl_dist.experiments.pretrain saves), small_cnn in the layout that command
-    saves. A classifier head of another number of classes is dropped (a new one is initialised); empty = random."""
+    (an ImageNet file, or what python -m hosfl_dist.experiments.pretrain saves), small_cnn and conv_mlp in the layout
+    that command saves. A classifier head of another number of classes is dropped (a new one is initialised); empty =
+    random."""
     reset_head: bool = False
     """With model.pretrained: initialise a new classifier head even when the file's has as many classes (fine-tuning
     on other classes than the pretraining's, e.g. data.classes 5-9 after 0-4)."""
     freeze_bn: Literal["all", "code", "client", "none"] | bool = "code"
-    """BatchNorm of resnet18 (small_cnn has none: ignored). all: statistics and affine parameters frozen on both sides,
-    running statistics everywhere (the paper's text, App. B.2). code: the authors' published code, per method: affine
-    parameters frozen on both sides; the server part in train mode in training rounds (batch statistics, running
-    statistics updated: the K clients pass one by one, each its own batch) and in eval mode in evaluation; a
-    first-order client (sfl, fsl_sage) likewise, its running statistics downloaded, uploaded and averaged with θc; a
-    zeroth-order client (hosfl, zo_sfl, mu_splitfed, frozen_client) on fixed running statistics. client: as code with
-    every client on fixed running statistics. none: as client, with the affine parameters trainable on both sides.
-    true = all, false = none (older configs)."""
+    """BatchNorm of resnet18 (small_cnn and conv_mlp have none: ignored). all: statistics and affine parameters frozen
+    on both sides, running statistics everywhere (the paper's text, App. B.2). code: the authors' published code, per
+    method: affine parameters frozen on both sides; the server part in train mode in training rounds (batch
+    statistics, running statistics updated: the K clients pass one by one, each its own batch) and in eval mode in
+    evaluation; a first-order client (sfl, fsl_sage) likewise, its running statistics downloaded, uploaded and
+    averaged with θc; a zeroth-order client (hosfl, zo_sfl, mu_splitfed, frozen_client) on fixed running statistics.
+    client: as code with every client on fixed running statistics. none: as client, with the affine parameters
+    trainable on both sides. true = all, false = none (older configs)."""
     width: int = 16
-    """Channels of the first block of small_cnn (doubled per block)."""
+    """Channels of the first block of small_cnn (doubled per block) and of conv_mlp's conv block (its hidden layers
+    have 4·width units)."""
 
     def __post_init__(self) -> None:
         check(self.name != "hf" or bool(self.source), "source", self.source, "model.name=hf needs a source")
@@ -203,7 +206,8 @@ class ModelConfig:
 @dataclass
 class SplitConfig:
     cut: int = 1
-    """Depth kept on the client: conv blocks (small_cnn), residual stages (resnet18), decoder blocks (hf)."""
+    """Depth kept on the client: conv blocks (small_cnn), blocks of conv_mlp (1: the conv block, 2: and the first
+    hidden layer), residual stages (resnet18), decoder blocks (hf)."""
 
 
 @dataclass

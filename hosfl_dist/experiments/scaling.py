@@ -56,9 +56,6 @@ if TYPE_CHECKING:
 PROG = "hosfl_dist.experiments.scaling"
 MODEL_KEYS = ("model.source", "model.name", "model.width", "model.gguf_file")
 """Grid keys that change the model: their axis is the model's parameter count."""
-PROFILE_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl", "frozen_client": "inference"}
-"""The memory profiler's mode that runs each method's client where it is not the method's own name (the frozen client
-runs f_c forward only: inference); any other method the profiler drives (a plug-in's included) is its own mode."""
 QUANTITIES = {
     "client_peak_bytes": ("client peak memory [MiB] (profiler)", 1 / 2**20),
     "client_step_s": ("client step [s] (one client, profiler)", 1.0),
@@ -70,8 +67,6 @@ QUANTITIES = {
 }
 """Fitted (and, but for the last two, plotted) quantities: key -> (label with unit, scale to that unit); sizes in
 binary units (MiB = 2^20 bytes, GiB = 2^30), as every table of the package."""
-SMALL_CNN_PROFILED_WIDTH = 16
-"""The memory profiler builds small_cnn at this width only: other widths get no client profile."""
 PLOTTED = ("client_peak_bytes", "client_step_s", "server_s_per_round", "traffic_bytes_per_round")
 
 
@@ -127,30 +122,12 @@ def client_profile(cfg: Config, out: Path, name: str, threads: int) -> dict[str,
     """Peak memory and step time of one sampled client (the memory profiler, its own process), cached in ``out``."""
     from hosfl_dist.experiments.runs import safe_name
     from hosfl_dist.measure.memory import profile
-    from hosfl_dist.measure.modes import ProfileSpec, mode_names
+    from hosfl_dist.measure.modes import run_mode, run_spec
 
-    name_mode = cfg.algorithm.name if cfg.algorithm.name in mode_names(cfg.job.plugins) else None
-    mode = PROFILE_MODE.get(cfg.algorithm.name, name_mode)
-    if mode is None or (cfg.model.name == "small_cnn" and cfg.model.width != SMALL_CNN_PROFILED_WIDTH):
-        return None  # no profiler mode for the method, or a small_cnn the profiler does not build
-    spec = ProfileSpec(
-        model=cfg.model.source if cfg.model.name == "hf" else cfg.model.name,
-        cut=cfg.split.cut,
-        batch=cfg.clients.batch_size,
-        seq=cfg.data.max_length,
-        num_perturbations=cfg.zo.num_perturbations,
-        mu=cfg.zo.mu,
-        dtype=cfg.model.dtype,
-        device=cfg.job.device,
-        gguf_file=cfg.model.gguf_file,
-        seed=cfg.job.seed,
-        plugins=tuple(cfg.job.plugins),
-    )
-    if mode == "hosfl" and cfg.zo.overlap is not False:  # latency hiding keeps P z̃ of the profiled client
-        from hosfl_dist.measure.modes import expected_costs
-
-        z_bytes = expected_costs(spec, [mode])[0].z_bytes
-        spec = dataclasses.replace(spec, overlap=cfg.zo.overlap_on(cfg.zo.num_perturbations * z_bytes))
+    mode = run_mode(cfg)
+    if mode is None:
+        return None  # no profiler mode for the method
+    spec = run_spec(cfg, mode)
     path = out / f"{safe_name(name)}.json"
     if path.is_file():
         cached = json.loads(path.read_text())

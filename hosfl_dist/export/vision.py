@@ -30,7 +30,7 @@ DESCRIPTION = "vision.json"
 """What :func:`load_vision` builds: model name, classes, input shape, width, and the inputs' normalisation."""
 
 
-BUILT_IN = ("small_cnn", "resnet18")
+BUILT_IN = ("small_cnn", "conv_mlp", "resnet18")
 """The package's vision models, exported as the whole model (the others, a plug-in's, as :class:`Joined`)."""
 
 
@@ -52,11 +52,14 @@ def whole_model(name: str, num_classes: int, input_shape: tuple[int, ...], width
         return vision.ResNet18(num_classes, input_shape[0], frozen_bn=False)
     if name == "small_cnn":
         return vision.SmallCNN(num_classes, tuple(input_shape), width)
+    if name == "conv_mlp":
+        return vision.ConvMLP(num_classes, tuple(input_shape), width, vision.CONV_MLP_HIDDEN * width)
     raise ExportError(f"model.name={name!r} has no whole-model export")
 
 
 def _halves(net: nn.Module, name: str, cut: int) -> tuple[nn.Module, nn.Module]:
-    """The run's two parts over ``net``'s own modules (what ``resnet18_split`` / ``small_cnn_split`` make)."""
+    """The run's two parts over ``net``'s own modules (what ``resnet18_split`` / ``small_cnn_split`` /
+    ``conv_mlp_split`` make)."""
     from hosfl_dist.models import vision
 
     if name == "resnet18":

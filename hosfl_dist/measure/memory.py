@@ -69,6 +69,12 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path, threads:
         spec.model,
         "--cut",
         str(spec.cut),
+        "--width",
+        str(spec.width),
+        "--input-shape",
+        ",".join(map(str, spec.input_shape)),
+        "--classes",
+        str(spec.classes),
         "--batch",
         str(spec.batch),
         "--seq",
@@ -77,6 +83,10 @@ def _child_command(spec: ProfileSpec, mode: str, steps: int, out: Path, threads:
         str(spec.num_perturbations),
         "--mu",
         repr(spec.mu),
+        "--client-optim",
+        spec.client_optim,
+        "--momentum",
+        repr(spec.momentum),
         "--lora" if spec.lora else "--no-lora",
         "--dtype",
         spec.dtype,
@@ -292,6 +302,17 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI
+def _shape(text: str) -> tuple[int, ...]:
+    """--input-shape C,H,W as a tuple (empty: the model's default); ConfigError naming the flag otherwise."""
+    try:
+        shape = tuple(int(v) for v in text.split(",")) if text.strip() else ()
+    except ValueError:
+        shape = (0,)
+    if shape and (len(shape) != 3 or min(shape) < 1):
+        raise ConfigError(f"--input-shape must be C,H,W (three positive integers), got {text!r}")
+    return shape
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m hosfl_dist.measure.memory",
@@ -300,9 +321,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="tiny:llama",
-        help="tiny:<arch> | arch:<name> | pkg:<package> | HF dir | small_cnn | resnet18",
+        help="tiny:<arch> | arch:<name> | pkg:<package> | HF dir | small_cnn | conv_mlp | resnet18",
     )
     p.add_argument("--cut", type=int, default=2, help="client depth (decoder blocks / conv blocks / stages)")
+    p.add_argument("--width", type=int, default=16, help="small_cnn / conv_mlp: model.width")
+    p.add_argument("--input-shape", default="", metavar="C,H,W",
+                   help="vision models: one sample's shape (default: Fashion-MNIST's, CIFAR-10's for resnet18)")
+    p.add_argument("--classes", type=int, default=10, help="vision models: classes (with --input-shape)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (LMs)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}, or any "
@@ -311,6 +336,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="import MODULE first (as job.plugins): the methods it registers are modes")  # fmt: skip
     p.add_argument("--P", type=int, default=0, help="perturbations (0: 2 for LMs, 5 for vision, as in App. B)")
     p.add_argument("--mu", type=float, default=1e-3)
+    p.add_argument("--client-optim", default="adamw", help="clients.optim.name: adamw or sgd")
+    p.add_argument("--momentum", type=float, default=0.0, help="clients.optim.momentum of sgd")
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True, help="LMs: LoRA r=8 on q,v")
     p.add_argument("--dtype", default="float32", help="LM parameter dtype")
     p.add_argument("--device", default="cpu")
@@ -338,10 +365,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = ProfileSpec(
             model=args.model,
             cut=args.cut,
+            width=args.width,
+            input_shape=_shape(args.input_shape),
+            classes=args.classes,
             batch=args.batch,
             seq=args.seq,
             num_perturbations=args.P,
             mu=args.mu,
+            client_optim=args.client_optim,
+            momentum=args.momentum,
             lora=args.lora,
             dtype=args.dtype,
             device=args.device,

@@ -40,8 +40,8 @@ from hosfl_dist.tasks.generation import lm_loss
 
 MODES = ("inference", "hosfl", "sfl", "zo_sfl", "full_local")
 """The default modes; :func:`mode_names` adds the other registered methods the profiler can drive."""
-VISION_INPUTS = {"small_cnn": ((1, 28, 28), 10), "resnet18": ((3, 32, 32), 10)}
-"""Input shape and classes of the vision models: Fashion-MNIST for small_cnn, CIFAR-10 for ResNet-18."""
+VISION_INPUTS = {"small_cnn": ((1, 28, 28), 10), "conv_mlp": ((1, 28, 28), 10), "resnet18": ((3, 32, 32), 10)}
+"""Input shape and classes of the vision models: Fashion-MNIST for small_cnn and conv_mlp, CIFAR-10 for ResNet-18."""
 _ALGORITHM = {"full_local": "sfl"}
 """The method whose worker runs a mode not named after it."""
 
@@ -52,9 +52,16 @@ class ProfileSpec:
 
     model: str = "tiny:llama"
     """tiny:<arch> (random tiny LM), arch:<name> (a published shape, random weights), pkg:<python package holding a
-    .gguf>, a local HF directory or .gguf path, small_cnn (Fashion-MNIST input) or resnet18 (CIFAR-10 input)."""
+    .gguf>, a local HF directory or .gguf path, small_cnn or conv_mlp (Fashion-MNIST input) or resnet18 (CIFAR-10
+    input)."""
     cut: int = 2
-    """Client depth: decoder blocks (LMs), conv blocks (small_cnn), residual stages (resnet18)."""
+    """Client depth: decoder blocks (LMs), conv blocks (small_cnn), blocks (conv_mlp), residual stages (resnet18)."""
+    width: int = 16
+    """model.width of small_cnn and conv_mlp."""
+    input_shape: tuple[int, ...] = ()
+    """Vision models: one sample's shape (C, H, W) and ``classes`` its classes; () = the model's data set in
+    :data:`VISION_INPUTS`."""
+    classes: int = 10
     batch: int = 32
     """Samples per client step (the paper's 32)."""
     seq: int = 128
@@ -63,6 +70,10 @@ class ProfileSpec:
     """P; 0 = the paper's default for the model (2 for LMs, 5 for vision, App. B)."""
     mu: float = 1e-3
     """μ of the perturbations."""
+    client_optim: str = "adamw"
+    """clients.optim.name: adamw keeps two moments of θc (HO-SFL's replica between rounds, SFL's within a round)."""
+    momentum: float = 0.0
+    """clients.optim.momentum of sgd (> 0: a momentum buffer of θc)."""
     lora: bool = True
     """LMs: LoRA r=8, α=16 on q_proj/v_proj (the paper's setting) with the base frozen; False = full fine-tuning."""
     dtype: str = "float32"
@@ -102,6 +113,10 @@ class ProfileSpec:
             raise ConfigError(f"--P must be >= 1 (or 0 for the paper's default), got {self.num_perturbations}")
         if not self.mu > 0:
             raise ConfigError(f"--mu must be > 0, got {self.mu}")
+        if self.client_optim not in ("adamw", "sgd"):
+            raise ConfigError(f"--client-optim must be adamw or sgd, got {self.client_optim!r}")
+        if self.classes < 1:
+            raise ConfigError(f"--classes must be >= 1, got {self.classes}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.compute_dtype not in ("auto", "float32", "model"):
@@ -147,11 +162,13 @@ def build_setup(spec: ProfileSpec, whole: bool = False) -> Setup:
     if not spec.is_lm:
         from hosfl_dist.models import vision
 
-        shape, classes = VISION_INPUTS[spec.model]
+        shape, classes = (spec.input_shape, spec.classes) if spec.input_shape else VISION_INPUTS[spec.model]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             if spec.model == "small_cnn":
-                client, server = vision.small_cnn_split(classes, shape, spec.cut, width=16)
+                client, server = vision.small_cnn_split(classes, shape, spec.cut, width=spec.width)
+            elif spec.model == "conv_mlp":
+                client, server = vision.conv_mlp_split(classes, shape, spec.cut, width=spec.width)
             else:
                 client, server = vision.resnet18_split(classes, shape[0], spec.cut, frozen_bn=True)
         x = torch.randn(spec.batch, *shape, generator=gen).to(device)
@@ -239,6 +256,50 @@ def check_modes(modes: Sequence[str], plugins: Sequence[str] = ()) -> None:
             raise ConfigError(f"unknown mode {m!r}; choose from {', '.join(known)}")
 
 
+RUN_MODE = {"hosfl": "hosfl", "sfl": "sfl", "splitlora": "sfl", "zo_sfl": "zo_sfl", "frozen_client": "inference"}
+"""The mode that runs each method's client where it is not the method's own name (the frozen client runs f_c forward
+only: inference); any other method the profiler drives (a plug-in's included) is its own mode."""
+
+
+def run_mode(cfg: Config) -> str | None:
+    """The mode that measures the client of the run ``cfg`` (None: the profiler cannot drive its method)."""
+    own = cfg.algorithm.name if cfg.algorithm.name in mode_names(cfg.job.plugins) else None
+    return RUN_MODE.get(cfg.algorithm.name, own)
+
+
+def run_spec(cfg: Config, mode: str) -> ProfileSpec:
+    """The client of the run ``cfg`` as the profiler builds it: its model, cut, batch and zeroth-order settings (with
+    latency hiding where the run would keep the P z̃ of a ``hosfl`` client). The weights are the profiler's own
+    (random, seeded by job.seed): what is measured is the memory of the shapes, not of the trained values."""
+    import dataclasses
+
+    spec = ProfileSpec(
+        model=cfg.model.source if cfg.model.name == "hf" else cfg.model.name,
+        cut=cfg.split.cut,
+        width=cfg.model.width,
+        batch=cfg.clients.batch_size,
+        seq=cfg.data.max_length,
+        num_perturbations=cfg.zo.num_perturbations,
+        mu=cfg.zo.mu,
+        client_optim=cfg.clients.optim.name,
+        momentum=cfg.clients.optim.momentum,
+        dtype=cfg.model.dtype,
+        device=cfg.job.device,
+        gguf_file=cfg.model.gguf_file,
+        seed=cfg.job.seed,
+        plugins=tuple(cfg.job.plugins),
+    )
+    if not spec.is_lm:  # the run's own data shape (a synthetic task's is not Fashion-MNIST's)
+        from hosfl_dist.data import data_info
+
+        info = data_info(cfg)
+        spec = dataclasses.replace(spec, input_shape=tuple(info["input_shape"]), classes=info["num_classes"])
+    if mode == "hosfl" and cfg.zo.overlap is not False:  # latency hiding keeps P z̃ of the profiled client
+        z_bytes = expected_costs(spec, [mode])[0].z_bytes
+        spec = dataclasses.replace(spec, overlap=cfg.zo.overlap_on(cfg.zo.num_perturbations * z_bytes))
+    return spec
+
+
 def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
     """The run config a profiled worker sees: the zo and clients sections, and model.dtype (what a zeroth-order
     client computes in and uploads follows from it)."""
@@ -248,7 +309,7 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
             # model and data just have to be a valid pair
             "model": {"name": "hf", "source": spec.model, "dtype": spec.dtype, "gguf_file": spec.gguf_file}
             if spec.is_lm
-            else {"name": spec.model},
+            else {"name": spec.model, "width": spec.width},
             "data": {"name": "sst2" if spec.is_lm else "synthetic"},
             "split": {"cut": spec.cut},
             "zo": {
@@ -262,7 +323,8 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
                 "perturb_batch": spec.perturb_batch,
                 "compile": spec.compile,
             },
-            "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared"},
+            "clients": {"total": 1, "per_round": 1, "batch_size": spec.batch, "replicas": "shared",
+                        "optim": {"name": spec.client_optim, "momentum": spec.momentum}},
             "train": {"budget_samples": spec.batch},
             "job": {"seed": spec.seed, "device": spec.device, "progress": False, "plugins": list(spec.plugins)},
         }

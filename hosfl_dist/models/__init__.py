@@ -1,7 +1,7 @@
 """Split models: a client part f_c, a server part f_s, and the task that turns server outputs into loss and metrics.
 
-``model.name`` selects from :mod:`hosfl_dist.models.registry` (small_cnn, resnet18 and hf register at the bottom of
-this module; a plug-in's with :func:`~hosfl_dist.models.registry.register_model`).
+``model.name`` selects from :mod:`hosfl_dist.models.registry` (small_cnn, conv_mlp, resnet18 and hf register at the
+bottom of this module; a plug-in's with :func:`~hosfl_dist.models.registry.register_model`).
 """
 
 from __future__ import annotations
@@ -213,6 +213,15 @@ def _small_cnn(cfg: Config, info: dict[str, Any], zeroth_order_client: bool) -> 
                                   m.reset_head)  # fmt: skip
 
 
+def _conv_mlp(cfg: Config, info: dict[str, Any], zeroth_order_client: bool) -> tuple[nn.Module, nn.Module]:
+    """No BatchNorm: model.freeze_bn does not apply."""
+    from hosfl_dist.models import vision
+
+    m = cfg.model
+    return vision.conv_mlp_split(info["num_classes"], info["input_shape"], cfg.split.cut, m.width, m.pretrained,
+                                 m.reset_head)  # fmt: skip
+
+
 def _whole_resnet18(model: ModelConfig, info: dict[str, Any]) -> nn.Module:
     from hosfl_dist.models import vision
 
@@ -225,6 +234,13 @@ def _whole_small_cnn(model: ModelConfig, info: dict[str, Any]) -> nn.Module:
     return vision.SmallCNN(info["num_classes"], info["input_shape"], model.width)
 
 
+def _whole_conv_mlp(model: ModelConfig, info: dict[str, Any]) -> nn.Module:
+    from hosfl_dist.models import vision
+
+    return vision.ConvMLP(info["num_classes"], info["input_shape"], model.width, vision.CONV_MLP_HIDDEN * model.width)
+
+
 register_model(ModelSpec("small_cnn", _small_cnn, cuts=(1, 2), whole=_whole_small_cnn))
+register_model(ModelSpec("conv_mlp", _conv_mlp, cuts=(1, 2), whole=_whole_conv_mlp))
 register_model(ModelSpec("resnet18", _resnet18, cuts=(1, 3), whole=_whole_resnet18))
 register_model(ModelSpec("hf", None, family="hf"))  # its depth is the checkpoint's: checked where it is built

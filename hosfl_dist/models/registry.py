@@ -1,4 +1,5 @@
-"""The registry that ``model.name`` selects from: the package's models (small_cnn, resnet18, hf) and a plug-in's.
+"""The registry that ``model.name`` selects from: the package's models (small_cnn, conv_mlp, resnet18, hf) and a
+plug-in's.
 
 A model of the ``vision`` family is any pair of torch modules (f_c, f_s) over tensor inputs with a classifier's
 outputs: its :class:`ModelSpec` says how to build the pair for a cut, and which cuts leave each side a part. The

@@ -19,8 +19,11 @@ from a local file (``model.pretrained``); the cut falls after residual stage ``s
 - ``none``: as ``client`` with the affine parameters trainable on both sides. The client part still normalises with
   its running statistics.
 
-Both models also exist whole (:class:`ResNet18`, :class:`SmallCNN`): ``python -m hosfl_dist.experiments.pretrain``
-trains them centrally and saves the state dict ``model.pretrained`` loads.
+``conv_mlp`` (:class:`ConvMLP`: a conv block and two hidden fully connected layers) is the quickstart's model: a client
+part of ~2e5 parameters that is cheap to run P + 1 times.
+
+The models also exist whole (:class:`ResNet18`, :class:`SmallCNN`, :class:`ConvMLP`):
+``python -m hosfl_dist.experiments.pretrain`` trains them centrally and saves the state dict ``model.pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -346,6 +349,8 @@ class SmallCNN(nn.Module):
 
 
 class SmallCNNClient(nn.Module):
+    """The first blocks of :class:`SmallCNN` or :class:`ConvMLP`, one after the other."""
+
     def __init__(self, blocks: nn.ModuleList) -> None:
         super().__init__()
         self.blocks = blocks
@@ -357,6 +362,8 @@ class SmallCNNClient(nn.Module):
 
 
 class SmallCNNServer(nn.Module):
+    """The other blocks of :class:`SmallCNN` or :class:`ConvMLP`, then the head on the flattened output."""
+
     def __init__(self, blocks: nn.ModuleList, head: nn.Module) -> None:
         super().__init__()
         self.blocks = blocks
@@ -366,6 +373,54 @@ class SmallCNNServer(nn.Module):
         for b in self.blocks:
             z = b(z)
         return self.head(torch.flatten(z, 1))
+
+
+class ConvMLP(nn.Module):
+    """A conv block (conv3x3-ReLU-maxpool, ``width`` channels), a hidden fully connected layer and another, both of
+    ``hidden`` units (Linear-ReLU), and a linear head: the whole model that :func:`conv_mlp_split` cuts, in the layout
+    of :class:`SmallCNN` (``blocks.i.*``, ``head.*``).
+
+    At the quickstart's cut 2 the client keeps the conv block and the first hidden layer: ~2e5 parameters (d_c =
+    10·width + 196·width·hidden + hidden on 28x28 inputs) at a forward cost of ~0.3 MFLOP·2 per sample, and the conv
+    block's 28x28 activations are what a back-propagating client keeps for its backward; the server keeps the second
+    hidden layer and the head.
+    """
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, int, int], width: int, hidden: int) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(c, width, 3, padding=1), nn.ReLU(), MaxPool2d(2)),  # (B, width, H/2, W/2)
+            nn.Sequential(nn.Flatten(), nn.Linear(width * (h // 2) * (w // 2), hidden), nn.ReLU()),  # (B, hidden)
+            nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()),
+        ])  # fmt: skip
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, classes)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+CONV_MLP_HIDDEN = 4
+"""conv_mlp's hidden units per conv channel: ``hidden = 4 · model.width`` (64 at the quickstart's width 16)."""
+
+
+def conv_mlp_split(
+    num_classes: int,
+    input_shape: tuple[int, int, int],
+    cut: int,
+    width: int,
+    pretrained: str = "",
+    reset_head: bool = False,
+) -> tuple:
+    """:class:`ConvMLP` of ``width`` channels and ``4 · width`` hidden units; the client keeps the first ``cut``
+    blocks (1: the conv block; 2: and the first hidden layer)."""
+    net = ConvMLP(num_classes, input_shape, width, CONV_MLP_HIDDEN * width)
+    if pretrained:
+        load_pretrained(net, pretrained, num_classes, "head", f"conv_mlp of width {width}", reset_head)
+    blocks = list(net.blocks)
+    return SmallCNNClient(nn.ModuleList(blocks[:cut])), SmallCNNServer(nn.ModuleList(blocks[cut:]), net.head)
 
 
 def small_cnn_split(
