@@ -149,17 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             return _dry_run(cfg, launch, world)
         if args.serve:
             from hosfl_dist.runtime.elastic.serve import run_serve, run_serve_group
-            from hosfl_dist.runtime.record.writer import done_line
 
             if launch is not None:  # the server as a group of server.ranks ranks (FSDP2 over f_s)
                 init_logging("server" if launch.rank == 0 else f"server-shard {launch.rank}", launch.rank == 0)
                 code, out = run_serve_group(cfg, launch, args.address)
                 if out is not None:
-                    print(done_line(*out), flush=True)
+                    say_done(*out, cfg)
                 return code
             init_logging("server")
             summary, folder = run_serve(cfg, args.address)
-            print(done_line(summary, folder), flush=True)
+            say_done(summary, folder, cfg)
             return 0
         if world > 1 and launch is not None:
             if not _completed_already(cfg, launch):
@@ -167,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary, folder = train_here(cfg)
         if summary is not None:
-            from hosfl_dist.runtime.record.writer import done_line
-
-            print(done_line(summary, folder), flush=True)
+            say_done(summary, folder, cfg)
         return 0
     except KeyboardInterrupt:  # Ctrl-C before the run's stop handler was in place, or a second one (at once)
         if launch is None or launch.rank == 0:
@@ -188,6 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         else:  # the machine, not the code: no memory, another I/O error (summary.json says so)
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return failure.exit_code if failure is not None else 1
+
+
+def say_done(summary: dict[str, Any], folder: str | Path, cfg: Config) -> None:
+    """The end of a completed run, as every runtime ends it: ``done:`` and the three lines a newcomer reads (accuracy,
+    client memory against inference, uplink against SFL's: :mod:`hosfl_dist.measure.outcome`)."""
+    from hosfl_dist.measure.outcome import run_lines
+    from hosfl_dist.runtime.record.writer import done_line
+
+    print(done_line(summary, folder), flush=True)
+    print(run_lines(summary, cfg), flush=True)
 
 
 def _stopped_at_once(cfg: Config | None) -> str:
@@ -351,9 +358,7 @@ def _train_torchrun(cfg: Config, launch: LaunchEnv, world: int) -> int:
 
     code, done = run_torchrun(cfg, launch)
     if done is not None:  # rank 0 of a completed run
-        from hosfl_dist.runtime.record.writer import done_line
-
-        print(done_line(*done), flush=True)
+        say_done(*done, cfg)
     return code
 
 
