@@ -117,3 +117,11 @@ def test_compare_quick_is_valid_bash_and_runs_existing_configs_and_methods():
     assert methods == ["hosfl", "sfl", "frozen_client"] and set(methods) <= set(algorithm_names())
     assert "python -m hosfl_dist.experiments.compare" in text.replace('"$PYTHON"', "python")
     assert "python -m hosfl_dist.measure.outcome" in text.replace('"$PYTHON"', "python")
+
+
+def test_fsl_sage_on_conv_mlp_is_refused_in_one_line(capsys, tmp_path):
+    """FSL-SAGE's auxiliary model pools a convolutional activation; conv_mlp's z is a vector."""
+    code = main([*TINY_OVERRIDES, "model.name=conv_mlp", "algorithm.name=fsl_sage", f"job.out_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: algorithm.name=fsl_sage builds its auxiliary model from a "
+                                            "convolutional activation")  # fmt: skip
