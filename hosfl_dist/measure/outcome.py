@@ -115,6 +115,7 @@ def outcome(summary: dict[str, Any], cfg: Config, memory: bool = True) -> dict[s
         "processed_samples": summary["processed_samples"],
         "rounds": summary["rounds"],
         "wall_time_s": summary.get("wall_time_s"),
+        "delivered": (summary.get("participation") or {}).get("delivered"),
         "uplink": {c: comm.get(c, 0) for c in UPLINK},
         "sizes": sizes,
         "sfl": None if cfg.algorithm.name in FIRST_ORDER_EXCHANGE else sfl_uplink(summary, cfg, sizes),
@@ -163,7 +164,8 @@ def lines(o: dict[str, Any], cfg: Config) -> list[str]:
     sent = sum(up.values())
     parts = f"activations {size(up[UPLINK_ACTIVATIONS])}"
     if up[UPLINK_SCALARS]:
-        per = up[UPLINK_SCALARS] / max(1, o["rounds"] * cfg.clients.per_round)
+        uploads = o.get("delivered") or o["rounds"] * cfg.clients.per_round  # client-rounds that sent their scalars
+        per = up[UPLINK_SCALARS] / max(1, uploads)
         parts += f", aggregation {size(up[UPLINK_SCALARS])}: {per:.0f} B per client per round"
     if up[UPLINK_MODEL]:
         parts += f", θc {size(up[UPLINK_MODEL])}"
@@ -172,7 +174,7 @@ def lines(o: dict[str, Any], cfg: Config) -> list[str]:
     if sfl is not None:
         line += (f"; SFL, estimated for the same samples: {size(sfl['bytes'])} (the same activations + θc, "
                  f"{size(sizes['client_trainable_bytes'])}, from each of K = {cfg.clients.per_round} clients after "
-                 f"each of {sfl['rounds']:,} rounds of E = {cfg.algorithm.local_epochs} local epoch(s)) = "
+                 f"each of {sfl['rounds']:,} round(s) of E = {cfg.algorithm.local_epochs} local epoch(s)) = "
                  f"{sent / sfl['bytes']:.2f}x")  # fmt: skip
     out.append(line)
     return out
