@@ -160,14 +160,14 @@ def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules)
     assert res.returncode == 2 and res.stderr.startswith(said) and len(res.stderr.splitlines()) == 1, res.stderr
     assert "'blobs'" in res.stderr and "'synthetic'" in res.stderr  # the plug-in's names beside the package's
     res = run_command(*PLUGGED, out, "--check")  # without the plug-in, its names are unknown
-    said = "error: invalid value for model.name: 'mlp' (choose one of ['hf', 'resnet18', 'small_cnn'])"
+    said = "error: invalid value for model.name: 'mlp' (choose one of ['conv_mlp', 'hf', 'resnet18', 'small_cnn'])"
     assert res.returncode == 2 and res.stderr.strip() == said, res.stderr
     plugged = [*PLUGGED, f"job.plugins=[{PARTS_MOD}]"]
     for args, said in (
-        (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['hf', 'mlp', 'resnet18'"),
+        (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['conv_mlp', 'hf', 'mlp', 'resnet18'"),
         (["split.cut=3"], "invalid value for split.cut: 3 (mlp keeps 1..2 blocks on the client"),
         (["data.name=sst2"], "invalid value for model.name: 'mlp' (data.name=sst2 needs model.name=hf)"),
-        (["model.name=hf", "model.source=tiny:llama"], "blobs needs model.name=mlp or resnet18 or small_cnn"),
+        (["model.name=hf", "model.source=tiny:llama"], "blobs needs model.name=conv_mlp or mlp or resnet18 or small_cnn"),
     ):
         with pytest.raises(ConfigError) as exc:
             load_run_config(None, [*plugged, *args])
