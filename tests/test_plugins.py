@@ -167,7 +167,8 @@ def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules)
         (["model.name=mpl"], "invalid value for model.name: 'mpl' (choose one of ['conv_mlp', 'hf', 'mlp', 'resnet18'"),
         (["split.cut=3"], "invalid value for split.cut: 3 (mlp keeps 1..2 blocks on the client"),
         (["data.name=sst2"], "invalid value for model.name: 'mlp' (data.name=sst2 needs model.name=hf)"),
-        (["model.name=hf", "model.source=tiny:llama"], "blobs needs model.name=conv_mlp or mlp or resnet18 or small_cnn"),
+        (["model.name=hf", "model.source=tiny:llama"],
+         "blobs needs model.name=conv_mlp or mlp or resnet18 or small_cnn"),
     ):
         with pytest.raises(ConfigError) as exc:
             load_run_config(None, [*plugged, *args])

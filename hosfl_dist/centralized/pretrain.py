@@ -3,8 +3,8 @@
     python -m hosfl_dist.experiments.pretrain --config X.yaml [key=value ...] --out weights.pt
         [--epochs N] [--lr LR] [--batch-size B] [--weight-decay WD] [--threads T]
 
-The model of the config (``model.name``: resnet18, small_cnn or conv_mlp, ``model.width``) is trained uncut with ordinary
-backprop on the config's training split (``data.name``, ``data.classes``, ``data.train_max_samples``,
+The model of the config (``model.name``: resnet18, small_cnn or conv_mlp, ``model.width``) is trained uncut with
+ordinary backprop on the config's training split (``data.name``, ``data.classes``, ``data.train_max_samples``,
 ``data.augment``; ``job.seed``, ``job.device``): SGD with Nesterov momentum 0.9 and a cosine decay of the learning
 rate to 0 over the epochs. BatchNorm is trainable and in train mode, so the saved running statistics are those of the
 data (a federated run with ``model.freeze_bn=all`` then normalises with them). Every epoch prints its mean training
