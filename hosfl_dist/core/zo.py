@@ -23,8 +23,9 @@ from hosfl_dist.core.seeding import mix_seed
 
 
 Noise = Callable[[Tensor, torch.Generator], Tensor]
-"""Fills a flat float32 tensor (on the generator's device) in place with i.i.d. draws of u's distribution, whose
-mean is 0 and covariance I, from ``gen`` (reseeded per tensor by the caller); returns it."""
+"""u's distribution: ``noise(out, gen)`` fills ``out`` — one trainable tensor's slice of u, flat float32 on the
+generator's device — in place from ``gen`` (reseeded for that tensor by the caller) and returns it. Its numbers must
+be a function of ``gen``'s alone (every replica regenerates them), with mean 0 and covariance I."""
 
 
 def gaussian_(out: Tensor, gen: torch.Generator) -> Tensor:
