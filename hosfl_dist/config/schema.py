@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from hosfl_dist.errors import ConfigError
 
-# algorithm.name, model.name and data.name are names in registries a plug-in can add to (hosfl_dist.algorithms,
-# hosfl_dist.models.registry, hosfl_dist.data.registry): hosfl_dist.runtime.checks checks them once the plug-ins are
-# imported.
+# algorithm.name, model.name, data.name and zo.estimator are names in registries a plug-in can add to
+# (hosfl_dist.algorithms, hosfl_dist.models.registry, hosfl_dist.data.registry, hosfl_dist.core.estimators):
+# hosfl_dist.runtime.checks checks them once the plug-ins are imported.
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -231,6 +231,10 @@ class ZOConfig:
     """P: perturbed client forwards (and scalars uploaded) per client per round."""
     mu: float = 1e-3
     """μ: perturbation scale of the two-point estimator."""
+    estimator: str = "gaussian"
+    """The zeroth-order estimator (hosfl, zo_sfl, mu_splitfed; the registry of hosfl_dist.core.estimators, a
+    plug-in's included): gaussian (u ~ N(0, I), the paper's) or rademacher (u uniform on {−1, +1}^d: unbiased too,
+    with |u|² = d exactly). It draws the perturbations and rebuilds the update from the seeds, on every replica."""
     rng_device: str = "cpu"
     """Device of the noise generator. Every client must use the same stream: CPU and CUDA generators differ."""
     overlap: Literal["auto"] | bool = "auto"
