@@ -98,6 +98,8 @@ def exported_row(restored: Restored) -> dict[str, Any] | None:
 
 def write_record(restored: Restored, out: Path, written: dict[str, Any], command: str) -> dict[str, Any]:
     """hosfl_export.json in ``out`` (the label words' ids from the tokenizer written there, as a reader loads it)."""
+    from hosfl_dist.config.dump import config_to_dict
+
     cfg = restored.cfg
     tokenizer = None
     if cfg.model.name == "hf":
@@ -122,6 +124,7 @@ def write_record(restored: Restored, out: Path, written: dict[str, Any], command
         "task": task_record(restored, tokenizer),
         "metrics": exported_row(restored),
         "fingerprint": restored.summary.get("fingerprint"),
+        "config": config_to_dict(cfg),  # the run's resolved config: predict rebuilds a vision run's evaluation set
     }
     (out / RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return record
