@@ -58,7 +58,7 @@ def task_record(restored: Restored, tokenizer: Any = None) -> dict[str, Any] | N
         "truncation_side": "left",
         "truncation": TRUNCATION,
         "add_special_tokens": False,
-        "eval_path": cfg.data.eval_path or None,
+        "eval_path": _eval_path(cfg.data),
         "scoring": SCORING[spec.kind],
     }
     if spec.kind == "generation":
@@ -72,6 +72,18 @@ def task_record(restored: Restored, tokenizer: Any = None) -> dict[str, Any] | N
         if spec.kind == "classification":
             record["label_word_ids"] = label_word_ids(spec, tokenizer)
     return record
+
+
+def _eval_path(data: Any) -> str | None:
+    """The run's evaluation file (absolute; None for a hub data set or one that cannot be found from here)."""
+    from hosfl_dist.data.text_fed import text_files
+    from hosfl_dist.errors import HosflError
+
+    try:
+        files = text_files(data)
+    except HosflError:
+        return None
+    return str(Path(files[1]).resolve()) if files else None
 
 
 TRUNCATION = ("the prompt is tokenised without special tokens; a sequence is the tokenizer's special prefix tokens "
