@@ -145,3 +145,29 @@ def test_predict_takes_a_vision_export_to_the_runs_accuracy(tmp_path, capsys, ca
                          "--allow-unsigned"]) == 2  # fmt: skip
     message = capsys.readouterr().err.strip()
     assert "its hosfl_export.json names no text task" in message and "has no hosfl_export.json" not in message
+
+
+@pytest.mark.slow  # ~25 s: a tiny-Qwen3 SQuAD run, and greedy decoding twice
+def test_the_cards_snippet_answers_as_predict_does(tmp_path, capsys):
+    """Generation: the card's snippet (no hosfl_dist) gives the answers predict gives, whose F1 is the run's."""
+    files = write_text_files(tmp_path)
+    overrides = lm_overrides(tmp_path / "run", files, task="squad", arch="qwen3")
+    _, _, summary, rows = run_in_process([*overrides, "data.eval_max_samples=4", "train.eval_batch_size=2",
+                                          "data.max_length=24"])  # fmt: skip
+    out = tmp_path / "export"
+    assert export_main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert predict_main(["--model", str(out), "--data", str(files / "squad.jsonl"), "--out", str(tmp_path / "p.jsonl"),
+                         "--max-examples", "4"]) == 0  # fmt: skip
+    got = json.loads(last_line(capsys.readouterr().out))
+    assert got["f1"] == pytest.approx(rows[-1]["eval_f1"], abs=1e-12)
+    predicted = [json.loads(line)["prediction"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert any(predicted)  # answers to compare, not empty strings
+
+    code = snippet((out / "README.md").read_text()).replace('"DIR"', repr(str(out)), 1)
+    code = NO_HOSFL + code + '\nprint(json.dumps(answers))\n'
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "hosfl_dist: not importable" and json.loads(lines[-1]) == predicted
