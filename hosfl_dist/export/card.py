@@ -231,6 +231,7 @@ def _load_snippet(fmt: str, record: dict[str, Any]) -> list[str]:
     return [
         "from hosfl_dist.export import load_vision",
         'model = load_vision("DIR")   # eval mode; inputs normalised as vision.json says',
+        "# the run's evaluation set, scored: python -m hosfl_dist.predict --model DIR --out preds.jsonl",
     ]
 
 
