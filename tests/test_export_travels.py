@@ -68,7 +68,7 @@ def snippet(card: str) -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.parametrize("fmt", ["merged", "peft"])
+@pytest.mark.parametrize("fmt", ["merged", pytest.param("peft", marks=pytest.mark.slow)])  # peft: 9-18 s (its base)
 def test_the_cards_snippet_scores_long_prompts_as_the_run_did_without_hosfl_dist(tmp_path, capsys, long_run, fmt):
     run_dir, files, rows = long_run
     out = tmp_path / fmt
