@@ -426,6 +426,25 @@ an export's card and hosfl_export.json show a reader who prompts the model witho
 :data:`_PROMPTS`)."""
 
 
+PROMPT_CODE: dict[str, str] = {
+    "sst2": 'TEMPLATE.format(sentence=ex["sentence"].strip())',
+    "rte": 'TEMPLATE.format(premise=ex["premise"], hypothesis=ex["hypothesis"])',
+    "wsc": 'TEMPLATE.format(text=ex["text"], span1_text=ex["span1_text"], span2_text=ex["span2_text"].lower())',
+    "squad": '(TEMPLATE if ex.get("title") else TEMPLATE.split("\\n", 1)[1]).format(title=ex.get("title") or "", '
+    'context=ex["context"], question=ex["question"].strip())',
+}
+"""Each preset's prompt as one Python expression of an example ``ex`` (a dict of the task's fields) and ``TEMPLATE``
+(its :data:`PROMPT_TEMPLATES` entry): what an export's card writes into its scoring snippet, for a reader without
+hosfl_dist (tested to agree with :data:`_PROMPTS`). A user's template is ``TEMPLATE.format(**ex)``."""
+
+
+def prompt_code(spec: TextTaskSpec) -> str:
+    """The Python expression of ``ex`` and ``TEMPLATE`` that builds the task's prompt (:data:`PROMPT_CODE`)."""
+    if spec.template:
+        return "TEMPLATE.format(**ex)"
+    return PROMPT_CODE[spec.preset]
+
+
 def prompt_template(spec: TextTaskSpec) -> tuple[str, str]:
     """(the exact template, a note on what it does beyond ``str.format``) of a task: the user's, or the preset's."""
     if spec.template:
@@ -484,7 +503,7 @@ class TokenizedTextData:
         return TokenizedTextData(ids, mask, labels, meta, self.padding_side)
 
 
-def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The special tokens the tokenizer puts before a text (BOS), found by encoding a probe with and without them."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -536,7 +555,8 @@ def label_word_ids(spec: TextTaskSpec, tokenizer: PreTrainedTokenizerBase) -> li
     return ids
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id a run pads with: the tokenizer's pad token, else its EOS."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise DataError("the tokenizer has neither a pad token nor an EOS token to pad with")
@@ -560,10 +580,10 @@ def tokenize_split(
     """
     if padding_side not in ("left", "right"):
         raise ConfigError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
-    prefix = _special_prefix(tokenizer)
+    prefix = special_prefix(tokenizer)
     if max_length < len(prefix) + 2:
         raise ConfigError(f"max_length={max_length} leaves no room for a prompt (needs at least {len(prefix) + 2})")
-    pad_id = _pad_id(tokenizer)
+    pad_id = padding_id(tokenizer)
     pairs = [format_example(spec, ex) for ex in examples]
     prompts = [p for p, _ in pairs]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
