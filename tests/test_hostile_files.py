@@ -316,3 +316,128 @@ def test_a_cifar_batch_is_read_without_running_code(tmp_path):
     with pytest.raises(DataError, match=r"cannot be read as a CIFAR batch \(it asks for (io|builtins).open, which a"):
         _unpickle(tmp_path / "b")
     assert not marker.exists()
+
+
+# -- what a command writes or reads is a regular file of ours (issue 46) --------------------------------------------
+def _within(seconds: float, call):
+    """``call()``'s result, or a failure when it has not returned within ``seconds`` (an open of a FIFO that waits
+    for a writer): the test never hangs."""
+    import threading
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("value", _catch(call)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s (an open that blocks)"
+    value = done["value"]
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _catch(call):
+    try:
+        return call()
+    except BaseException as exc:  # noqa: BLE001 - handed back to the test's thread
+        return exc
+
+
+def _release(fifo: Path) -> None:
+    """Open ``fifo`` for writing and close it: a reader that blocked on it returns."""
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError):  # no reader waits: nothing to release
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_predict_never_replaces_what_is_not_a_regular_file_of_ours(tmp_path, capsys):
+    import os
+
+    from hosfl_dist.cli import predict
+
+    model, data, export = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "other_export"
+    model.mkdir()
+    export.mkdir()
+    (export / "hosfl_export.json").write_text("{}")
+    data.write_text('{"text": "a", "label": 0}\n')
+    fifo, folder, outside = tmp_path / "preds.fifo", tmp_path / "a_folder", tmp_path / "elsewhere"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    (outside / "sub").mkdir(parents=True)
+    link = tmp_path / "out" / "preds.jsonl"
+    link.parent.mkdir()
+    link.symlink_to(outside / "sub" / "preds.jsonl")
+    said = {
+        fifo: f"error: --out {fifo} exists and is a FIFO, not a regular file",
+        folder: f"error: --out {folder} exists and is a folder, not a regular file",
+        link: f"error: --out {link} is a symlink to {outside / 'sub' / 'preds.jsonl'}, outside its folder",
+        export / "preds.jsonl": f"error: --out {export / 'preds.jsonl'} lies inside the model folder {export} (it "
+        "holds hosfl_export.json)",
+    }
+    for out, line in said.items():
+        assert predict.main(["--model", str(model), "--data", str(data), "--out", str(out)]) == 2
+        err = _one_line(capsys)
+        assert len(err) == 1 and err[0].startswith(line), err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and folder.is_dir() and link.is_symlink()
+    assert sorted(p.name for p in export.iterdir()) == ["hosfl_export.json"]
+    assert not (outside / "sub" / "preds.jsonl").exists()
+
+    feed = tmp_path / "data.jsonl.fifo"  # an input that is a FIFO: refused without waiting for a writer
+    os.mkfifo(feed)
+    argv = ["--model", str(model), "--data", str(feed), "--out", str(tmp_path / "p.jsonl")]
+    try:
+        assert _within(20, lambda: predict.main(argv)) == 2
+    finally:
+        _release(feed)
+    assert _one_line(capsys) == [f"error: --data {feed} is a FIFO, not a regular file"]
+    with pytest.raises(DataError, match="data file /dev/zero is a device, not a regular file"):
+        from hosfl_dist.data.text import read_local_rows
+
+        read_local_rows("/dev/zero")
+
+
+def test_a_signing_key_that_is_a_fifo_is_refused_without_waiting(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo, 0o600)
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(fifo))
+    try:
+        with pytest.raises(ConfigError, match=f"signing key {fifo} \\(HOSFL_KEY_FILE\\) is not a file"):
+            _within(20, load_key)
+    finally:
+        _release(fifo)
+
+
+def test_export_study_and_run_folders_refuse_what_is_not_ours(completed, tmp_path, capsys):
+    import argparse
+    import os
+
+    from hosfl_dist.experiments.cli import free_out
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "hosfl_export.json").write_text("{}")
+    assert export_main([str(completed), "--out", str(export / "inner")]) == 2
+    assert _one_line(capsys) == [f"error: --out {export / 'inner'} lies inside the model folder {export} (it holds "
+                                 "hosfl_export.json): write it elsewhere"]  # fmt: skip
+    assert sorted(p.name for p in export.iterdir()) == ["hosfl_export.json"]
+
+    study = tmp_path / "study"
+    study.mkdir()
+    os.mkfifo(study / "table.md")
+    with pytest.raises(ConfigError, match=r"--out .*study: its entry table.md is a FIFO, not a regular file"):
+        free_out(argparse.Namespace(out=str(study)))
+    (study / "table.md").unlink()
+    (study / "study.json").symlink_to("/dev/null")
+    with pytest.raises(ConfigError, match=r"its entry .*study.json is a symlink to /dev/null, outside its folder"):
+        free_out(argparse.Namespace(out=str(study)))
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    assert main([*RUN, f"job.out_dir={run}", "--check"]) == 2
+    assert _one_line(capsys)[-1] == (f"error: job.out_dir {run}: its entry metrics.jsonl is a FIFO, not a regular file "
+                                     "(a file written there would replace it); remove it or choose another folder")
+    assert stat.S_ISFIFO(os.lstat(run / "metrics.jsonl").st_mode)

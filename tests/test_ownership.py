@@ -145,7 +145,7 @@ def test_predict_refuses_a_destination_in_its_model_and_a_full_disk_leaves_out_a
     argv = ["--model", str(model), "--data", str(data), "--out", str(out)]
     (model / "model.safetensors").write_bytes(b"weights")
     assert predict.main([*argv[:-1], str(model / "model.safetensors")]) == 2
-    assert "is a file of the --model folder: the predictions would replace it" in one_line(capsys)
+    assert "lies inside the --model folder: write the predictions elsewhere" in one_line(capsys)
     assert (model / "model.safetensors").read_bytes() == b"weights"
     for device in ("meta", "xla", "mps", "nonsense"):
         assert predict.main([*argv, "--device", device]) == 2

@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             raise PredictError(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PredictError(f"--device {args.device}: this machine has no CUDA device")
+        from hosfl_dist.safe_files import check_input_file, check_output_file
+
+        check_output_file(args.out, "--out", in_export=False)  # never a device, a FIFO, a link out, an export's file
+        check_input_file(args.data, "--data", DataError)  # a FIFO or /dev/zero: refused before it is opened
         if args.out.resolve() == args.data.resolve():
             raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
         from hosfl_dist.runfolder.folder import run_in_the_way
@@ -318,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model.is_dir():
             raise PredictError(f"--model {args.model} is not a folder")
         target = args.out.resolve()
-        if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
-            raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
+        if target.is_relative_to(args.model.resolve()):  # a file added to an export breaks its manifest
+            raise PredictError(f"--out {args.out} lies inside the --model folder: write the predictions elsewhere")
         verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         record = _record(args.model)
         task = record.get("task") or {}

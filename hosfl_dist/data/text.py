@@ -236,8 +236,10 @@ def _read_hub(spec: TextTaskSpec, split: str, max_examples: int | None) -> list[
 
 def read_local_rows(path: str) -> list[dict]:
     """The rows of a local JSONL, JSON, CSV, TSV or parquet file as dicts (DataError naming what is wrong)."""
+    from hosfl_dist.safe_files import check_input_file
+
     p = Path(path)
-    if not p.is_file():
+    if check_input_file(p, "data file", DataError) is None:  # a FIFO or /dev/zero: refused before it is opened
         raise DataError(f"data file not found: {path}")
     ext = p.suffix.lower()
     try:

@@ -33,6 +33,7 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, signed_manifest
 from hosfl_dist.runfolder.signing import load_key
 from hosfl_dist.runfolder.lock import RunLock, lock_holder, wait_for_earlier_start
+from hosfl_dist.safe_files import check_folder_entries, check_output_folder
 from hosfl_dist.safe_yaml import load_file
 
 RUNS = Path("runs")
@@ -290,6 +291,8 @@ def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) ->
     replace, without changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job).
     ``locked``: this process holds the folder's lock already."""
     d = Path(cfg.job.out_dir)
+    check_output_folder(d, "job.out_dir")  # a device, a FIFO, a file: refused before anything is made
+    check_folder_entries(d, "job.out_dir")  # metrics.jsonl a FIFO, summary.json a link out of the folder
     for parent in [d, *d.parents]:
         if parent.exists():
             if parent.is_file():
