@@ -42,7 +42,7 @@ def kind_of(mode: int) -> str:
 def _lstat(path: Path, flag: str, error: type[Exception]) -> os.stat_result | None:
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there (under a file: the caller's write says so)
         return None
     except OSError as exc:
         raise error(f"{flag} {path}: cannot be looked at ({exc.strerror or exc})") from None
@@ -59,7 +59,7 @@ def _followed(path: Path, flag: str, error: type[Exception]) -> os.stat_result |
         raise error(f"{flag} {path} is a symlink to {target}, outside its folder: name a file there instead")
     try:
         return os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:  # a link loop
         raise error(f"{flag} {path}: cannot be followed ({exc.strerror or exc})") from None
@@ -98,7 +98,7 @@ def check_output_folder(path: Path, flag: str = "--out", in_export: bool = True,
     path = Path(path)
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # under a file: the caller's check names it
         st = None
     except OSError as exc:
         raise error(f"{flag} {path}: cannot be looked at ({exc.strerror or exc})") from None
@@ -138,7 +138,7 @@ def check_input_file(path: Path, what: str, error: type[Exception] = ConfigError
     (a FIFO, a device such as /dev/zero, a folder): looked at with ``stat``, which never blocks."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise error(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
