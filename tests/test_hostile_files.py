@@ -441,3 +441,23 @@ def test_export_study_and_run_folders_refuse_what_is_not_ours(completed, tmp_pat
     assert _one_line(capsys)[-1] == (f"error: job.out_dir {run}: its entry metrics.jsonl is a FIFO, not a regular file "
                                      "(a file written there would replace it); remove it or choose another folder")
     assert stat.S_ISFIFO(os.lstat(run / "metrics.jsonl").st_mode)
+
+
+def test_a_checkpoint_copied_in_from_a_run_ahead_is_refused_and_leaves_no_gap(stopped, completed, tmp_path, capsys):
+    """The completed twin's final checkpoint (round 10) copied into the run stopped at round 6, whose metrics.jsonl
+    holds the rows up to round 6: resumed, the rows of the evaluation at 240 samples would be missing. Refused in
+    one line; the folder's record is as it was; without the copy, the run resumes and finishes."""
+    out = copy_of(stopped, tmp_path)
+    ahead = newest(completed)
+    shutil.copytree(ahead, out / "checkpoints" / ahead.name)
+    metrics, summary = (out / "metrics.jsonl").read_text(), (out / "summary.json").read_text()
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: checkpoint {out / 'checkpoints' / ahead.name} cannot be resumed: metrics.jsonl "
+                          "holds rows up to round 5 (120 samples) and lacks the evaluation at 240 samples"), err
+    assert "remove it (job.resume=auto then takes the newest one before it)" in err
+    assert (out / "metrics.jsonl").read_text() == metrics and (out / "summary.json").read_text() == summary
+    shutil.rmtree(out / "checkpoints" / ahead.name)
+    _, _, got, rows = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto"])
+    assert got["status"] == "completed" and got["resumed_from"].endswith("round-00000006")
+    assert [r["processed_samples"] for r in rows if r["processed_samples"] in (0, 120, 240)] == [0, 120, 240]
