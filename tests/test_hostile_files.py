@@ -461,3 +461,23 @@ def test_a_checkpoint_copied_in_from_a_run_ahead_is_refused_and_leaves_no_gap(st
     _, _, got, rows = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto"])
     assert got["status"] == "completed" and got["resumed_from"].endswith("round-00000006")
     assert [r["processed_samples"] for r in rows if r["processed_samples"] in (0, 120, 240)] == [0, 120, 240]
+
+
+def test_a_jsonl_is_read_line_by_line_up_to_the_examples_asked_for_and_a_huge_line_is_one_line(tmp_path):
+    """--max-examples 3 reads three lines, never the 17 MiB line after them; read in full, that line is refused in one
+    line naming the file and the line (a 2 GB line was a MemoryError)."""
+    from hosfl_dist.cli.predict import load_examples
+    from hosfl_dist.data.text import MAX_LINE_BYTES, custom_task, read_local_rows
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as fh:
+        for i in range(3):
+            fh.write(json.dumps({"text": f"example {i}", "label": i % 2}).encode() + b"\n")
+        fh.write(b'{"text": "' + b"x" * (MAX_LINE_BYTES + (1 << 20)) + b'", "label": 0}\n')
+        fh.write(json.dumps({"text": "after", "label": 1}).encode() + b"\n")
+    spec = custom_task("classification", "{text} It was", [" bad", " good"])
+    examples, has_gold = load_examples(spec, path, {}, 3)
+    assert [e["text"] for e in examples] == ["example 0", "example 1", "example 2"] and has_gold
+    assert [r["label"] for r in read_local_rows(str(path), 2)] == [0, 1]
+    with pytest.raises(DataError, match=rf"^cannot read {path}: line 4 is longer than 16 MiB \(one example a line\)$"):
+        read_local_rows(str(path))

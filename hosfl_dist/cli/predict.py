@@ -117,7 +117,7 @@ def load_examples(spec: Any, path: Path, columns: dict[str, str], limit: int) ->
     """The file's examples with the task's fields, and whether it has the gold column (a placeholder gold when not)."""
     from hosfl_dist.data.text import load_text_split, read_local_rows
 
-    rows = read_local_rows(str(path))
+    rows = read_local_rows(str(path), 1)  # the columns of its first example; the examples are read below, limit first
     if not rows:
         raise DataError(f"{path} has no examples")
     gold = GOLD[spec.kind]
