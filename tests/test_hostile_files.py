@@ -481,3 +481,58 @@ def test_a_jsonl_is_read_line_by_line_up_to_the_examples_asked_for_and_a_huge_li
     assert [r["label"] for r in read_local_rows(str(path), 2)] == [0, 1]
     with pytest.raises(DataError, match=rf"^cannot read {path}: line 4 is longer than 16 MiB \(one example a line\)$"):
         read_local_rows(str(path))
+
+
+# -- join.json of an elastic run is input (issue 45) ----------------------------------------------------------------
+GOOD_JOIN = {"host": "127.0.0.1", "port": 29400, "token": "ab" * 32, "pid": 1, "node": "elsewhere"}
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({**GOOD_JOIN, "port": 70000}, "its port is 70000 (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "port": "29400"}, "its port is '29400' (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "port": True}, "its port is True (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "host": ["a"]}, "its host is ['a'] (expected a host name or address)"),
+        ({**GOOD_JOIN, "host": "a\nb"}, "its host is 'a\\nb' (expected a host name or address)"),
+        ({**GOOD_JOIN, "token": 7}, "its token is 7 (expected the run's token, text)"),
+        ({**GOOD_JOIN, "pid": "1"}, "its pid is '1' (expected a process id)"),
+        ([GOOD_JOIN], "is not a join file of this version"),
+        ("{" * 100_000, "larger than 64 KiB"),
+        ('{"host": ' + "[" * 5000 + "]" * 5000 + "}", "cannot be read"),
+    ],
+    ids=["port-range", "port-text", "port-bool", "host-list", "host-newline", "token-int", "pid-text", "a-list",
+         "too-big", "deep"],  # fmt: skip
+)
+def test_a_join_file_that_is_not_one_is_refused_in_one_line(tmp_path, content, said):
+    from hosfl_dist.runtime.elastic.driver import read_join
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "join.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ConfigError) as exc:
+        read_join(tmp_path)
+    assert said in str(exc.value) and "\n" not in str(exc.value) and "join.json" in str(exc.value)
+
+
+def test_a_join_file_that_is_a_device_or_a_fifo_is_one_line_at_once(tmp_path):
+    """``--join`` on a folder whose join.json links to /dev/zero, or is a FIFO no one writes: exit code 2 and one
+    line, as a command, not a read that never ends."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "join.json").symlink_to("/dev/zero")
+    fifo = tmp_path / "fifo_run"
+    fifo.mkdir()
+    (fifo / "config.yaml").write_text("{}\n")
+    os.mkfifo(fifo / "join.json")
+    for folder, kind in ((tmp_path, "a device"), (fifo, "a FIFO")):
+        try:
+            done = subprocess.run([sys.executable, "-m", "hosfl_dist.run", "--join", str(folder)], capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+        finally:
+            _release(fifo / "join.json")
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+        assert err[0] == f"error: invalid value for --join: {folder / 'join.json'} is {kind}, not a regular file"
