@@ -343,12 +343,13 @@ def _catch(call):
 
 
 def _release(fifo: Path) -> None:
-    """Open ``fifo`` for writing and close it: a reader that blocked on it returns."""
+    """Open ``fifo`` at both ends and close it: a reader or a writer that blocked on it returns."""
     import contextlib
     import os
 
-    with contextlib.suppress(OSError):  # no reader waits: nothing to release
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    for mode in (os.O_RDONLY, os.O_WRONLY):
+        with contextlib.suppress(OSError):  # no one waits at the other end: nothing to release
+            os.close(os.open(fifo, mode | os.O_NONBLOCK))
 
 
 def test_predict_never_replaces_what_is_not_a_regular_file_of_ours(tmp_path, capsys):
@@ -536,3 +537,25 @@ def test_a_join_file_that_is_a_device_or_a_fifo_is_one_line_at_once(tmp_path):
         err = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
         assert err[0] == f"error: invalid value for --join: {folder / 'join.json'} is {kind}, not a regular file"
+
+
+def test_the_curves_and_a_centralised_reference_refuse_what_is_not_ours(completed, tmp_path, capsys):
+    import os
+
+    from hosfl_dist.centralized.lora import own_result_or_none
+    from hosfl_dist.errors import HosflError
+    from hosfl_dist.experiments.report import main as report_main
+
+    fifo = tmp_path / "curves.png"
+    os.mkfifo(fifo)
+    try:  # savefig would wait on it for a reader
+        assert _within(60, lambda: report_main([str(completed), "--out", str(fifo)])) == 2
+    finally:
+        _release(fifo)
+    assert _one_line(capsys)[-1] == f"error: --out {fifo} exists and is a FIFO, not a regular file: it would be " \
+        "replaced; name a new file or a file of yours"  # fmt: skip
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    os.mkfifo(reference / "metrics.jsonl")
+    with pytest.raises(HosflError, match="job.out_dir .*reference: its entry metrics.jsonl is a FIFO"):
+        own_result_or_none(reference)
