@@ -376,6 +376,8 @@ def test_predict_never_replaces_what_is_not_a_regular_file_of_ours(tmp_path, cap
         export / "preds.jsonl": f"error: --out {export / 'preds.jsonl'} lies inside the model folder {export} (it "
         "holds hosfl_export.json)",
     }
+    if Path("/dev/full").exists():  # the report's case (as root it was replaced by a file); the stand-in model
+        said[Path("/dev/full")] = "error: --out /dev/full exists and is a device, not a regular file"  # stops any write
     for out, line in said.items():
         assert predict.main(["--model", str(model), "--data", str(data), "--out", str(out)]) == 2
         err = _one_line(capsys)
