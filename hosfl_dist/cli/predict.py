@@ -126,7 +126,7 @@ def load_examples(spec: Any, path: Path, columns: dict[str, str], limit: int) ->
     """The file's examples with the task's fields, and whether it has the gold column (a placeholder gold when not)."""
     from hosfl_dist.data.text import load_text_split, read_local_rows
 
-    rows = read_local_rows(str(path))
+    rows = read_local_rows(str(path), 1)  # the columns of its first example; the examples are read below, limit first
     if not rows:
         raise DataError(f"{path} has no examples")
     gold = GOLD[spec.kind]
@@ -365,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             raise PredictError(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PredictError(f"--device {args.device}: this machine has no CUDA device")
+        from hosfl_dist.safe_files import check_input_file, check_output_file
+
+        check_output_file(args.out, "--out", in_export=False)  # never a device, a FIFO, a link out, an export's file
+        if args.data is not None:
+            check_input_file(args.data, "--data", DataError)  # a FIFO or /dev/zero: refused before it is opened
         if args.data is not None and args.out.resolve() == args.data.resolve():
             raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
         from hosfl_dist.runfolder.folder import run_in_the_way
@@ -378,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model.is_dir():
             raise PredictError(f"--model {args.model} is not a folder")
         target = args.out.resolve()
-        if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
-            raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
+        if target.is_relative_to(args.model.resolve()):  # a file added to an export breaks its manifest
+            raise PredictError(f"--out {args.out} lies inside the --model folder: write the predictions elsewhere")
         verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         record = _record(args.model)
         if (args.model / VISION).is_file():

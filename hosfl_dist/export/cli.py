@@ -155,8 +155,11 @@ def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str, copy_base: boo
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ExportError(f"--out {out} exists and is not a folder")
+    from hosfl_dist.safe_files import check_output_folder
+
+    if out.is_symlink():  # the rename would replace the link, not fill what it points at
+        raise ExportError(f"--out {out} is a symlink: name the folder itself")
+    check_output_folder(out, "--out", in_export=False, error=ExportError)  # not a file, device, FIFO; not in an export
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out} already holds files (--force replaces them once the new export is complete)")
 
