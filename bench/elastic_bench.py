@@ -10,7 +10,8 @@ of a shared machine falls on all three alike:
 - ``--serve`` with W ``--join`` workers, each its own process;
 each for ``--budget`` processed samples, evaluating at the start and the end only. Throughput is processed samples
 over the rounds' wall time: the slowest worker's ``run_round`` times under torchrun, the server's trainer's round
-times in the elastic run (a round there is from its opening to its close at the gate: what every worker waited for).
+times in the elastic run (a round there is from its opening to its close at the gate: what every worker waited for),
+less its wait for ``server.min_workers`` to join (the start-up torchrun's launch does before its first round).
 It also reports the elastic workers' RPC messages per worker-round and the digests of both multi-process runs against
 the in-process run's (nothing drops: all three compute the same run).
 """
@@ -57,8 +58,9 @@ def run_elastic(args: argparse.Namespace, workers: int, tmp: Path) -> dict:
         raise RuntimeError(f"the elastic run failed:\n{(tmp / 'server.log').read_text()[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     stats = summary["transport"]["workers"]
-    train_s = stats["server_evaluation"]["round_s"]
-    members = [s for name, s in stats.items() if name != "server_evaluation"]
+    coordinator = stats["coordinator"]  # the server's rounds, less the wait for server.min_workers to join
+    train_s = coordinator["round_s"] - coordinator.get("waiting_for_workers_s", 0.0)
+    members = [s for name, s in stats.items() if name != "coordinator"]
     rounds = summary["rounds"]
     return {
         "engine": f"elastic, --serve + {workers} --join workers",
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="extra dotted overrides for every run (after --)")
     args = options(p).parse_args(argv)
     args.overlap = ["auto"]
+    from hosfl_dist.config import load_config
+
+    cfg = load_config(ROOT / args.config, args.overrides)
+    args.K, args.P = cfg.clients.per_round, cfg.zo.num_perturbations  # what dist_bench's runs read
     rec = Recorder(BENCHMARKS["elastic"], argv, args.via)
     runs: dict[str, list[dict]] = {"in_process": [], "torchrun": [], "elastic": []}
     with tempfile.TemporaryDirectory(prefix="elastic_bench_") as tmp:

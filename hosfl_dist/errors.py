@@ -103,7 +103,52 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 """Permission refused: a write the machine refused where the caller knows the failure was a write."""
 
-_WRAPPED_OS_ERROR = re.compile(r"Os \{ code: (\d+)")  # safetensors: IoError(Os { code: 28, kind: StorageFull, ... })
+_WRAPPED_OS_ERROR = re.compile(r"os error (\d+)|code: (\d+)|errno:? ?(\d+)", re.IGNORECASE)
+"""A library's words for an OS error it wraps: safetensors' ``(os error 28)`` (earlier ``Os { code: 28 … }``), Python's
+``[Errno 28]`` quoted in another exception's text."""
+_WRITE_WORDS = re.compile(r"write|writing|serializ|i/o error|ioerror|flush", re.IGNORECASE)
+"""What an error of a write says when it does not say why (torch's zip writer: ``file write failed``)."""
+LOW_SPACE_BYTES = 1 << 20
+"""Free space below which a write that failed without saying why is taken for a full disk."""
+
+
+def _chain(exc: BaseException, most: int = 16) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling (``__cause__``, ``__context__``), at most
+    ``most``, each once."""
+    found: list[BaseException] = []
+    while exc is not None and len(found) < most and all(exc is not e for e in found):
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return found
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    """The errno an exception carries: an OSError's own, or the number a library's text quotes (first match)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno
+    found = _WRAPPED_OS_ERROR.search(str(exc))
+    if found is not None:
+        return int(next(g for g in found.groups() if g is not None))
+    return None
+
+
+def _nearly_full(where: str | os.PathLike[str] | None) -> bool:
+    """Whether the file system of ``where`` (its nearest folder that exists) has less than :data:`LOW_SPACE_BYTES`
+    free for this user."""
+    if not where:
+        return False
+    import shutil
+
+    place = os.path.abspath(os.fspath(where))
+    while place and not os.path.isdir(place):
+        parent = os.path.dirname(place)
+        if parent == place:
+            return False
+        place = parent
+    try:
+        return shutil.disk_usage(place).free < LOW_SPACE_BYTES
+    except OSError:
+        return False
 
 
 def write_failure(
@@ -111,21 +156,27 @@ def write_failure(
 ) -> WriteError | None:
     """``exc`` as a one-line :class:`WriteError` naming what could not be written and where, when it is a write the
     machine refused: an OSError of :data:`WRITE_ERRNOS` (with ``denied``, of :data:`DENIED_ERRNOS` too: the caller
-    was writing), or torch's or safetensors' wrapping of one (torch.save says ``file write failed``, safetensors
-    ``IoError(Os { code: 28 … })``). None for anything else."""
+    was writing) anywhere in its chain (``raise … from``), or a library's wrapping of one, read by the errno it
+    quotes (safetensors' ``(os error 28)`` or ``Os { code: 28 … }``, ``[Errno 122]``), or a write that failed without
+    saying why (torch.save's ``file write failed``, an I/O error) on a file system with less than
+    :data:`LOW_SPACE_BYTES` free. None for anything else."""
     if isinstance(exc, WriteError):
         return exc
-    code = exc.errno if isinstance(exc, OSError) else None
-    text = str(exc)
-    if code is None and not isinstance(exc, OSError):
-        found = _WRAPPED_OS_ERROR.search(text)
-        if found is not None:
-            code = int(found.group(1))
-        elif "file write failed" in text or "unexpected pos" in text:
+    chain = _chain(exc)
+    codes = [_errno_of(e) for e in chain]
+    code = next((c for c in codes if c in WRITE_ERRNOS or (denied and c in DENIED_ERRNOS)), None)
+    source = chain[codes.index(code)] if code is not None else exc
+    if code is None:
+        text = " ".join(str(e) for e in chain)
+        io = any(isinstance(e, OSError) and e.errno in (None, errno.EIO) for e in chain) or _WRITE_WORDS.search(text)
+        if "file write failed" in text or "unexpected pos" in text:
             code = errno.ENOSPC  # torch's zip writer does not say why; a full disk is what makes it fail
-    if code not in WRITE_ERRNOS and not (denied and code in DENIED_ERRNOS):
+        elif io and _nearly_full(where):
+            code = errno.ENOSPC  # said in other words, but the destination has no room left
+    if code is None:
         return None
-    filename = getattr(exc, "filename", None) or where
+    filename = getattr(source, "filename", None) or where
     place = f" {filename}" if filename else ""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else os.strerror(code)
+    mine = isinstance(source, OSError) and source.strerror and source.errno == code
+    reason = source.strerror if mine else os.strerror(code)
     return WriteError(f"cannot write{place}: {reason}")

@@ -49,15 +49,21 @@ EXCERPT = 80
 MERGE_TAG = "tag:yaml.org,2002:merge"
 NULL_TAG, BOOL_TAG, INT_TAG, FLOAT_TAG = (f"tag:yaml.org,2002:{t}" for t in ("null", "bool", "int", "float"))
 
-_FLOAT = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"
+DIGITS = r"[0-9](?:_?[0-9])*"
+"""Decimal digits, an underscore allowed between two of them (``3_072``, ``1_000.5``, ``1e-3_0`` = 1e-30), as
+Python's int() and float() read them: one rule for every number of a config, in YAML and in overrides alike; an
+underscore first, last, doubled or beside a point or an e is no number (``_3``, ``3_``, ``3__0``, ``1_.5``)."""
+_FLOAT = (rf"[-+]?(?:\.{DIGITS}|{DIGITS}(?:\.(?:{DIGITS})?)?)(?:[eE][-+]?{DIGITS})?|[-+]?\.(?:inf|Inf|INF)"
+          r"|\.(?:nan|NaN|NAN)")  # fmt: skip
 CORE_SCHEMA: list[tuple[str, re.Pattern[str], str]] = [
     (NULL_TAG, re.compile(r"(?:null|Null|NULL|~|)\Z"), "~nN"),
     (BOOL_TAG, re.compile(r"(?:true|True|TRUE|false|False|FALSE)\Z"), "tTfF"),
-    (INT_TAG, re.compile(r"(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z"), "-+0123456789"),
+    (INT_TAG, re.compile(rf"(?:[-+]?{DIGITS}|0o[0-7]+|0x[0-9a-fA-F]+)\Z"), "-+0123456789"),
     (FLOAT_TAG, re.compile(f"(?:{_FLOAT})\\Z"), "-+.0123456789"),
 ]
 """YAML 1.2's core schema (spec 10.3.2) as (tag, regexp, first characters): how a plain scalar is resolved, the first
-match in this order winning (an integer before the float that would also match)."""
+match in this order winning (an integer before the float that would also match); decimal numbers may hold
+underscores between digits (:data:`DIGITS`)."""
 _CORE = {tag: regexp for tag, regexp, _ in CORE_SCHEMA}
 
 
@@ -169,7 +175,7 @@ class SafeLoader(yaml.SafeLoader):
     def construct_core_int(self, node: ScalarNode) -> WrittenInt:
         text = self.construct_scalar(node)
         if not _CORE[INT_TAG].match(text):
-            raise ValueError(f"{text!r} is not an integer of YAML 1.2 (digits, 0o octal or 0x hex)")
+            raise ValueError(f"{text!r} is not an integer of YAML 1.2 (digits, _ between two; 0o octal or 0x hex)")
         base = {"0o": 8, "0x": 16}.get(text[:2], 10)
         return WrittenInt(int(text if base == 10 else text[2:], base), text)
 

@@ -253,6 +253,7 @@ ABOVE_MODELS = ("hosfl_dist.runfolder", *ABOVE_RUNFOLDER)
         ("core", ("hosfl_dist.config", "hosfl_dist.core", "hosfl_dist.errors")),
         ("errors.py", ()),
         ("safe_yaml.py", ("hosfl_dist.errors",)),
+        ("safe_files.py", ("hosfl_dist.errors",)),
     ],
 )
 def test_the_bottom_layer_imports_only_itself(folder, allowed):

@@ -13,11 +13,12 @@ import threading
 import pytest
 import torch
 
-from hosfl_dist.algorithms import get_algorithm, mu_splitfed
+from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.algorithms.exchange import aggregate, server_seed, step_seed
 from hosfl_dist.algorithms.fsl_sage import FSLSageServer, build_aux
 from hosfl_dist.config import load_config
 from hosfl_dist.core.digest import tensors_digest
+from hosfl_dist.core.estimators import ZOEstimator
 from hosfl_dist.core.params import bound, slot_tensors, trainable_slots
 from hosfl_dist.core.zo import noise_like
 from hosfl_dist.data import FederatedData, build_data
@@ -243,13 +244,13 @@ def test_mu_splitfed_round_by_hand(small):
 @pytest.mark.parametrize("tau", [1, 3])
 def test_mu_splitfed_steps_the_server_tau_times_per_client_step(small, monkeypatch, tau):
     calls = {"client": 0, "server": 0}
-    real = mu_splitfed.zo_step
+    real = ZOEstimator.step
 
-    def spy(opt, params, seed, g, rng_device):
+    def spy(self, opt, params, seeds, coeffs, cache=None):
         calls["client" if len(params) == 2 else "server"] += 1  # small_cnn cut=1: 2 client tensors, 4 server
-        return real(opt, params, seed, g, rng_device)
+        return real(self, opt, params, seeds, coeffs, cache)
 
-    monkeypatch.setattr(mu_splitfed, "zo_step", spy)
+    monkeypatch.setattr(ZOEstimator, "step", spy)
     overrides = small + [
         "algorithm.name=mu_splitfed",
         f"algorithm.server_steps={tau}",

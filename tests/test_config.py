@@ -108,7 +108,7 @@ def test_scalars_are_read_by_yaml_1_2_core_schema():
                     "FALSE, yes, no, on, off, y, ~, null, NULL, 2001-02-30, '=']", "test")  # fmt: skip
     ints, text, floats, flags, nulls, date = got[:5], got[5:8], got[8:14], got[14:21], got[22:25], got[25]
     assert ints == [2000, 15, 31, 0, 12] and all(type(v) is not bool and isinstance(v, int) for v in ints)
-    assert text == ["1:30", "1_000", "0b11"]  # no base 60, no underscores, no 0b in YAML 1.2
+    assert text == ["1:30", 1000, "0b11"] and text[1].text == "1_000"  # no base 60, no 0b in YAML 1.2; _ as Python
     assert floats[:5] == [1000.0, 0.5, 1.0, 1e300, float("-inf")] and floats[5] != floats[5]  # nan
     assert flags == [True, True, False, "yes", "no", "on", "off"] and got[21] == "y"
     assert nulls == [None, None, None] and date == "2001-02-30" and got[26] == "="
@@ -375,3 +375,27 @@ def test_a_file_with_many_errors_lists_the_first_twenty_and_counts_the_rest():
     assert said.startswith("25 errors in the config: (1) unknown key zo.bogus0")
     assert "(20) unknown key zo.bogus19" in said
     assert "(21)" not in said and said.endswith("; and 5 more")
+
+
+@pytest.mark.parametrize("where", ["override", "yaml"])
+def test_numbers_with_underscores_are_read_one_way_everywhere(tmp_path, where):
+    """An underscore between two digits, as Python's int() and float() read it, for integers and floats alike, in an
+    override and in a YAML file; anywhere else the text is no number, and a number's field refuses it."""
+
+    def load(key: str, text: str):
+        if where == "override":
+            return load_config(None, [f"{key}={text}"])
+        *sections, name = key.split(".")
+        nested = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+        (tmp_path / "c.yaml").write_text(f"{nested}{'  ' * len(sections)}{name}: {text}\n")
+        return load_config(tmp_path / "c.yaml")
+
+    assert load("train.budget_samples", "3_072").train.budget_samples == 3072
+    assert load("server.optim.lr", "1e-3_0").server.optim.lr == 1e-30  # the exponent's digits: 30
+    assert load("server.optim.lr", "2_5e-4").server.optim.lr == 25e-4
+    assert load("job.name", "2026_12_02").job.name == "2026_12_02"  # text as written
+    for bad in ("_3072", "3072_", "3__072", "1_.5", "1._5", "1e_3"):
+        with pytest.raises(ConfigError, match="invalid value for train.budget_samples"):
+            load("train.budget_samples", bad)
+        with pytest.raises(ConfigError, match="invalid value for server.optim.lr"):
+            load("server.optim.lr", bad)

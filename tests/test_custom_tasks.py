@@ -130,7 +130,8 @@ def test_predict_refuses_a_boolean_gold_label_in_one_line(tmp_path, capsys):
 
     data = tmp_path / "gold.jsonl"
     data.write_text(json.dumps({"text": "A film.", "label": 1}) + "\n" + json.dumps({"text": "Dull.", "label": True}))
-    argv = ["--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "p.jsonl"),
+    (tmp_path / "model").mkdir()  # --out never inside --model
+    argv = ["--model", str(tmp_path / "model"), "--data", str(data), "--out", str(tmp_path / "p.jsonl"),
             "--kind", "classification", "--template", "{text} It was", "--label-words", "bad,good",
             "--allow-unsigned"]  # fmt: skip  (no export there: accepted, so that the examples are read)
     assert predict_main(argv) == 2  # refused while reading the examples, before any model is looked for

@@ -359,11 +359,12 @@ def test_predict_refuses_bad_input_in_one_line(tmp_path, capsys, lm_run, text_fi
         assert err and err[-1].startswith("error: ")
         return err[-1]
 
-    data, preds = str(text_files / "sst2.jsonl"), str(tmp_path / "p.jsonl")
-    assert "holds no Hugging Face model" in refused("--model", str(tmp_path), "--data", data, "--out", preds,
+    data, preds, empty = str(text_files / "sst2.jsonl"), str(tmp_path / "p.jsonl"), tmp_path / "empty"
+    empty.mkdir()  # a model folder that holds nothing (--out never lies inside --model)
+    assert "holds no Hugging Face model" in refused("--model", str(empty), "--data", data, "--out", preds,
                                                     "--kind", "classification", "--template", "{review}",
                                                     "--label-words", "a,b", "--allow-unsigned")  # fmt: skip
-    assert "unsigned (no hosfl_manifest.json" in refused("--model", str(tmp_path), "--data", data, "--out", preds)
+    assert "unsigned (no hosfl_manifest.json" in refused("--model", str(empty), "--data", data, "--out", preds)
     assert "not found" in refused("--model", str(out), "--data", str(tmp_path / "none.jsonl"), "--out", preds)
     assert "no column" in refused("--model", str(out), "--data", data, "--out", preds, "--template", "{missing}")
     assert "expected cpu, cuda" in refused("--model", str(out), "--data", data, "--out", preds, "--device", "gpu0")

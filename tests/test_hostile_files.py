@@ -316,3 +316,248 @@ def test_a_cifar_batch_is_read_without_running_code(tmp_path):
     with pytest.raises(DataError, match=r"cannot be read as a CIFAR batch \(it asks for (io|builtins).open, which a"):
         _unpickle(tmp_path / "b")
     assert not marker.exists()
+
+
+# -- what a command writes or reads is a regular file of ours (issue 46) --------------------------------------------
+def _within(seconds: float, call):
+    """``call()``'s result, or a failure when it has not returned within ``seconds`` (an open of a FIFO that waits
+    for a writer): the test never hangs."""
+    import threading
+
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("value", _catch(call)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s (an open that blocks)"
+    value = done["value"]
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _catch(call):
+    try:
+        return call()
+    except BaseException as exc:  # noqa: BLE001 - handed back to the test's thread
+        return exc
+
+
+def _release(fifo: Path) -> None:
+    """Open ``fifo`` at both ends and close it: a reader or a writer that blocked on it returns."""
+    import contextlib
+    import os
+
+    for mode in (os.O_RDONLY, os.O_WRONLY):
+        with contextlib.suppress(OSError):  # no one waits at the other end: nothing to release
+            os.close(os.open(fifo, mode | os.O_NONBLOCK))
+
+
+def test_predict_never_replaces_what_is_not_a_regular_file_of_ours(tmp_path, capsys):
+    import os
+
+    from hosfl_dist.cli import predict
+
+    model, data, export = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "other_export"
+    model.mkdir()
+    export.mkdir()
+    (export / "hosfl_export.json").write_text("{}")
+    data.write_text('{"text": "a", "label": 0}\n')
+    fifo, folder, outside = tmp_path / "preds.fifo", tmp_path / "a_folder", tmp_path / "elsewhere"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    (outside / "sub").mkdir(parents=True)
+    link = tmp_path / "out" / "preds.jsonl"
+    link.parent.mkdir()
+    link.symlink_to(outside / "sub" / "preds.jsonl")
+    said = {
+        fifo: f"error: --out {fifo} exists and is a FIFO, not a regular file",
+        folder: f"error: --out {folder} exists and is a folder, not a regular file",
+        link: f"error: --out {link} is a symlink to {outside / 'sub' / 'preds.jsonl'}, outside its folder",
+        export / "preds.jsonl": f"error: --out {export / 'preds.jsonl'} lies inside the model folder {export} (it "
+        "holds hosfl_export.json)",
+    }
+    if Path("/dev/full").exists():  # the report's case (as root it was replaced by a file); the stand-in model
+        said[Path("/dev/full")] = "error: --out /dev/full exists and is a device, not a regular file"  # stops any write
+    for out, line in said.items():
+        assert predict.main(["--model", str(model), "--data", str(data), "--out", str(out)]) == 2
+        err = _one_line(capsys)
+        assert len(err) == 1 and err[0].startswith(line), err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and folder.is_dir() and link.is_symlink()
+    assert sorted(p.name for p in export.iterdir()) == ["hosfl_export.json"]
+    assert not (outside / "sub" / "preds.jsonl").exists()
+
+    feed = tmp_path / "data.jsonl.fifo"  # an input that is a FIFO: refused without waiting for a writer
+    os.mkfifo(feed)
+    argv = ["--model", str(model), "--data", str(feed), "--out", str(tmp_path / "p.jsonl")]
+    try:
+        assert _within(20, lambda: predict.main(argv)) == 2
+    finally:
+        _release(feed)
+    assert _one_line(capsys) == [f"error: --data {feed} is a FIFO, not a regular file"]
+    with pytest.raises(DataError, match="data file /dev/zero is a device, not a regular file"):
+        from hosfl_dist.data.text import read_local_rows
+
+        read_local_rows("/dev/zero")
+
+
+def test_a_signing_key_that_is_a_fifo_is_refused_without_waiting(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo, 0o600)
+    monkeypatch.setenv("HOSFL_KEY_FILE", str(fifo))
+    try:
+        with pytest.raises(ConfigError, match=f"signing key {fifo} \\(HOSFL_KEY_FILE\\) is not a file"):
+            _within(20, load_key)
+    finally:
+        _release(fifo)
+
+
+def test_export_study_and_run_folders_refuse_what_is_not_ours(completed, tmp_path, capsys):
+    import argparse
+    import os
+
+    from hosfl_dist.experiments.cli import free_out
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "hosfl_export.json").write_text("{}")
+    assert export_main([str(completed), "--out", str(export / "inner")]) == 2
+    assert _one_line(capsys) == [f"error: --out {export / 'inner'} lies inside the model folder {export} (it holds "
+                                 "hosfl_export.json): write it elsewhere"]  # fmt: skip
+    assert sorted(p.name for p in export.iterdir()) == ["hosfl_export.json"]
+
+    study = tmp_path / "study"
+    study.mkdir()
+    os.mkfifo(study / "table.md")
+    with pytest.raises(ConfigError, match=r"--out .*study: its entry table.md is a FIFO, not a regular file"):
+        free_out(argparse.Namespace(out=str(study)))
+    (study / "table.md").unlink()
+    (study / "study.json").symlink_to("/dev/null")
+    with pytest.raises(ConfigError, match=r"its entry .*study.json is a symlink to /dev/null, outside its folder"):
+        free_out(argparse.Namespace(out=str(study)))
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    assert main([*RUN, f"job.out_dir={run}", "--check"]) == 2
+    assert _one_line(capsys)[-1] == (f"error: job.out_dir {run}: its entry metrics.jsonl is a FIFO, not a regular file "
+                                     "(a file written there would replace it); remove it or choose another folder")
+    assert stat.S_ISFIFO(os.lstat(run / "metrics.jsonl").st_mode)
+
+
+def test_a_checkpoint_copied_in_from_a_run_ahead_is_refused_and_leaves_no_gap(stopped, completed, tmp_path, capsys):
+    """The completed twin's final checkpoint (round 10) copied into the run stopped at round 6, whose metrics.jsonl
+    holds the rows up to round 6: resumed, the rows of the evaluation at 240 samples would be missing. Refused in
+    one line; the folder's record is as it was; without the copy, the run resumes and finishes."""
+    out = copy_of(stopped, tmp_path)
+    ahead = newest(completed)
+    shutil.copytree(ahead, out / "checkpoints" / ahead.name)
+    metrics, summary = (out / "metrics.jsonl").read_text(), (out / "summary.json").read_text()
+    assert main([*RUN, f"job.out_dir={out}", "job.resume=auto"]) == 2
+    err = _one_line(capsys)[-1]
+    assert err.startswith(f"error: checkpoint {out / 'checkpoints' / ahead.name} cannot be resumed: metrics.jsonl "
+                          "holds rows up to round 5 (120 samples) and lacks the evaluation at 240 samples"), err
+    assert "remove it (job.resume=auto then takes the newest one before it)" in err
+    assert (out / "metrics.jsonl").read_text() == metrics and (out / "summary.json").read_text() == summary
+    shutil.rmtree(out / "checkpoints" / ahead.name)
+    _, _, got, rows = run_in_process([*RUN, f"job.out_dir={out}", "job.resume=auto"])
+    assert got["status"] == "completed" and got["resumed_from"].endswith("round-00000006")
+    assert [r["processed_samples"] for r in rows if r["processed_samples"] in (0, 120, 240)] == [0, 120, 240]
+
+
+def test_a_jsonl_is_read_line_by_line_up_to_the_examples_asked_for_and_a_huge_line_is_one_line(tmp_path):
+    """--max-examples 3 reads three lines, never the 17 MiB line after them; read in full, that line is refused in one
+    line naming the file and the line (a 2 GB line was a MemoryError)."""
+    from hosfl_dist.cli.predict import load_examples
+    from hosfl_dist.data.text import MAX_LINE_BYTES, custom_task, read_local_rows
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as fh:
+        for i in range(3):
+            fh.write(json.dumps({"text": f"example {i}", "label": i % 2}).encode() + b"\n")
+        fh.write(b'{"text": "' + b"x" * (MAX_LINE_BYTES + (1 << 20)) + b'", "label": 0}\n')
+        fh.write(json.dumps({"text": "after", "label": 1}).encode() + b"\n")
+    spec = custom_task("classification", "{text} It was", [" bad", " good"])
+    examples, has_gold = load_examples(spec, path, {}, 3)
+    assert [e["text"] for e in examples] == ["example 0", "example 1", "example 2"] and has_gold
+    assert [r["label"] for r in read_local_rows(str(path), 2)] == [0, 1]
+    with pytest.raises(DataError, match=rf"^cannot read {path}: line 4 is longer than 16 MiB \(one example a line\)$"):
+        read_local_rows(str(path))
+
+
+# -- join.json of an elastic run is input (issue 45) ----------------------------------------------------------------
+GOOD_JOIN = {"host": "127.0.0.1", "port": 29400, "token": "ab" * 32, "pid": 1, "node": "elsewhere"}
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({**GOOD_JOIN, "port": 70000}, "its port is 70000 (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "port": "29400"}, "its port is '29400' (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "port": True}, "its port is True (expected an integer in 1..65535)"),
+        ({**GOOD_JOIN, "host": ["a"]}, "its host is ['a'] (expected a host name or address)"),
+        ({**GOOD_JOIN, "host": "a\nb"}, "its host is 'a\\nb' (expected a host name or address)"),
+        ({**GOOD_JOIN, "token": 7}, "its token is 7 (expected the run's token, text)"),
+        ({**GOOD_JOIN, "pid": "1"}, "its pid is '1' (expected a process id)"),
+        ([GOOD_JOIN], "is not a join file of this version"),
+        ("{" * 100_000, "larger than 64 KiB"),
+        ('{"host": ' + "[" * 5000 + "]" * 5000 + "}", "cannot be read"),
+    ],
+    ids=["port-range", "port-text", "port-bool", "host-list", "host-newline", "token-int", "pid-text", "a-list",
+         "too-big", "deep"],  # fmt: skip
+)
+def test_a_join_file_that_is_not_one_is_refused_in_one_line(tmp_path, content, said):
+    from hosfl_dist.runtime.elastic.driver import read_join
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "join.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ConfigError) as exc:
+        read_join(tmp_path)
+    assert said in str(exc.value) and "\n" not in str(exc.value) and "join.json" in str(exc.value)
+
+
+def test_a_join_file_that_is_a_device_or_a_fifo_is_one_line_at_once(tmp_path):
+    """``--join`` on a folder whose join.json links to /dev/zero, or is a FIFO no one writes: exit code 2 and one
+    line, as a command, not a read that never ends."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    (tmp_path / "join.json").symlink_to("/dev/zero")
+    fifo = tmp_path / "fifo_run"
+    fifo.mkdir()
+    (fifo / "config.yaml").write_text("{}\n")
+    os.mkfifo(fifo / "join.json")
+    for folder, kind in ((tmp_path, "a device"), (fifo, "a FIFO")):
+        try:
+            done = subprocess.run([sys.executable, "-m", "hosfl_dist.run", "--join", str(folder)], capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+        finally:
+            _release(fifo / "join.json")
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+        assert err[0] == f"error: invalid value for --join: {folder / 'join.json'} is {kind}, not a regular file"
+
+
+def test_the_curves_and_a_centralised_reference_refuse_what_is_not_ours(completed, tmp_path, capsys):
+    import os
+
+    from hosfl_dist.centralized.lora import own_result_or_none
+    from hosfl_dist.errors import HosflError
+    from hosfl_dist.experiments.report import main as report_main
+
+    fifo = tmp_path / "curves.png"
+    os.mkfifo(fifo)
+    try:  # savefig would wait on it for a reader
+        assert _within(60, lambda: report_main([str(completed), "--out", str(fifo)])) == 2
+    finally:
+        _release(fifo)
+    assert _one_line(capsys)[-1] == f"error: --out {fifo} exists and is a FIFO, not a regular file: it would be " \
+        "replaced; name a new file or a file of yours"  # fmt: skip
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    os.mkfifo(reference / "metrics.jsonl")
+    with pytest.raises(HosflError, match="job.out_dir .*reference: its entry metrics.jsonl is a FIFO"):
+        own_result_or_none(reference)

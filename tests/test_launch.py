@@ -71,6 +71,22 @@ def test_a_gpu_benchmark_is_skipped_without_cuda_and_the_run_goes_on(tmp_path):
     assert json.loads((tmp_path / "agg_traffic.json").read_text())["error"] is None
 
 
+@pytest.mark.slow  # about 40 s: three short runs of the quickstart
+@pytest.mark.multiprocess
+def test_the_elastic_benchmark_measures_the_three_runtimes_and_their_runs_agree(tmp_path):
+    got = subprocess.run([sys.executable, "-m", "bench.elastic_bench", "--budget", "512", "--repeat", "1",
+                          "--eval-samples", "200", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    assert got.returncode == 0, got.stderr[-3000:]
+    record = json.loads((tmp_path / "elastic.json").read_text())
+    figures = record["figures"]
+    assert record["error"] is None
+    for name in ("in_process_samples_per_s", "torchrun_samples_per_s", "elastic_samples_per_s", "elastic_vs_torchrun"):
+        assert figures[name]["value"] > 0, name
+    assert figures["same_final_metrics"]["value"] is True  # nothing drops: the three compute one run
+    assert "elastic / torchrun:" in got.stdout
+
+
 @pytest.mark.parametrize(
     ("target", "sense", "value", "met"),
     [(1.15, "<=", 1.2, False), (1.15, "<=", 1.15, True), (20, "=", 20.0, True), (20, "=", 24, False),

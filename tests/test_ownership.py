@@ -145,7 +145,7 @@ def test_predict_refuses_a_destination_in_its_model_and_a_full_disk_leaves_out_a
     argv = ["--model", str(model), "--data", str(data), "--out", str(out)]
     (model / "model.safetensors").write_bytes(b"weights")
     assert predict.main([*argv[:-1], str(model / "model.safetensors")]) == 2
-    assert "is a file of the --model folder: the predictions would replace it" in one_line(capsys)
+    assert "lies inside the --model folder: write the predictions elsewhere" in one_line(capsys)
     assert (model / "model.safetensors").read_bytes() == b"weights"
     for device in ("meta", "xla", "mps", "nonsense"):
         assert predict.main([*argv, "--device", device]) == 2
@@ -339,3 +339,60 @@ def test_ctrl_c_ends_a_study_in_one_line_and_its_run_checkpoints(tmp_path):
     ]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert "interrupted: the run stopped by SIGINT" in (run_dir / "log.txt").read_text()
+
+
+def _safetensors_error(text: str) -> Exception:
+    from safetensors import SafetensorError
+
+    return SafetensorError(text)
+
+
+def _chained(text: str) -> Exception:
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as cause:
+        try:
+            raise RuntimeError(text) from cause
+        except RuntimeError as exc:
+            return exc
+
+
+@pytest.mark.parametrize(
+    ("make", "text", "reason", "free"),
+    [
+        (_safetensors_error, "Error while serializing: I/O error: No space left on device (os error 28)",
+         "No space left on device", None),
+        (_safetensors_error, 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+         'left on device" })', "No space left on device", None),
+        (RuntimeError, "saving failed: [Errno 122] Disk quota exceeded", "Disk quota exceeded", None),
+        (_chained, "the writer gave up", "No space left on device", None),
+        (RuntimeError, "I/O error while writing the shard", "No space left on device", 4096),  # the disk: no room
+    ],
+    ids=["safetensors-0.8", "safetensors-earlier", "errno-in-text", "raised-from", "disk-usage"],
+)
+def test_a_full_disk_is_read_by_its_errno_in_every_librarys_words(
+    tmp_path, capsys, monkeypatch, vision_run, make, text, reason, free
+):
+    import shutil
+
+    from hosfl_dist.export import cli as export_cli
+    from hosfl_dist.export import vision
+
+    before = tree_digest(vision_run)
+    out = tmp_path / "exported"
+    real = vision.write_vision
+
+    def full(restored, folder):
+        real(restored, folder)
+        raise make(text)
+
+    monkeypatch.setattr(vision, "write_vision", full)
+    if free is None:  # a write that fails without saying why, where the disk has room: not called a full disk
+        assert write_failure(RuntimeError("I/O error while writing the shard"), tmp_path) is None
+    else:
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+    assert export_cli.main([str(vision_run), "--out", str(out)]) == 2
+    assert one_line(capsys) == f"error: cannot write {out}: {reason} (--out is as it was; the run untouched)"
+    assert not out.exists() and not list(tmp_path.glob(".exported.*"))
+    assert tree_digest(vision_run) == before

@@ -149,8 +149,8 @@ def test_a_task_and_a_model_outside_the_package_train_by_plugin(tmp_path, user_m
 def test_help_config_lists_the_plugins_task_and_model(user_modules):
     res = run_command("--plugin", PARTS_MOD, "--help-config")  # every section
     assert res.returncode == 0, res.stderr
-    listed = res.stdout.split(f"From the plug-ins ({PARTS_MOD}): ")[1:]  # under algorithm.name, model.name, data.name
-    assert [line.splitlines()[0] for line in listed] == ["none", "mlp", "blobs"]
+    listed = res.stdout.split(f"From the plug-ins ({PARTS_MOD}): ")[1:]  # algorithm/model.name, zo.estimator, data.name
+    assert [line.splitlines()[0] for line in listed] == ["none", "mlp", "none", "blobs"]
 
 
 def test_unknown_or_mismatched_names_are_one_line_exit_2(tmp_path, user_modules):

@@ -56,10 +56,10 @@ INJECT = textwrap.dedent(
 
     if first and rank == target == 0:
         serve = endpoint.ServerEndpoint.serve
-        def dying(self, method, kw):
+        def dying(self, method, kw, *args, **kwargs):
             if kw.get("t") == at:
                 fault()
-            return serve(self, method, kw)
+            return serve(self, method, kw, *args, **kwargs)
         endpoint.ServerEndpoint.serve = dying
     elif first and rank == target:
         worker = get_algorithm(os.environ["ALG"]).worker

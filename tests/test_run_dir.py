@@ -204,3 +204,33 @@ def test_a_completed_run_draws_its_curves_and_the_report_draws_several(tmp_path,
     assert capsys.readouterr().out.splitlines()[-1] == str(both) and both.stat().st_size > 10_000
     assert report([str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'none'}: no readable metrics.jsonl")
+
+
+def test_a_torchrun_restart_resumes_its_own_folder_never_another_runs_latest(tmp_path, monkeypatch):
+    """``torchrun --max-restarts`` without job.out_dir: a restart (TORCHELASTIC_RESTART_COUNT>0) continues the folder
+    its first attempt chose, even when another run of the same job.name started meanwhile and took ``latest``."""
+    from hosfl_dist.runtime.process.launch import launch_env
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cfg = load_config(None, ["job.name=x"])
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+
+    def env(run_id: str, restart: int):
+        return launch_env({**torchrun, "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart)})
+
+    first = env("job-a", 0)
+    mine = resolve_out_dir(cfg, restarted=False, pin=first.invocation).job.out_dir
+    # another run of job.name x started meanwhile: a folder of its own, and latest
+    other = resolve_out_dir(cfg, restarted=False, pin=env("job-b", 0).invocation).job.out_dir
+    assert other != mine and os.readlink("runs/x/latest") == Path(other).name
+    again = env("job-a", 1)
+    for resume in ("never", "auto"):
+        restarted = load_config(None, ["job.name=x", f"job.resume={resume}"])
+        assert resolve_out_dir(restarted, restarted=True, pin=again.invocation).job.out_dir == mine
+    # a static rendezvous says "none" for every job: the invocation is then torchrun's agent (this test's process)
+    assert env("none", 0).invocation == env("", 1).invocation != first.invocation
+    assert env("none", 0).invocation.startswith(f"agent:{os.getppid()}")
+    # a restart whose first attempt pinned nothing (it failed before making a folder) gets a new folder, not latest
+    fresh = resolve_out_dir(cfg, restarted=True, pin=env("job-c", 1).invocation).job.out_dir
+    assert fresh not in (mine, other) and Path(fresh).is_dir()

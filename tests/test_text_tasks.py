@@ -442,7 +442,7 @@ def test_hub_rows_are_mapped_to_canonical_fields(monkeypatch):
 def test_preset_prompt_templates_say_what_the_prompts_are():
     """The template an export's card shows for a preset task, formatted with the fields as its note says, is the
     prompt the run built (hosfl_dist/data/text.py's PROMPT_TEMPLATES against _PROMPTS)."""
-    from hosfl_dist.data.text import _PROMPTS, PROMPT_TEMPLATES
+    from hosfl_dist.data.text import _PROMPTS, PROMPT_CODE, PROMPT_TEMPLATES
 
     examples = {
         "sst2": {"sentence": "  A film. ", "label": 0},
@@ -451,10 +451,13 @@ def test_preset_prompt_templates_say_what_the_prompts_are():
         "squad": {"title": "T", "context": "C.", "question": " Q? ", "answers": ["a"]},
     }
     noted = {"sst2": {"sentence": "A film."}, "wsc": {"span2_text": "she"}, "squad": {"question": "Q?"}}
-    assert set(PROMPT_TEMPLATES) == set(_PROMPTS)
+    assert set(PROMPT_TEMPLATES) == set(_PROMPTS) == set(PROMPT_CODE)
     for name, example in examples.items():
         template, _ = PROMPT_TEMPLATES[name]
         assert template.format(**{**example, **noted.get(name, {})}) == _PROMPTS[name](example), name
+        # the expression an export's scoring snippet holds builds the same prompt from the raw example
+        for ex in (example, {**example, "title": ""}) if name == "squad" else (example,):
+            assert eval(PROMPT_CODE[name], {"TEMPLATE": template, "ex": ex}) == _PROMPTS[name](ex), name  # noqa: S307
 
 
 def test_the_offline_sentiment_data_is_named_as_itself_and_prompted_as_sst2(tmp_path):

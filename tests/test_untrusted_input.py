@@ -607,3 +607,35 @@ def test_every_reader_of_the_environment_is_checked():
         read |= set(re.findall(r"""getenv\(\s*["']([A-Z_]+)["']""", text))
     passed_on = {"TORCHELASTIC_USE_AGENT_STORE", "HOSFL_JOB_TOKEN", "PATH", "PYTHONPATH"}
     assert read - set(ENVIRONMENT) <= passed_on, read - set(ENVIRONMENT)
+
+
+def test_threads_past_what_this_machine_can_start_are_one_line_and_never_leave_a_run_running(
+    tmp_path, capsys, monkeypatch
+):
+    """job.threads is bounded by 4 × os.cpu_count() (libgomp aborts a process it cannot start them for, leaving
+    summary.json ``running``); a thread start torch refuses is one line, exit code 2, and no run left ``running``."""
+    import torch
+
+    from hosfl_dist.config.schema import thread_limit
+
+    limit = thread_limit()
+    assert limit == min(1024, 4 * (os.cpu_count() or 1))
+    argv = ["--check", *BASE_OVERRIDES, f"job.out_dir={tmp_path / 'run'}"]
+    assert_refused([*argv, f"job.threads={limit + 1}"], capsys, f"invalid value for job.threads: {limit + 1} (must be "
+                   f"at most {limit} on this machine (4 × its {os.cpu_count()} CPUs, os.cpu_count()")  # fmt: skip
+    assert main([*argv, f"job.threads={limit}"]) == 0
+
+    real = torch.set_num_threads
+    assert torch.get_num_threads() != limit  # what the run restores when it ends is started as before
+
+    def refused(n):
+        if n == limit:
+            raise RuntimeError("Thread creation failed: Resource temporarily unavailable")
+        real(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", refused)
+    out = tmp_path / "run"
+    said = f"cannot start {limit} intra-op threads (job.threads; at most"
+    assert_refused([*BASE_OVERRIDES, f"job.out_dir={out}", f"job.threads={limit}"], capsys, said, "Thread creation")
+    status = json.loads((out / "summary.json").read_text())["status"] if (out / "summary.json").exists() else None
+    assert status in (None, "failed")

@@ -54,6 +54,9 @@ class AlgorithmSpec:
     """Can run a worker's clients of a round in one pass (``zo.batch_clients``); else that is refused."""
     compiles_client: bool = False
     """Can run its client's zeroth-order forwards through ``torch.compile`` (``zo.compile``); else that is refused."""
+    zo_estimator: bool = False
+    """Draws its perturbations and rebuilds its updates through ``zo.estimator``
+    (:func:`~hosfl_dist.core.estimators.build_estimator`); else an estimator other than the default is refused."""
     lr_schedules: bool = False
     """Follows ``optim.schedule`` and ``optim.warmup_rounds`` (its optimizers step once a round); else they are
     refused."""

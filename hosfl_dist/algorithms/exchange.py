@@ -24,16 +24,17 @@ which the clients' requests arrive. A first-order client that trains with batch 
 as the authors' code runs SFL) carries its running statistics with θc: downloaded beside it, uploaded beside θc_m
 and averaged with the same weights (``stats``; empty for every other client).
 
-Zeroth-order helpers for ZO-SFL and MU-SplitFed (two-point SPSA with seeded perturbations) live here too.
+The seeds of ZO-SFL's and MU-SplitFed's perturbations live here too; their two-point steps are the run's estimator's
+(``zo.estimator``, :class:`~hosfl_dist.core.estimators.ZOEstimator`: ``pair``, ``pair_coefficient``, ``step``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,19 +42,15 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms.base import ServerBase, WorkerBase
 from hosfl_dist.algorithms.rounds import RoundView
 from hosfl_dist.algorithms.compute import ServerCompute
-from hosfl_dist.config import Config, ZOConfig
+from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
-from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.core.params import Slots, bound, clone_params, slot_tensors, trainable_slots
+from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, stream_seed
-from hosfl_dist.core.zo import perturbed, reconstruct_group
 from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.vision import bound_running_stats, running_stat_slots
 from hosfl_dist.transport import Pending
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, EVAL, UPLINK_MODEL, wire
-
-T = TypeVar("T")
 
 
 # -- pure parts ----------------------------------------------------------------------------------------------------
@@ -86,21 +83,6 @@ def step_seed(run_seed: int, round_idx: int, client: int, step: int) -> int:
 def server_seed(seed: int, k: int = 0) -> int:
     """Seed of the server-side part of a perturbation (its own stream, independent of the client's tensors)."""
     return stream_seed(seed, Stream.SERVER_PERTURBATION, k)
-
-
-def spsa_pair(slots: Slots, seed: int, mu: float, zo: ZOConfig, fn: Callable[[int], T]) -> tuple[T, T]:
-    """(fn(+1) at θ + μz, fn(−1) at θ − μz), z regenerated from ``seed``; θ itself is never written."""
-    with torch.no_grad():
-        with perturbed(slots, seed, mu, zo.rng_device, zo.perturb_mode):
-            plus = fn(+1)
-        with perturbed(slots, seed, -mu, zo.rng_device, zo.perturb_mode):
-            minus = fn(-1)
-    return plus, minus
-
-
-def zo_step(opt: TensorwiseOptimizer, params: Sequence[Tensor], seed: int, g: float, rng_device: str) -> None:
-    """θ ← opt(θ, ĝ) with ĝ = g · z, z regenerated group by group from ``seed``."""
-    opt.step(params, lambda ids, ps: reconstruct_group(ps, ids, [seed], [g], rng_device))
 
 
 def detached(act: Activation) -> Activation:

@@ -46,14 +46,8 @@ from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, lr_at
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
-from hosfl_dist.core.zo import (
-    NoiseCache,
-    Projector,
-    perturbed,
-    perturbed_batch,
-    reconstruct_group,
-    scalar_coefficients,
-)
+from hosfl_dist.core.estimators import ZOEstimator, build_estimator
+from hosfl_dist.core.zo import NoiseCache, Projector
 from hosfl_dist.errors import ConfigError, NonFiniteError, ProtocolError, first_line
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.compiled import CompiledForward
@@ -190,24 +184,23 @@ class ClientJob:
 
 
 def apply_update(
-    rep: Replica, seeds: Sequence[int], scalars: Tensor, mu: float, rng_device: str, cache: NoiseCache | None = None
+    rep: Replica, seeds: Sequence[int], scalars: Tensor, estimator: ZOEstimator, cache: NoiseCache | None = None
 ) -> None:
-    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated group by group (Eq. 15-16), or taken from the
-    round's ``cache`` of draws where it holds them. A v̄ of NaN is a round without a client step (skipped, or no
-    scalars delivered): the replica moves to the next round and its optimizer does not step (AdamW would move θc on
-    a zero gradient)."""
+    """θc ← opt(θc, ĝ_c) with ĝ_c = 1/(Pμ) Σ_p v̄_p u_p regenerated group by group (Eq. 15-16: the ``estimator``'s
+    coefficients and reconstruction), or taken from the round's ``cache`` of draws where it holds them. A v̄ of NaN
+    is a round without a client step (skipped, or no scalars delivered): the replica moves to the next round and its
+    optimizer does not step (AdamW would move θc on a zero gradient)."""
     if bool(torch.isnan(scalars).all()):
         rep.round += 1
         return
-    coeffs = scalar_coefficients(scalars, mu)
-    rep.opt.step(rep.params, lambda ids, ps: reconstruct_group(ps, ids, seeds, coeffs, rng_device, cache))
+    estimator.step(rep.opt, rep.params, seeds, estimator.coefficients(scalars), cache)
     rep.round += 1
 
 
-def replay(rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor, mu: float, rng_device: str) -> None:
+def replay(rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor, estimator: ZOEstimator) -> None:
     """ClientSync (Algorithm 3): apply missed rounds in order through the same optimizer."""
     for seeds, scalars in zip(hist_seeds.tolist(), hist_scalars):
-        apply_update(rep, seeds, scalars, mu, rng_device)
+        apply_update(rep, seeds, scalars, estimator)
 
 
 # ------------------------------------------------------------------------------------------------------ server
@@ -279,6 +272,7 @@ class HOSFLServer(BackpropServer):
     def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.P = cfg.zo.num_perturbations
+        self.estimator = build_estimator(cfg.zo)  # the base replica replays as every client's does
         self.history = SeedScalarHistory(self.P)
         # t'_m of Algorithm 1: the round each replica is current at (the evaluation replica included).
         self.client_round = dict.fromkeys([*range(cfg.clients.total), EVAL_CLIENT], 0)
@@ -317,9 +311,7 @@ class HOSFLServer(BackpropServer):
         """Drop the rows no replica still needs, replaying them onto the base replica first."""
         keep_from = min(self.client_round.values())
         if keep_from > self.history.offset:
-            replay(
-                self.base, *self.history.window(self.history.offset, keep_from), self.cfg.zo.mu, self.cfg.zo.rng_device
-            )
+            replay(self.base, *self.history.window(self.history.offset, keep_from), self.estimator)
             self.history.trim(keep_from)
 
     @wire(
@@ -421,7 +413,7 @@ class HOSFLServer(BackpropServer):
 
     def _replica_at(self, t: int) -> Replica:
         rep = self.base.copy()
-        replay(rep, *self.history.window(rep.round, t), self.cfg.zo.mu, self.cfg.zo.rng_device)
+        replay(rep, *self.history.window(rep.round, t), self.estimator)
         return rep
 
 
@@ -449,6 +441,7 @@ class HOSFLWorker(WorkerBase):
         self.precision = client_precision(cfg.model, cfg.zo, self.split)  # refuses half precision below the μ floor
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
+        self.estimator = build_estimator(cfg.zo)  # draw, perturb, project, coefficients, reconstruct (zo.estimator)
         if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.is_leader:
             logger.info("zo.rng_device=cpu with clients on CUDA: every perturbation is drawn on the CPU and copied "
                         "to the GPU (on an H200 the ResNet-18 ZO step took 8.9x its P+1 forwards, 2.6x with "
@@ -497,10 +490,10 @@ class HOSFLWorker(WorkerBase):
 
     # -- Algorithm 2 / 3 -----------------------------------------------------------------------------------------
     def apply_update(self, rep: Replica, seeds: Sequence[int], scalars: Tensor) -> None:
-        apply_update(rep, seeds, scalars, self.mu, self.rng_device, self.noise)
+        apply_update(rep, seeds, scalars, self.estimator, self.noise)
 
     def replay(self, rep: Replica, hist_seeds: Tensor, hist_scalars: Tensor) -> None:
-        replay(rep, hist_seeds, hist_scalars, self.mu, self.rng_device)
+        replay(rep, hist_seeds, hist_scalars, self.estimator)
 
     def zo_forward(self, x: Any) -> Activation:
         """f_c(x) at the bound θc in the client's compute dtype, without an autograd graph (Eq. 1, 12); compiled
@@ -520,15 +513,14 @@ class HOSFLWorker(WorkerBase):
 
     def perturbed_forward(self, x: Any, seed: int) -> Tensor:
         """z̃_p = f_c(x; θc + μu_p) (Eq. 12), without writing to θc."""
-        with perturbed(self.slots, seed, self.mu, self.rng_device, self.perturb_mode, self.noise):
+        with self.estimator.perturbed(self.slots, seed, cache=self.noise):
             return self.zo_forward(x)["z"]
 
     def perturbed_batch(self, x: Any, seeds: Sequence[int]) -> Tensor:
         """The z̃_p of ``seeds`` from one batched forward (``zo.perturb_batch``), (len(seeds), *z.shape); a client
         model that cannot run under ``torch.func.vmap`` is a ConfigError naming the key."""
         try:
-            return perturbed_batch(lambda: self.zo_forward(x)["z"], self.slots, seeds, self.mu, self.rng_device,
-                                   self.noise)  # fmt: skip
+            return self.estimator.perturbed_batch(lambda: self.zo_forward(x)["z"], self.slots, seeds, self.noise)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
@@ -572,7 +564,7 @@ class HOSFLWorker(WorkerBase):
     def round_noise(self) -> Iterator[None]:
         """Keep the round's draws of u from its first perturbed forward to its update (``zo.noise_cache_mb``): the
         clients of a round perturb with the same P seeds and the update draws them again."""
-        self.noise = NoiseCache(self.cfg.zo.noise_cache_mb * 2**20) if self.cfg.zo.noise_cache_mb else None
+        self.noise = self.estimator.noise_cache(self.cfg.zo.noise_cache_mb * 2**20)  # None for 0: none kept
         try:
             yield
         finally:
@@ -713,7 +705,7 @@ class HOSFLWorker(WorkerBase):
             if not self._projects(m, answer, view, drawn):
                 del job
                 continue
-            proj = Projector(answer["lam"].to(job.z.device), job.z)
+            proj = self.estimator.projector(answer["lam"].to(job.z.device), job.z)
             job.z = None  # only λ and the z̃ being projected stay alive
             self.bind(job.replica.params)
             v = self.zo_scalars(job.x, seeds[m], proj, job.z_tilde)
@@ -752,7 +744,7 @@ class HOSFLWorker(WorkerBase):
             m, answer = job.client, job.answer.wait()
             if not self._projects(m, answer, view, drawn):  # as client by client: left out of the aggregation
                 continue
-            projs[m] = Projector(answer["lam"].to(job.z.device), job.z)
+            projs[m] = self.estimator.projector(answer["lam"].to(job.z.device), job.z)
             job.z = None
             kept.append(job)
         if not kept:
@@ -839,7 +831,7 @@ class HOSFLWorker(WorkerBase):
             if self.per_client or not rebuilt:
                 rep = base.copy()
                 lo, hi = 0, target - base.round
-                replay(rep, seeds[lo:hi], scalars[lo:hi], self.mu, self.rng_device)
+                replay(rep, seeds[lo:hi], scalars[lo:hi], self.estimator)
             rebuilt[m] = rep
         return rebuilt
 
@@ -887,5 +879,6 @@ register(
         batches_clients=True,
         compiles_client=True,
         drops_clients=True,
+        zo_estimator=True,
     )
 )

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.exchange import server_seed, spsa_pair, step_seed, zo_step
+from hosfl_dist.algorithms.exchange import server_seed, step_seed
 from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer, ZOSFLWorker
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.config import Config
@@ -56,16 +56,16 @@ class MUSplitFedServer(ZOSFLServer):
         for a in (act, act_plus, act_minus):
             self.admit(t, client, a, labels)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
-        zo, mu = self.cfg.zo, self.cfg.zo.mu
+        est = self.estimator
         # batch-statistics BatchNorm: every probe normalises with its batch; the step's first alone updates statistics
         with self.bound_copy(copy), running_stat_updates(self.model, 1):
             for k in range(self.tau):  # the unbalanced updates: τ server steps for this one client step
                 sk = server_seed(seed, k)
-                lp, lm = spsa_pair(self.slots, sk, mu, zo, lambda sign: self.loss_on(act, labels))
-                zo_step(copy.opt, copy.params, sk, (lp - lm) / (2 * mu), zo.rng_device)
+                lp, lm = est.pair(self.slots, sk, lambda sign: self.loss_on(act, labels))
+                est.step(copy.opt, copy.params, [sk], [est.pair_coefficient(lp, lm)])  # θs_m ← θs_m − η_s g_k v_k
                 if k == 0:
                     self.record_loss([(lp + lm) / 2])
-            delta = (self.loss_on(act_plus, labels) - self.loss_on(act_minus, labels)) / (2 * mu)
+            delta = est.pair_coefficient(self.loss_on(act_plus, labels), self.loss_on(act_minus, labels))
         return {"g": torch.tensor(delta, dtype=torch.float32)}
 
 
@@ -78,15 +78,15 @@ class MUSplitFedWorker(ZOSFLWorker):
         return 1  # clients aggregate after every step
 
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
-        zo = self.cfg.zo
+        est = self.estimator
         x, y = self.data.next_batch(client)
         seed = step_seed(self.cfg.job.seed, t, client, 0)
         with torch.no_grad():
             act = self.upload_forward(x)
-        act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign: self.upload_forward(x))
+        act_plus, act_minus = est.pair(self.slots, seed, lambda sign: self.upload_forward(x))
         delta = self.server.submit(t=t, client=client, act=act, act_plus=act_plus, act_minus=act_minus, labels=y)["g"]
         del act, act_plus, act_minus  # sent: the update needs only the scalar
-        zo_step(TensorwiseOptimizer(self.cfg.clients.optim, params), params, seed, float(delta), zo.rng_device)
+        est.step(TensorwiseOptimizer(self.cfg.clients.optim, params), params, [seed], [float(delta)])
 
 
 register(
@@ -99,5 +99,6 @@ register(
         traffic=ZO_SFL_TRAFFIC,
         server_parts=("server", "client"),
         drops_clients=True,
+        zo_estimator=True,
     )
 )

@@ -23,9 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, server_seed, spsa_pair, step_seed, zo_step
+from hosfl_dist.algorithms.compute import ServerCompute
+from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, server_seed, step_seed
+from hosfl_dist.config import Config
+from hosfl_dist.core.estimators import build_estimator
 from hosfl_dist.core.optim import TensorwiseOptimizer
-from hosfl_dist.models import Activation, server_forward
+from hosfl_dist.models import Activation, SplitModel, server_forward
 from hosfl_dist.models.precision import client_precision
 from hosfl_dist.models.vision import running_stat_updates
 from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS, UPLINK_MODEL, wire
@@ -33,6 +36,10 @@ from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UP
 
 class ZOSFLServer(ExchangeServer):
     first_order = False
+
+    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+        super().__init__(cfg, split, compute)
+        self.estimator = build_estimator(cfg.zo)  # v, the server's slice of z, drawn as the client draws u
 
     def new_server_optimizer(self, params: list[nn.Parameter]) -> Any:
         return TensorwiseOptimizer(self.cfg.server.optim, params)
@@ -57,18 +64,12 @@ class ZOSFLServer(ExchangeServer):
         self.admit(t, client, act_plus, labels)
         self.admit(t, client, act_minus, labels)
         seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
-        mu = self.cfg.zo.mu
+        est = self.estimator
         # batch-statistics BatchNorm: both probes normalise with their batch; the first alone updates the statistics
         with self.bound_copy(copy), running_stat_updates(self.model, 1):
-            lp, lm = spsa_pair(
-                self.slots,
-                seed,
-                mu,
-                self.cfg.zo,
-                lambda sign: self.loss_on(act_plus if sign > 0 else act_minus, labels),
-            )
-            g = (lp - lm) / (2 * mu)
-            zo_step(copy.opt, copy.params, seed, g, self.cfg.zo.rng_device)
+            lp, lm = est.pair(self.slots, seed, lambda sign: self.loss_on(act_plus if sign > 0 else act_minus, labels))
+            g = est.pair_coefficient(lp, lm)  # (ℓ₊ − ℓ₋) / (2μ)
+            est.step(copy.opt, copy.params, [seed], [g])  # θs_m ← opt(θs_m, g·v)
             self.record_loss([(lp + lm) / 2])
         return {"g": torch.tensor(g, dtype=torch.float32)}
 
@@ -83,6 +84,7 @@ class ZOSFLWorker(ExchangeWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.precision = client_precision(self.cfg.model, self.cfg.zo, self.split, uploads_both=True)  # μ floor
+        self.estimator = build_estimator(self.cfg.zo)
 
     def upload_forward(self, x: Any) -> Activation:
         """f_c(x) at the bound (perturbed) θc, computed in ``zo.compute_dtype``, in the dtype the server accepts."""
@@ -90,15 +92,15 @@ class ZOSFLWorker(ExchangeWorker):
             return self.precision.upload(self.client_forward(x))
 
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
-        zo = self.cfg.zo
+        est = self.estimator
         opt = TensorwiseOptimizer(self.cfg.clients.optim, params)
         for j in range(steps):
             x, y = self.data.next_batch(client)
             seed = step_seed(self.cfg.job.seed, t, client, j)
-            act_plus, act_minus = spsa_pair(self.slots, seed, zo.mu, zo, lambda sign, x=x: self.upload_forward(x))
+            act_plus, act_minus = est.pair(self.slots, seed, lambda sign, x=x: self.upload_forward(x))
             g = self.server.submit(t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y)["g"]
             del act_plus, act_minus  # sent: the update needs only the scalar
-            zo_step(opt, params, seed, float(g), zo.rng_device)  # θc ← opt(θc, g·u)
+            est.step(opt, params, [seed], [float(g)])  # θc ← opt(θc, g·u)
 
 
 ZO_SFL_TRAFFIC = frozenset({UPLINK_ACTIVATIONS, DOWNLINK_SCALARS_SEEDS, UPLINK_MODEL, DOWNLINK_MODEL})
@@ -112,5 +114,6 @@ register(
         traffic=ZO_SFL_TRAFFIC,
         server_parts=("server", "client"),
         drops_clients=True,
+        zo_estimator=True,
     )
 )

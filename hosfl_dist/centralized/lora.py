@@ -55,7 +55,10 @@ def own_result_or_none(out: Path) -> None:
     """Refuse a ``job.out_dir`` that is, lies inside or holds a federated run's folder: its config.yaml, metrics.jsonl
     and summary.json would be replaced (an earlier result of this command is replaced, as before)."""
     from hosfl_dist.runfolder.folder import recorded_summary, run_in_the_way
+    from hosfl_dist.safe_files import check_folder_entries, check_output_folder
 
+    check_output_folder(out, "job.out_dir", error=HosflError)  # not a file, a device, a FIFO
+    check_folder_entries(out, "job.out_dir", error=HosflError)  # metrics.jsonl a FIFO would block its open
     run = run_in_the_way(out)
     if run is not None and not (run == out.resolve() and (recorded_summary(run) or {}).get("method") == METHOD):
         where = "holds" if run != out.resolve() and run.is_relative_to(out.resolve()) else "is inside"

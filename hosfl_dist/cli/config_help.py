@@ -83,17 +83,20 @@ def _entries(obj: Any, prefix: str) -> list[tuple[str, str, Any, str, bool]]:
 
 def help_config(section: str = "", plugins: list[str] | tuple[str, ...] = ()) -> str:
     """The help text of every key under ``section`` (all keys when empty); with ``plugins`` (``--plugin``), the methods,
-    tasks and models they register are listed under ``algorithm.name``, ``data.name`` and ``model.name``."""
+    tasks, models and zeroth-order estimators they register are listed under ``algorithm.name``, ``data.name``,
+    ``model.name`` and ``zo.estimator``."""
     added: dict[str, list[str]] = {}
     if plugins:  # the registries import torch: only when plug-ins are asked for
         from hosfl_dist.algorithms import load_plugins
+        from hosfl_dist.core.estimators import estimator_names
         from hosfl_dist.data.registry import task_names
         from hosfl_dist.models.registry import model_names
 
-        before = {"data.name": set(task_names()), "model.name": set(model_names())}
+        names = {"data.name": task_names, "model.name": model_names, "zo.estimator": estimator_names}
+        before = {key: set(listed()) for key, listed in names.items()}
         added["algorithm.name"] = load_plugins(plugins, "--plugin")
-        added["data.name"] = sorted(set(task_names()) - before["data.name"])
-        added["model.name"] = sorted(set(model_names()) - before["model.name"])
+        for key, listed in names.items():
+            added[key] = sorted(set(listed()) - before[key])
     entries = _entries(Config(), "")
     sections = [k for k, *_, is_section in entries if is_section]
     if section and section not in sections:

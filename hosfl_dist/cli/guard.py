@@ -5,7 +5,8 @@ predict, pretraining, the measurements, the curves of ``experiments.report``):
   know, CUDA where there is none) is one line, exit code 2;
 - :func:`check_destination`: an output that is, lies inside or holds a run's folder (symlinks followed,
   :func:`hosfl_dist.runfolder.folder.run_in_the_way`) is refused whatever the command, so a run's record and
-  checkpoints are never replaced;
+  checkpoints are never replaced, nor an output that is a device, a FIFO, a socket or a symlink out of its folder
+  (:func:`hosfl_dist.safe_files.check_output_file`);
 - :func:`guarded`: bad input, a write the machine refused (full disk, quota, read-only file system) and Ctrl-C are
   one line each (exit codes 2, 2 and 130), never a traceback.
 """
@@ -42,7 +43,9 @@ def check_destination(dest: Path, flag: str = "--out", below: bool = True) -> No
     """Refuse ``dest`` where writing it could replace a run's files (with ``below``, also a folder that holds a run
     below it)."""
     from hosfl_dist.runfolder.folder import refuse_run_in_the_way
+    from hosfl_dist.safe_files import check_output_file
 
+    check_output_file(Path(dest), flag, folder_ok=True)  # a device, a FIFO, a socket, a link out: never replaced
     refuse_run_in_the_way(Path(dest), flag, below=below)
 
 

@@ -1,4 +1,5 @@
-"""``python -m hosfl_dist.predict --model DIR --data FILE.jsonl --out preds.jsonl``: an exported LM on a file.
+"""``python -m hosfl_dist.predict --model DIR --data FILE.jsonl --out preds.jsonl``: an exported LM on a file;
+``python -m hosfl_dist.predict --model DIR --out preds.jsonl``: an exported vision model on its run's evaluation set.
 
 The model is loaded with plain ``transformers`` (``AutoModelForCausalLM.from_pretrained(DIR)``; a ``peft`` export:
 its base, then ``PeftModel.from_pretrained(base, DIR)``), the tokenizer from DIR. The task — prompt template, label
@@ -17,6 +18,11 @@ row), so on the run's evaluation file and with the run's batch size the predicti
 
 Each row of ``--out`` holds the example's index, the prediction, and where the file has the gold column, the gold
 and its score; the last line on stdout is a JSON object of the metrics (accuracy, or F1 and exact match).
+A vision export (vision.json, :mod:`hosfl_dist.export.vision`) is loaded with :func:`~hosfl_dist.export.vision.
+load_vision` and scores the run's evaluation set, rebuilt from the run's config in its ``hosfl_export.json`` with the
+run's data code (the same images, order and normalisation; ``--max-examples``: the first N), in batches of the run's
+``train.eval_batch_size``: the accuracy is the run's ``eval_accuracy`` of the exported round.
+
 Bad input (no model in DIR, a data file without the template's columns, a label word that is not one token) is one
 line on stderr and exit code 2.
 """
@@ -38,6 +44,8 @@ from hosfl_dist.errors import ConfigError, DataError, HosflError, write_failure
 logger = logging.getLogger(__name__)
 RECORD = "hosfl_export.json"
 """What an export says about its task (hosfl_dist/export/card.py)."""
+VISION = "vision.json"
+"""What a vision export holds beside its weights (hosfl_dist/export/vision.py)."""
 DEFAULT_BATCH = 8
 GOLD = {"classification": "label", "generation": "answers"}
 
@@ -95,8 +103,9 @@ def task_of(record: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict
     words = words if words is not None else task.get("label_words")
     name = task.get("name")
     if kind is None:
-        raise PredictError("the task is unknown: the model folder has no hosfl_export.json; give --kind "
-                           "classification|generation, --template (and --label-words to classify)")  # fmt: skip
+        why = f"its {RECORD} names no text task" if record else f"the model folder has no {RECORD}"
+        raise PredictError(f"the task is unknown: {why}; give --kind classification|generation, --template (and "
+                           "--label-words to classify)")  # fmt: skip
     if is_preset(name) and not args.template and args.kind in (None, task.get("kind")):
         spec = get_task(name)
         if words is not None and words != spec.label_words:
@@ -117,7 +126,7 @@ def load_examples(spec: Any, path: Path, columns: dict[str, str], limit: int) ->
     """The file's examples with the task's fields, and whether it has the gold column (a placeholder gold when not)."""
     from hosfl_dist.data.text import load_text_split, read_local_rows
 
-    rows = read_local_rows(str(path))
+    rows = read_local_rows(str(path), 1)  # the columns of its first example; the examples are read below, limit first
     if not rows:
         raise DataError(f"{path} has no examples")
     gold = GOLD[spec.kind]
@@ -158,8 +167,8 @@ def load_model(model_dir: Path, device: str) -> tuple[Any, Any]:
                 model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
             else:
                 raise PredictError(
-                    f"{model_dir} holds no Hugging Face model (config.json) or PEFT adapter "
-                    "(adapter_config.json); vision exports load with hosfl_dist.export.load_vision"
+                    f"{model_dir} holds no Hugging Face model (config.json), PEFT adapter (adapter_config.json) or "
+                    "vision model (vision.json)"
                 )
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
@@ -252,6 +261,7 @@ examples:
       --out runs/preds.jsonl                        # a file whose column has another name
   python -m hosfl_dist.predict --model runs/exports/quick_lm --data reviews.jsonl --out runs/preds.jsonl \\
       --template "Review: {text} Sentiment:" --label-words '[" negative", " positive"]'   # another prompt
+  python -m hosfl_dist.predict --model runs/exports/quickstart --out runs/preds.jsonl   # vision: the run's eval set
 """
 """What ``--help`` ends with (tests/test_cli.py parses each command)."""
 
@@ -264,8 +274,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="an export folder (merged or peft)")
-    p.add_argument("--data", type=Path, required=True, metavar="FILE", help="the examples (.jsonl, .json, .csv, ...)")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="an export folder (merged, peft or a "
+                   "vision state_dict)")  # fmt: skip
+    p.add_argument("--data", type=Path, metavar="FILE", help="a language model's examples (.jsonl, .json, .csv, ...); "
+                   "a vision export predicts its run's evaluation set (no --data)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, metavar="PREDS.jsonl", help="where the predictions go")
     p.add_argument("--kind", choices=("classification", "generation"), help="default: the export's task")
     p.add_argument("--template", help="the prompt, with {column} fields (default: the export's task's)")
@@ -282,6 +294,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "hosfl_manifest.json (exported elsewhere or by an earlier version), if you trust whoever could "
                    "write it; a signature mismatch is refused whatever this says")  # fmt: skip
     return p.parse_args(argv)
+
+
+def predict_text(args: argparse.Namespace, record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An exported LM on ``--data``, the task from the export's record with the flags over it."""
+    if args.data is None:
+        raise PredictError(f"--data FILE is needed: the examples for the language model in {args.model}")
+    task = record.get("task") or {}
+    spec, columns = task_of(record, args)
+    examples, has_gold = load_examples(spec, args.data, columns, args.max_examples)
+    from hosfl_dist.runtime.record.progress import Steps
+
+    with Steps()(f"loading the model in {args.model}"):
+        model, tokenizer = load_model(args.model, args.device)
+    return predict(
+        model, tokenizer, spec, examples, has_gold,
+        batch_size=args.batch_size or task.get("batch_size") or DEFAULT_BATCH,
+        max_length=args.max_length or task.get("max_length") or 512,
+        padding_side=args.padding_side or task.get("padding_side") or "right",
+        max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+
+
+TEXT_ONLY = ("kind", "template", "label_words", "columns", "max_length", "padding_side")
+"""The flags of a language model's task, refused for a vision export."""
+
+
+def predict_vision(args: argparse.Namespace, record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An exported vision model on its run's evaluation set (see the module docstring)."""
+    given = [f"--{f.replace('_', '-')}" for f in TEXT_ONLY if getattr(args, f) is not None]
+    if given:
+        raise PredictError(f"{', '.join(given)}: for a language model; {args.model} holds a vision model")
+    if args.data is not None:
+        raise PredictError(f"--data {args.data}: a vision export predicts its run's evaluation set (give no --data); "
+                           "files of images are not read")  # fmt: skip
+    from hosfl_dist.export.vision import evaluation_set, load_verified, predict_images
+    from hosfl_dist.runtime.record.progress import Counter, Steps
+
+    with Steps()(f"loading the model in {args.model} and its run's evaluation set"):
+        model = load_verified(args.model, args.device)
+        inputs, labels, transform = evaluation_set(record, args.max_examples)
+    batch = args.batch_size or ((record.get("config") or {}).get("train") or {}).get("eval_batch_size") or DEFAULT_BATCH
+    batches = -(-len(labels) // batch)
+    logger.info(f"predicting {len(labels):,} images in {batches:,} batches of {batch}")
+    counter = Counter(batches, "predict", "batches")
+    try:
+        return predict_images(model, inputs, labels, transform, batch, counter.update)
+    finally:
+        counter.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
             raise PredictError(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise PredictError(f"--device {args.device}: this machine has no CUDA device")
-        if args.out.resolve() == args.data.resolve():
+        from hosfl_dist.safe_files import check_input_file, check_output_file
+
+        check_output_file(args.out, "--out", in_export=False)  # never a device, a FIFO, a link out, an export's file
+        if args.data is not None:
+            check_input_file(args.data, "--data", DataError)  # a FIFO or /dev/zero: refused before it is opened
+        if args.data is not None and args.out.resolve() == args.data.resolve():
             raise PredictError(f"--out {args.out} is the --data file: the predictions would replace the examples")
         from hosfl_dist.runfolder.folder import run_in_the_way
 
@@ -318,24 +383,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.model.is_dir():
             raise PredictError(f"--model {args.model} is not a folder")
         target = args.out.resolve()
-        if target.is_relative_to(args.model.resolve()) and (target.exists() or target == args.model.resolve()):
-            raise PredictError(f"--out {args.out} is a file of the --model folder: the predictions would replace it")
+        if target.is_relative_to(args.model.resolve()):  # a file added to an export breaks its manifest
+            raise PredictError(f"--out {args.out} lies inside the --model folder: write the predictions elsewhere")
         verify_export(args.model, load_key(), args.allow_unsigned)  # before a file of it is read
         record = _record(args.model)
-        task = record.get("task") or {}
-        spec, columns = task_of(record, args)
-        examples, has_gold = load_examples(spec, args.data, columns, args.max_examples)
-        from hosfl_dist.runtime.record.progress import Steps
-
-        with Steps()(f"loading the model in {args.model}"):
-            model, tokenizer = load_model(args.model, args.device)
-        rows, metrics = predict(
-            model, tokenizer, spec, examples, has_gold,
-            batch_size=args.batch_size or task.get("batch_size") or DEFAULT_BATCH,
-            max_length=args.max_length or task.get("max_length") or 512,
-            padding_side=args.padding_side or task.get("padding_side") or "right",
-            max_new_tokens=args.max_new_tokens,
-        )  # fmt: skip
+        if (args.model / VISION).is_file():
+            rows, metrics = predict_vision(args, record)
+        else:
+            rows, metrics = predict_text(args, record)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(f".{args.out.name}.partial")
         try:
@@ -345,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             tmp.unlink(missing_ok=True)  # a full disk leaves --out as it was and nothing beside it
             raise
     except KeyboardInterrupt:
-        print(f"interrupted: predicting {args.data} with {args.model} stopped by Ctrl-C; --out {args.out} is as it "
+        what = args.data if args.data is not None else "the run's evaluation set"
+        print(f"interrupted: predicting {what} with {args.model} stopped by Ctrl-C; --out {args.out} is as it "
               "was: run the same command again", file=sys.stderr)  # fmt: skip
         return 130
     except (HosflError, ConfigError, DataError) as exc:

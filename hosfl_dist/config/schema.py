@@ -9,15 +9,16 @@ A failed check raises :class:`FieldError`, a :class:`ConfigError` naming the key
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hosfl_dist.errors import ConfigError
 
-# algorithm.name, model.name and data.name are names in registries a plug-in can add to (hosfl_dist.algorithms,
-# hosfl_dist.models.registry, hosfl_dist.data.registry): hosfl_dist.runtime.checks checks them once the plug-ins are
-# imported.
+# algorithm.name, model.name, data.name and zo.estimator are names in registries a plug-in can add to
+# (hosfl_dist.algorithms, hosfl_dist.models.registry, hosfl_dist.data.registry, hosfl_dist.core.estimators):
+# hosfl_dist.runtime.checks checks them once the plug-ins are imported.
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -32,6 +33,18 @@ MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 MAX_THREADS = 1024
 """Most intra-op threads of a process (job.threads, OMP_NUM_THREADS): more than any node's cores; 16,384 threads
 failed to start here (libgomp: "Thread creation failed") and 100,000 ended in a segmentation fault."""
+THREADS_PER_CPU = 4
+"""job.threads may be at most this many times the CPUs of the machine that checks the config (os.cpu_count()): more
+only contend for the cores, and past what the machine can start libgomp aborts the process ("Thread creation
+failed") at its first parallel region, where no summary can say so."""
+
+
+def thread_limit() -> int:
+    """The most job.threads this machine takes: :data:`THREADS_PER_CPU` × os.cpu_count(), at most
+    :data:`MAX_THREADS`."""
+    return min(MAX_THREADS, THREADS_PER_CPU * (os.cpu_count() or 1))
+
+
 MAX_WIDTH = 1024
 """Widest small_cnn / conv_mlp (model.width): small_cnn's second block has 2·width channels."""
 MAX_LORA_RANK = 4096
@@ -62,7 +75,9 @@ class JobConfig:
     """Intra-op CPU threads of each process (torch.set_num_threads). 0 = auto: OMP_NUM_THREADS where it is set
     (torchrun sets 1), else 1 for a model under 10M parameters (the faster on a loaded machine:
     results/bench/README.md#threads) and, for a larger one, the cores other work leaves free (cores less the 1-minute
-    load average, at least 1). Printed at start, with where the number came from."""
+    load average, at least 1). Printed at start, with where the number came from. At most 4 × the CPUs of the
+    machine that checks the config (os.cpu_count()) and 1024: more only contend, and OpenMP aborts a process that
+    cannot start them."""
     device: str = "cpu"
     """Torch device for the models of this process ("cpu", "cuda", "cuda:1")."""
     progress: bool = True
@@ -115,6 +130,9 @@ class JobConfig:
         check(self.threads >= 0, "threads", self.threads, "must be >= 0 (0 = auto)")
         check(self.threads <= MAX_THREADS, "threads", self.threads,
               f"must be at most {MAX_THREADS} (more threads than any node has cores fail to start)")  # fmt: skip
+        check(self.threads <= thread_limit(), "threads", self.threads,
+              f"must be at most {thread_limit()} on this machine ({THREADS_PER_CPU} × its {os.cpu_count() or 1} CPUs, "
+              "os.cpu_count(): more only contend, and OpenMP aborts a process it cannot start them for)")  # fmt: skip
         check(self.seed >= 0, "seed", self.seed, "must be >= 0")
         check(DEVICE.fullmatch(self.device) is not None, "device", self.device, "use cpu, cuda or cuda:<index>")
         check(IFNAME.fullmatch(self.interface) is not None, "interface", self.interface,
@@ -235,6 +253,10 @@ class ZOConfig:
     """P: perturbed client forwards (and scalars uploaded) per client per round."""
     mu: float = 1e-3
     """μ: perturbation scale of the two-point estimator."""
+    estimator: str = "gaussian"
+    """The zeroth-order estimator (hosfl, zo_sfl, mu_splitfed; the registry of hosfl_dist.core.estimators, a
+    plug-in's included): gaussian (u ~ N(0, I), the paper's) or rademacher (u uniform on {−1, +1}^d: unbiased too,
+    with |u|² = d exactly). It draws the perturbations and rebuilds the update from the seeds, on every replica."""
     rng_device: str = "cpu"
     """Device of the noise generator. Every client must use the same stream: CPU and CUDA generators differ."""
     overlap: Literal["auto"] | bool = "auto"

@@ -4,6 +4,9 @@ Noise is never materialised as one d_c-sized vector. Each trainable tensor i get
 generator seeded with ``tensor_seed(s_p, i)``: every replica regenerates exactly the same numbers in any order, one
 tensor at a time. Perturbation never writes to θc (floating-point ``θ + μu − μu`` is not θ), so after any number of
 perturbed forwards every replica is bit-identical to one that ran none.
+
+u's distribution is a :data:`Noise` (``noise=``, standard normal by default): every function here draws through it,
+so the estimator that picks it (:mod:`hosfl_dist.core.estimators`, ``zo.estimator``) changes no other line.
 """
 
 from __future__ import annotations
@@ -19,6 +22,22 @@ from hosfl_dist.core.params import Slots, bound, groups, slot_tensors
 from hosfl_dist.core.seeding import mix_seed
 
 
+Noise = Callable[[Tensor, torch.Generator], Tensor]
+"""u's distribution: ``noise(out, gen)`` fills ``out`` — one trainable tensor's slice of u, flat float32 on the
+generator's device — in place from ``gen`` (reseeded for that tensor by the caller) and returns it. Its numbers must
+be a function of ``gen``'s alone (every replica regenerates them), with mean 0 and covariance I."""
+
+
+def gaussian_(out: Tensor, gen: torch.Generator) -> Tensor:
+    """u ~ N(0, I): ``torch.randn`` into ``out`` (a fresh ``torch.randn`` is the same numbers: empty, then normal_)."""
+    return torch.randn(out.numel(), generator=gen, out=out)
+
+
+def rademacher_(out: Tensor, gen: torch.Generator) -> Tensor:
+    """u uniform on {−1, +1}^d (mean 0, covariance I, |u|² = d exactly): fair bits from ``gen`` mapped to ±1."""
+    return torch.randint(0, 2, (out.numel(),), generator=gen, out=out).mul_(2).sub_(1)
+
+
 def tensor_seed(seed: int, index: int) -> int:
     """Seed of the slice of u that belongs to trainable tensor ``index``."""
     return mix_seed(seed, index)
@@ -31,8 +50,10 @@ def noise_like(
     rng_device: str | torch.device = "cpu",
     generator: torch.Generator | None = None,
     out: Tensor | None = None,
+    noise: Noise = gaussian_,
 ) -> Tensor:
-    """u_{p,i} ~ N(0, I) shaped like ``param``, regenerated from (s_p, i) on ``rng_device`` then moved to param.
+    """u_{p,i} ~ N(0, I) (or ``noise``'s distribution) shaped like ``param``, regenerated from (s_p, i) on
+    ``rng_device`` then moved to param.
 
     The draw is always float32 on ``rng_device`` so that replicas on different devices or dtypes see the same stream.
     ``generator`` (on ``rng_device``) is reseeded here, so one generator serves a whole pass over θc instead of one
@@ -40,17 +61,23 @@ def noise_like(
     draw instead of a fresh tensor. Neither changes a number: the stream is a function of the seed alone.
     """
     gen = generator if generator is not None else torch.Generator(device=rng_device)
-    return _like(_draw(param.numel(), seed, index, rng_device, gen, out), param)
+    return _like(_draw(param.numel(), seed, index, rng_device, gen, out, noise), param)
 
 
 def _draw(
-    numel: int, seed: int, index: int, rng_device: str | torch.device, gen: torch.Generator, out: Tensor | None = None
+    numel: int,
+    seed: int,
+    index: int,
+    rng_device: str | torch.device,
+    gen: torch.Generator,
+    out: Tensor | None = None,
+    noise: Noise = gaussian_,
 ) -> Tensor:
     """The flat float32 draw of (seed, index) on ``rng_device`` (into ``out`` where given)."""
     gen.manual_seed(tensor_seed(seed, index))
     if out is None:
-        return torch.randn(numel, generator=gen, device=rng_device, dtype=torch.float32)
-    return torch.randn(numel, generator=gen, out=out[:numel])
+        return noise(torch.empty(numel, device=rng_device, dtype=torch.float32), gen)
+    return noise(out[:numel], gen)
 
 
 def _like(u: Tensor, param: Tensor) -> Tensor:
@@ -70,8 +97,10 @@ class NoiseCache:
     are kept in the order they are made until the next would pass the limit; the rest are drawn every time.
     """
 
-    def __init__(self, limit_bytes: float) -> None:
+    def __init__(self, limit_bytes: float, noise: Noise = gaussian_) -> None:
         self.limit = limit_bytes
+        self.fill = noise
+        """u's distribution: every draw this cache makes or keeps is this one's."""
         self.held = 0
         self._draws: dict[tuple[int, int], Tensor] = {}
 
@@ -91,8 +120,8 @@ class NoiseCache:
         if u is None:
             nbytes = param.numel() * 4
             if self.held + nbytes > self.limit:
-                return noise_like(param, seed, index, rng_device, generator, scratch)
-            u = self._draws[key] = _draw(param.numel(), seed, index, rng_device, generator)
+                return noise_like(param, seed, index, rng_device, generator, scratch, self.fill)
+            u = self._draws[key] = _draw(param.numel(), seed, index, rng_device, generator, None, self.fill)
             self.held += nbytes
         return _like(u, param)
 
@@ -105,14 +134,16 @@ def perturbed_tensor(
     rng_device: str | torch.device = "cpu",
     generator: torch.Generator | None = None,
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> Tensor:
     """θ_i + μ·u_i as one new tensor: the fresh noise is scaled and shifted in place, so no other θ-sized buffer is
     alive at the same time. Bit-identical to ``param + mu * noise_like(...)`` (same multiply, and a + b == b + a).
-    With ``cache``, u comes from it (and the product is a new tensor: the kept draw is not written)."""
+    With ``cache``, u comes from it (and the product is a new tensor: the kept draw is not written); ``noise``: u's
+    distribution (a cache's is its own)."""
     if cache is not None:
         gen = generator if generator is not None else torch.Generator(device=rng_device)
         return torch.mul(cache.noise(param, seed, index, rng_device, gen), mu).add_(param)
-    return noise_like(param, seed, index, rng_device, generator).mul_(mu).add_(param)
+    return noise_like(param, seed, index, rng_device, generator, noise=noise).mul_(mu).add_(param)
 
 
 def draw_flat(
@@ -122,6 +153,7 @@ def draw_flat(
     rng_device: str | torch.device,
     gen: torch.Generator,
     out: Tensor | None = None,
+    noise: Noise = gaussian_,
 ) -> tuple[Tensor, list[Tensor]]:
     """The draws u_i of a group of tensors (``params[j]`` is trainable tensor ``indices[j]``, all of one device and
     dtype) as one flat buffer and its views shaped like each param: (flat, views).
@@ -136,7 +168,7 @@ def draw_flat(
     offset = 0
     for i, n in zip(indices, sizes):
         gen.manual_seed(tensor_seed(seed, i))
-        torch.randn(n, generator=gen, out=flat[offset : offset + n])
+        noise(flat[offset : offset + n], gen)
         offset += n
     p0 = params[0]
     if p0.dtype != flat.dtype or p0.device != flat.device:
@@ -152,6 +184,7 @@ def perturbed_tensors(
     rng_device: str | torch.device,
     gen: torch.Generator,
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> list[Tensor]:
     """θ_i + μ·u_i for each of ``params`` (trainable tensors ``indices``), one op per pass over each group of
     :func:`~hosfl_dist.core.params.groups` instead of one per tensor. The same numbers as :func:`perturbed_tensor`,
@@ -164,7 +197,7 @@ def perturbed_tensors(
         if cache is not None:
             us = foreach.muled([cache.noise(p, seed, i, rng_device, gen) for p, i in zip(ps, ids)], mu)
         else:
-            flat, us = draw_flat(ps, seed, ids, rng_device, gen)
+            flat, us = draw_flat(ps, seed, ids, rng_device, gen, noise=noise)
             flat.mul_(mu)
         foreach.add_(us, ps)
         out += us
@@ -179,6 +212,7 @@ def perturbed(
     rng_device: str | torch.device = "cpu",
     mode: str = "hooks",
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> Iterator[None]:
     """Run forwards at θ + μ·u(seed) without modifying θ; ``slots`` = :func:`trainable_slots` of the module.
 
@@ -187,14 +221,15 @@ def perturbed(
     (client memory stays at inference level). Every trainable tensor must be read through its owner's forward;
     a tensor that was not (e.g. read directly by a parent) raises instead of silently staying unperturbed.
     mode="copy": perturbed copies of all trainable tensors are swapped in for the whole block (d_c extra memory,
-    works for any access pattern). ``cache``: where u comes from (:class:`NoiseCache`; None: drawn every time).
+    works for any access pattern). ``cache``: where u comes from (:class:`NoiseCache`; None: drawn every time, from
+    ``noise``).
     """
     gen = torch.Generator(device=rng_device)  # one generator, reseeded per tensor
     if mode == "copy":
         originals = [mod._parameters[name] for mod, name in slots]
         try:
             with torch.no_grad():
-                moved = perturbed_tensors(originals, seed, range(len(originals)), mu, rng_device, gen, cache)
+                moved = perturbed_tensors(originals, seed, range(len(originals)), mu, rng_device, gen, cache, noise)
             for (mod, name), p in zip(slots, moved):
                 mod._parameters[name] = p
             yield
@@ -218,7 +253,7 @@ def perturbed(
         saved[id(mod)] = [mod._parameters[name] for _, name in entries]
         indices = [i for i, _ in entries]
         with torch.no_grad():
-            moved = perturbed_tensors(saved[id(mod)], seed, indices, mu, rng_device, gen, cache)
+            moved = perturbed_tensors(saved[id(mod)], seed, indices, mu, rng_device, gen, cache, noise)
         for (_, name), p in zip(entries, moved):
             mod._parameters[name] = p
         seen.update(indices)
@@ -255,6 +290,7 @@ def perturbed_batch(
     mu: float,
     rng_device: str | torch.device = "cpu",
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> Tensor:
     """``forward()`` at θ + μ·u(s) for every seed in ``seeds``, as one batched forward: (len(seeds), *out.shape).
 
@@ -269,7 +305,7 @@ def perturbed_batch(
     with torch.no_grad():
         stacks = [p.new_empty((len(seeds), *p.shape)) for p in params]
         for k, s in enumerate(seeds):  # one seed's perturbed copies alive beside the stacks
-            moved = perturbed_tensors(params, s, range(len(params)), mu, rng_device, gen, cache)
+            moved = perturbed_tensors(params, s, range(len(params)), mu, rng_device, gen, cache, noise)
             torch._foreach_copy_([st[k] for st in stacks], moved)
         del moved
 
@@ -332,6 +368,7 @@ def reconstruct(
     coeffs: Sequence[float],
     rng_device: str | torch.device = "cpu",
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> Tensor:
     """The slice of ĝ_c = 1/(Pμ) Σ_p v̄_p u_p for trainable tensor ``index``, regenerated from the seeds (or taken
     from ``cache`` where it holds them).
@@ -339,7 +376,7 @@ def reconstruct(
     The P draws share one generator and one float32 scratch buffer on ``rng_device`` (numbers as
     :func:`noise_like`'s), so the loop allocates nothing beyond ĝ_i itself.
     """
-    return reconstruct_group([param], [index], seeds, coeffs, rng_device, cache)[0]
+    return reconstruct_group([param], [index], seeds, coeffs, rng_device, cache, noise)[0]
 
 
 def reconstruct_group(
@@ -349,6 +386,7 @@ def reconstruct_group(
     coeffs: Sequence[float],
     rng_device: str | torch.device = "cpu",
     cache: NoiseCache | None = None,
+    noise: Noise = gaussian_,
 ) -> list[Tensor]:
     """:func:`reconstruct` for a group of tensors of one device and dtype (trainable tensors ``indices``; one of
     :func:`~hosfl_dist.core.params.groups`): per seed, the group's draws go into one float32 scratch buffer and
@@ -365,7 +403,7 @@ def reconstruct_group(
     scratch = torch.empty(total, device=rng_device, dtype=torch.float32)
     for s, c in zip(seeds, coeffs):
         if cache is None:
-            us = draw_flat(params, s, indices, rng_device, gen, scratch)[1]
+            us = draw_flat(params, s, indices, rng_device, gen, scratch, noise)[1]
         else:
             us, offset = [], 0
             for p, i in zip(params, indices):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import json
 import re
 import string
@@ -200,7 +201,7 @@ def load_text_split(
     elif source == "local":
         if not path:
             raise ConfigError(f"source 'local' for task {task!r} needs a path to a JSONL, CSV or parquet file")
-        rows, where = read_local_rows(path), path
+        rows, where = read_local_rows(path, max_examples or None), path
     else:
         raise ConfigError(f"unknown data source {source!r}; use 'hub' or 'local'")
     if max_examples:
@@ -234,32 +235,30 @@ def _read_hub(spec: TextTaskSpec, split: str, max_examples: int | None) -> list[
         raise DataError(f"cannot load {spec.name} from the Hugging Face hub with {call}: {exc}; {hint}") from exc
 
 
-def read_local_rows(path: str) -> list[dict]:
-    """The rows of a local JSONL, JSON, CSV, TSV or parquet file as dicts (DataError naming what is wrong)."""
+MAX_LINE_BYTES = 16 << 20
+"""Longest line of a JSONL file (16 MiB): one example, never a whole data set; a longer one is refused in one line."""
+
+
+def read_local_rows(path: str, limit: int | None = None) -> list[dict]:
+    """The rows of a local JSONL, JSON, CSV, TSV or parquet file as dicts (DataError naming what is wrong), the first
+    ``limit`` only when given. A JSONL file is read line by line, up to ``limit`` rows, each line at most
+    :data:`MAX_LINE_BYTES`; a file that is not a regular file (a FIFO, /dev/zero) is refused before it is opened."""
+    from hosfl_dist.safe_files import check_input_file, open_input
+
     p = Path(path)
-    if not p.is_file():
+    if check_input_file(p, "data file", DataError) is None:  # a FIFO or /dev/zero: refused before it is opened
         raise DataError(f"data file not found: {path}")
     ext = p.suffix.lower()
     try:
         if ext in (".jsonl", ".json"):
-            text = p.read_text(encoding="utf-8")
-            if ext == ".json" and text.lstrip().startswith("["):
-                rows = list(json.loads(text, object_pairs_hook=_unique_keys))
-                bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-                if bad is not None:
-                    raise ValueError(f"example {bad} is a {type(rows[bad]).__name__}, not an object of columns")
-                return rows
-            rows = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line, object_pairs_hook=_unique_keys)
-                    except ValueError as exc:
-                        raise ValueError(f"line {n}: {exc}") from None
-                    if not isinstance(row, dict):
-                        raise ValueError(f"line {n} holds a {type(row).__name__}, not an object of columns")
-                    rows.append(row)
-            return rows
+            with open_input(p, "data file", DataError) as fh:
+                if ext == ".json" and _first_byte(fh) == b"[":
+                    rows = list(json.loads(fh.read().decode("utf-8"), object_pairs_hook=_unique_keys))
+                    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+                    if bad is not None:
+                        raise ValueError(f"example {bad} is a {type(rows[bad]).__name__}, not an object of columns")
+                    return rows[:limit] if limit else rows
+                return _jsonl_rows(fh, limit)
         if ext in (".csv", ".tsv"):
             with p.open(newline="", encoding="utf-8") as fh:
                 reader = csv.DictReader(fh, delimiter="\t" if ext == ".tsv" else ",")
@@ -267,15 +266,53 @@ def read_local_rows(path: str) -> list[dict]:
                 twice = sorted({c for c in names if names.count(c) > 1})
                 if twice:
                     raise ValueError(f"the header names the column {twice[0]!r} twice")
-                return list(reader)
+                return list(itertools.islice(reader, limit or None))
         if ext in (".parquet", ".pq"):
             import pyarrow.parquet as pq
 
-            return pq.read_table(p).to_pylist()
+            rows = pq.read_table(p).to_pylist()
+            return rows[:limit] if limit else rows
     except (OSError, ValueError, csv.Error, RecursionError) as exc:  # JSON and pyarrow errors are ValueErrors
         why = "nested too deeply" if isinstance(exc, RecursionError) else _short(str(exc), 300, quote=False)
         raise DataError(f"cannot read {path}: {why}") from None
     raise DataError(f"{path}: unsupported file type {ext!r}; use .jsonl, .json, .csv, .tsv or .parquet")
+
+
+def _first_byte(fh: Any) -> bytes:
+    """The first byte of ``fh`` that is not white space (b"" for an empty file), ``fh`` left at the start."""
+    head = fh.read(4096)
+    while head and not head.strip() and len(head) < MAX_LINE_BYTES:
+        more = fh.read(4096)
+        if not more:
+            break
+        head += more
+    fh.seek(0)
+    stripped = head.lstrip()
+    return stripped[:1]
+
+
+def _jsonl_rows(fh: Any, limit: int | None) -> list[dict]:
+    """The objects of a JSONL file, one a line, read line by line: the first ``limit`` when given (the rest is
+    never read), each line at most :data:`MAX_LINE_BYTES`."""
+    rows: list[dict] = []
+    n = 0
+    while not limit or len(rows) < limit:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            break
+        n += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise ValueError(f"line {n} is longer than {MAX_LINE_BYTES >> 20} MiB (one example a line)")
+        line = raw.decode("utf-8")
+        if line.strip():
+            try:
+                row = json.loads(line, object_pairs_hook=_unique_keys)
+            except ValueError as exc:
+                raise ValueError(f"line {n}: {exc}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"line {n} holds a {type(row).__name__}, not an object of columns")
+            rows.append(row)
+    return rows
 
 
 def _short(value: Any, limit: int = 80, quote: bool = True) -> str:
@@ -426,6 +463,25 @@ an export's card and hosfl_export.json show a reader who prompts the model witho
 :data:`_PROMPTS`)."""
 
 
+PROMPT_CODE: dict[str, str] = {
+    "sst2": 'TEMPLATE.format(sentence=ex["sentence"].strip())',
+    "rte": 'TEMPLATE.format(premise=ex["premise"], hypothesis=ex["hypothesis"])',
+    "wsc": 'TEMPLATE.format(text=ex["text"], span1_text=ex["span1_text"], span2_text=ex["span2_text"].lower())',
+    "squad": '(TEMPLATE if ex.get("title") else TEMPLATE.split("\\n", 1)[1]).format(title=ex.get("title") or "", '
+    'context=ex["context"], question=ex["question"].strip())',
+}
+"""Each preset's prompt as one Python expression of an example ``ex`` (a dict of the task's fields) and ``TEMPLATE``
+(its :data:`PROMPT_TEMPLATES` entry): what an export's card writes into its scoring snippet, for a reader without
+hosfl_dist (tested to agree with :data:`_PROMPTS`). A user's template is ``TEMPLATE.format(**ex)``."""
+
+
+def prompt_code(spec: TextTaskSpec) -> str:
+    """The Python expression of ``ex`` and ``TEMPLATE`` that builds the task's prompt (:data:`PROMPT_CODE`)."""
+    if spec.template:
+        return "TEMPLATE.format(**ex)"
+    return PROMPT_CODE[spec.preset]
+
+
 def prompt_template(spec: TextTaskSpec) -> tuple[str, str]:
     """(the exact template, a note on what it does beyond ``str.format``) of a task: the user's, or the preset's."""
     if spec.template:
@@ -484,7 +540,7 @@ class TokenizedTextData:
         return TokenizedTextData(ids, mask, labels, meta, self.padding_side)
 
 
-def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The special tokens the tokenizer puts before a text (BOS), found by encoding a probe with and without them."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
@@ -536,7 +592,8 @@ def label_word_ids(spec: TextTaskSpec, tokenizer: PreTrainedTokenizerBase) -> li
     return ids
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id a run pads with: the tokenizer's pad token, else its EOS."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise DataError("the tokenizer has neither a pad token nor an EOS token to pad with")
@@ -560,10 +617,10 @@ def tokenize_split(
     """
     if padding_side not in ("left", "right"):
         raise ConfigError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
-    prefix = _special_prefix(tokenizer)
+    prefix = special_prefix(tokenizer)
     if max_length < len(prefix) + 2:
         raise ConfigError(f"max_length={max_length} leaves no room for a prompt (needs at least {len(prefix) + 2})")
-    pad_id = _pad_id(tokenizer)
+    pad_id = padding_id(tokenizer)
     pairs = [format_example(spec, ex) for ex in examples]
     prompts = [p for p, _ in pairs]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []

@@ -386,7 +386,11 @@ def free_out(args: argparse.Namespace) -> None:
     from hosfl_dist.runfolder.folder import refuse_run_in_the_way
     from hosfl_dist.runfolder.lock import STUDY_LOCK, lock_holder
 
+    from hosfl_dist.safe_files import check_folder_entries, check_output_folder
+
     out = Path(args.out)
+    check_output_folder(out, "--out")
+    check_folder_entries(out, "--out")  # study.json, table.md, ... are replaced: never a FIFO, a device, a link out
     refuse_run_in_the_way(out, "--out", below=False)  # below it are this study's own runs
     holder = lock_holder(out, STUDY_LOCK)
     if holder is not None:

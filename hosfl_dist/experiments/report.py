@@ -527,6 +527,14 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:
             print(f"error: --out {out} is inside the run folder {run}: write the curves elsewhere", file=sys.stderr)
             return 2
+    from hosfl_dist.errors import ConfigError
+    from hosfl_dist.safe_files import check_output_file
+
+    try:
+        check_output_file(out, "--out")  # never a device, a FIFO (savefig would wait on it) or a link out
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     title = ", ".join(series) if len(series) > 1 else f"{next(iter(series))}: {args.runs[0]}"
     try:
         write_curves(out, series, title)

@@ -78,8 +78,7 @@ def export(
 
         key = load_key()
         check_outside(key, tmp)
-        with step(f"restoring checkpoint {checkpoint} of {run_dir} (verifying it, building the model, reading the "
-                  "frozen base weights: a GGUF base is de-quantised)"):  # fmt: skip
+        with step(f"restoring checkpoint {checkpoint} of {run_dir} ({_restoring(run_dir)})"):
             restored = restore(run_dir, checkpoint, allow_unsigned=allow_unsigned)
         lm = restored.cfg.model.name == "hf"
         fmt = fmt or ("merged" if lm else "state_dict")
@@ -122,6 +121,25 @@ def export(
     return record
 
 
+def _restoring(run_dir: Path) -> str:
+    """What restoring the run's checkpoint does, for its step line: a language model reads its frozen base weights,
+    de-quantising them only where the run read a GGUF file."""
+    from hosfl_dist.export.restore import CONFIG
+    from hosfl_dist.runtime.checks import load_run_config
+
+    said = "verifying it, building the model"
+    try:
+        cfg = load_run_config(run_dir / CONFIG)
+        if cfg.model.name != "hf":
+            return said
+        from hosfl_dist.models.sources import resolve
+
+        gguf = resolve(cfg.model.source, cfg.model.gguf_file).gguf_file is not None
+    except Exception:  # noqa: BLE001 - restore() says what is wrong with the run, in one line
+        return said
+    return f"{said}, reading the frozen base weights" + (": the GGUF base is de-quantised" if gguf else "")
+
+
 def run_folder(path: Path) -> Path:
     """The run in ``path``: the folder itself, or the newest run of ``runs/<job.name>`` (its ``latest`` link)."""
     from hosfl_dist.export.restore import CONFIG
@@ -137,8 +155,11 @@ def _command(run_dir: Path, out: Path, checkpoint: str, fmt: str, copy_base: boo
 
 
 def _check_out(out: Path, force: bool) -> None:
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ExportError(f"--out {out} exists and is not a folder")
+    from hosfl_dist.safe_files import check_output_folder
+
+    if out.is_symlink():  # the rename would replace the link, not fill what it points at
+        raise ExportError(f"--out {out} is a symlink: name the folder itself")
+    check_output_folder(out, "--out", in_export=False, error=ExportError)  # not a file, device, FIFO; not in an export
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out} already holds files (--force replaces them once the new export is complete)")
 

@@ -165,8 +165,6 @@ def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_un
     vision.json's ``normalize`` says how: ``(pixels / 255 - mean) / std`` per channel. The folder is verified against
     its signed manifest first (``allow_unsigned``: read one without a signature). A plug-in's model imports the
     plug-in modules vision.json names (they must be importable here, as for the run) and is rebuilt by its builder."""
-    from safetensors.torch import load_file
-
     from hosfl_dist.errors import ConfigError
     from hosfl_dist.runfolder.exported import verify_export
     from hosfl_dist.runfolder.signing import load_key
@@ -176,6 +174,13 @@ def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_un
         verify_export(folder, load_key(), allow_unsigned, "allow_unsigned=True")
     except ConfigError as exc:
         raise ExportError(str(exc)) from None
+    return load_verified(folder, device)
+
+
+def load_verified(folder: Path, device: str | torch.device = "cpu") -> nn.Module:
+    """:func:`load_vision` of a folder its caller has verified already."""
+    from safetensors.torch import load_file
+
     try:
         d = json.loads((folder / DESCRIPTION).read_text())
         state = load_file(str(folder / WEIGHTS))
@@ -187,6 +192,61 @@ def load_vision(folder: str | Path, device: str | torch.device = "cpu", allow_un
         net = whole_model(d["model"], int(d["num_classes"]), tuple(d["input_shape"]), int(d["width"]))
     net.load_state_dict(state, strict=True)
     return net.to(device).eval()
+
+
+def evaluation_set(record: dict[str, Any], limit: int = 0) -> tuple[Any, torch.Tensor, Any]:
+    """(inputs, labels, eval transform) of the run's evaluation set, rebuilt from the run's resolved config that
+    hosfl_export.json holds (``config``) with the run's own data code: the same images, in the same order, normalised
+    the same way (``data.eval_max_samples`` applied; ``limit``: the first ``limit`` of them). ExportError in one line
+    where the record holds no config (an export of an earlier version) or the data cannot be read here."""
+    from hosfl_dist.errors import ConfigError, DataError, HosflError
+
+    raw = record.get("config")
+    if not isinstance(raw, dict):
+        raise ExportError("hosfl_export.json holds no run config (an export of an earlier version): export the run "
+                          "again to predict its evaluation set")  # fmt: skip
+    from hosfl_dist.algorithms import load_plugins
+    from hosfl_dist.config.load import build_config
+    from hosfl_dist.data import build_data
+
+    try:
+        cfg = build_config(raw)
+        if cfg.job.plugins:
+            load_plugins(list(cfg.job.plugins))
+        data = build_data(cfg, clients=[], evaluation=True)
+    except (ConfigError, DataError, HosflError) as exc:
+        raise ExportError(f"cannot rebuild the run's evaluation set ({cfg_name(raw)}): {exc}") from None
+    inputs, labels = data.eval_inputs, data.eval_labels
+    if limit:
+        inputs, labels = inputs[:limit], labels[:limit]
+    return inputs, labels, data.eval_transform
+
+
+def cfg_name(raw: dict[str, Any]) -> str:
+    """``data.name`` of a config dict, for messages."""
+    return f"data.name={(raw.get('data') or {}).get('name')!r}"
+
+
+def predict_images(
+    model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Any, batch_size: int, step: Any = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(a row per image, the metrics): the run's evaluation of ``model`` — consecutive batches of ``batch_size``,
+    each through the eval transform, the prediction the highest logit. ``step()`` is called after each batch."""
+    device = next(model.parameters()).device
+    out: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for start in range(0, len(labels), batch_size):
+            x = inputs[start : start + batch_size]
+            x = transform(x, None) if transform is not None else x
+            logits = model(x.to(device)).float().cpu()  # (B, classes)
+            for i, row in enumerate(logits, start):
+                k, gold = int(row.argmax()), int(labels[i])
+                out.append({"index": i, "prediction": k, "label": k, "gold": gold, "correct": k == gold,
+                            "scores": row.tolist()})  # fmt: skip
+            if step is not None:
+                step()
+    n = len(out)
+    return out, {"examples": n, "accuracy": sum(r["correct"] for r in out) / max(n, 1)}
 
 
 def normalise(pixels: torch.Tensor, description: dict[str, Any]) -> torch.Tensor:

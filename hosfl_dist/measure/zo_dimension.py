@@ -7,10 +7,11 @@ behind the client-depth ablation (paper App. "Impact of client-side model depth"
 For each cut: the config's model (with its ``model.pretrained`` weights), one training batch of client 0, λ = ∂ℓ/∂z
 from a real server backprop (Eq. 11), and two estimates against the exact gradients that backprop gives:
 
-    HO-SFL   ĝ_c = 1/(Pμ) Σ_p λᵀ(z̃_p − z) u_p over θc, computed with the production functions (``core.zo.perturbed``,
-             ``Projector``, ``reconstruct``, seeds from ``round_seeds``), against g_c = ∂(λᵀz)/∂θc;
+    HO-SFL   ĝ_c = 1/(Pμ) Σ_p λᵀ(z̃_p − z) u_p over θc, computed with the production estimator (``zo.estimator``'s
+             ``perturbed``, ``projector``, ``coefficients``, ``reconstruct_group``, seeds from ``round_seeds``),
+             against g_c = ∂(λᵀz)/∂θc;
     ZO-SFL   ĝ = 1/P Σ_p (ℓ(θ + μw_p) − ℓ(θ − μw_p)) / (2μ) · w_p over θ = (θc, θs), w_p = (u_p, v_p) regenerated as
-             ZO-SFL's worker and server do (``exchange.spsa_pair``, ``server_seed``), against g = ∂ℓ/∂θ.
+             ZO-SFL's worker and server do (the estimator's ``pair``, ``server_seed``), against g = ∂ℓ/∂θ.
 
 Reported per cut, method and P, over --repeats independent seed sets: cos(ĝ, g) (mean ± std) beside √(P/(d+P+1)),
 what a Gaussian estimator gives in expectation when μ is small (E ĝᵀg = ‖g‖², E‖ĝ‖² = (d+P+1)/P · ‖g‖²), and
@@ -32,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from hosfl_dist.algorithms.exchange import server_seed, spsa_pair
+from hosfl_dist.algorithms.exchange import server_seed
+from hosfl_dist.core.estimators import ZOEstimator, build_estimator
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import round_seeds
-from hosfl_dist.core.zo import Projector, perturbed, reconstruct, scalar_coefficients
 from hosfl_dist.data import build_data
 from hosfl_dist.cli.guard import check_destination, guarded
 from hosfl_dist.models import build_split_model, server_forward
@@ -52,11 +53,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
+def rebuilt(estimator: ZOEstimator, params: list[torch.Tensor], seeds: list[int], coeffs: list[float]) -> list:
+    """Σ_p c_p u_p tensor by tensor (trainable tensor i of ``params``: any mix of dtypes)."""
+    return [estimator.reconstruct_group([p], [i], seeds, coeffs)[0] for i, p in enumerate(params)]
+
+
 def measure_cut(cfg_path: str, overrides: list[str], cut: int, ps: list[int], repeats: int) -> dict:
     cfg = load_run_config(cfg_path, [*overrides, f"split.cut={cut}"])
     data = build_data(cfg, clients=[0], evaluation=False)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
-    client, server, task, zo = split.client, split.server, split.task, cfg.zo
+    client, server, task, estimator = split.client, split.server, split.task, build_estimator(cfg.zo)
     x, y = data.next_batch(0)
     c_slots, s_slots = trainable_slots(client), trainable_slots(server)
     c_params, s_params = slot_tensors(c_slots), slot_tensors(s_slots)
@@ -74,12 +80,12 @@ def measure_cut(cfg_path: str, overrides: list[str], cut: int, ps: list[int], re
     z = z.detach()
 
     def loss_at(sign: int, seed: int) -> float:  # ℓ at θs ± μv with θc already perturbed by the caller
-        with perturbed(s_slots, server_seed(seed), sign * zo.mu, zo.rng_device, zo.perturb_mode):
+        with estimator.perturbed(s_slots, server_seed(seed), sign):
             return float(task.loss(server_forward(server, split.client_forward(x)), y))
 
     rows = []
     with torch.no_grad():
-        proj = Projector(lam, z)
+        proj = estimator.projector(lam, z)
         for p_count in ps:
             ho_cos, ho_ratio, zo_cos, zo_ratio = [], [], [], []
             for r in range(repeats):
@@ -87,19 +93,19 @@ def measure_cut(cfg_path: str, overrides: list[str], cut: int, ps: list[int], re
                 # HO-SFL: the P scalars v_p = λᵀ(z̃_p − z) (Eq. 13) and ĝ_c = Σ_p v_p/(Pμ) u_p (Eq. 15)
                 scalars = []
                 for s in seeds:
-                    with perturbed(c_slots, s, zo.mu, zo.rng_device, zo.perturb_mode):
+                    with estimator.perturbed(c_slots, s):
                         scalars.append(float(proj(split.client_forward(x)["z"])))
-                coeffs = scalar_coefficients(scalars, zo.mu)
-                g_hat = flat([reconstruct(p, i, seeds, coeffs, zo.rng_device) for i, p in enumerate(c_params)])
+                coeffs = estimator.coefficients(scalars)
+                g_hat = flat(rebuilt(estimator, c_params, seeds, coeffs))
                 ho_cos.append(cosine(g_hat, g_c))
                 ho_ratio.append(float(g_hat.norm() / g_c.norm()))
                 # ZO-SFL: SPSA over (θc, θs) with P two-point probes, each g_p·w_p
                 est = torch.zeros_like(g_all)
                 for s in seeds:
-                    lp, lm = spsa_pair(c_slots, s, zo.mu, zo, lambda sign, s=s: loss_at(sign, s))
-                    g = (lp - lm) / (2 * zo.mu)
-                    w_c = [reconstruct(p, i, [s], [g], zo.rng_device) for i, p in enumerate(c_params)]
-                    w_s = [reconstruct(p, i, [server_seed(s)], [g], zo.rng_device) for i, p in enumerate(s_params)]
+                    lp, lm = estimator.pair(c_slots, s, lambda sign, s=s: loss_at(sign, s))
+                    g = estimator.pair_coefficient(lp, lm)
+                    w_c = rebuilt(estimator, c_params, [s], [g])
+                    w_s = rebuilt(estimator, s_params, [server_seed(s)], [g])
                     est += flat(w_c + w_s) / p_count
                 zo_cos.append(cosine(est, g_all))
                 zo_ratio.append(float(est.norm() / g_all.norm()))

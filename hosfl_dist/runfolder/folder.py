@@ -6,8 +6,11 @@ When the user named no folder (``job.out_dir`` empty) every run gets its own::
     runs/<job.name>/latest -> 20261123-221503
     runs/<job.name>/slurm-<job id>/       under Slurm: a requeued job finds its folder again and continues it
 
-``job.resume=auto`` (and a torchrun restart of the workers) continues ``latest``. A ``job.out_dir`` the user gave keeps
-its contract: exactly that folder holds config.yaml, metrics.jsonl and summary.json.
+``job.resume=auto`` continues ``latest``. A torchrun restart of the workers continues the folder its own first attempt
+chose, never ``latest`` (another run of the same ``job.name`` may have started meanwhile): the first attempt pins it
+in ``runs/<job.name>/.torchrun/<hash>``, named after the torchrun invocation (its rendezvous id, or its agent process),
+and a restart reads that pin. A ``job.out_dir`` the user gave keeps its contract: exactly that folder holds
+config.yaml, metrics.jsonl and summary.json.
 
 A folder that holds another run is refused unless ``job.resume=auto`` (continue it, when its config is this run's) or
 ``job.overwrite=true`` (replace it): :func:`check_out_dir` checks without changing anything (``hosfl_dist.run
@@ -20,6 +23,7 @@ before anything heavy is imported.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -33,6 +37,7 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, signed_manifest
 from hosfl_dist.runfolder.signing import load_key
 from hosfl_dist.runfolder.lock import RunLock, lock_holder, wait_for_earlier_start
+from hosfl_dist.safe_files import check_folder_entries, check_output_folder
 from hosfl_dist.safe_yaml import load_file
 
 RUNS = Path("runs")
@@ -45,19 +50,51 @@ def chosen(cfg: Config) -> bool:
     return bool(cfg.job.out_dir)
 
 
-def deterministic_out_dir(cfg: Config, restarted: bool = False) -> Path | None:
-    """The folder every process of the job finds on its own (the user's, Slurm's, or ``latest`` when continuing),
-    or None when a new folder has to be made (:func:`new_out_dir`, by one process)."""
+def deterministic_out_dir(cfg: Config, restarted: bool = False, pin: str = "") -> Path | None:
+    """The folder every process of the job finds on its own (the user's, Slurm's, the one a torchrun invocation
+    ``pin`` pinned when ``restarted``, or ``latest`` when continuing), or None when a new folder has to be made
+    (:func:`new_out_dir`, by one process)."""
     if chosen(cfg):
         return Path(cfg.job.out_dir)
     base = RUNS / cfg.job.name
     job_id = slurm_job_id()
     if job_id:
         return base / f"slurm-{job_id}"
+    if restarted and pin:  # this invocation's own folder; none pinned: its first attempt made none, so a new one
+        return pinned_out_dir(base, pin)
     latest = base / LATEST
     if (cfg.job.resume == "auto" or restarted) and latest.is_symlink():
         return base / os.readlink(latest)
     return None
+
+
+PINS = ".torchrun"
+"""The folder of ``runs/<job.name>`` that holds, per torchrun invocation, the name of the run folder it chose."""
+
+
+def _pin_file(base: Path, pin: str) -> Path:
+    return base / PINS / hashlib.sha256(pin.encode()).hexdigest()[:24]
+
+
+def pinned_out_dir(base: Path, pin: str) -> Path | None:
+    """The run folder under ``base`` that the torchrun invocation ``pin`` chose on its first attempt, or None (none
+    pinned, or a pin that names no folder of ``base``)."""
+    try:
+        name = _pin_file(base, pin).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        return None
+    if not name or name in (".", "..", LATEST, PINS) or "/" in name or "\\" in name or not (base / name).is_dir():
+        return None
+    return base / name
+
+
+def pin_out_dir(d: Path, pin: str) -> None:
+    """Record (atomically) that the torchrun invocation ``pin`` writes the run folder ``d`` (under runs/<job.name>)."""
+    path = _pin_file(d.parent, pin)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(d.name + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def new_out_dir(cfg: Config) -> Path:
@@ -88,16 +125,20 @@ def with_out_dir(cfg: Config, d: Path | str) -> Config:
     return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, out_dir=str(d)))
 
 
-def resolve_out_dir(cfg: Config, restarted: bool = False) -> Config:
+def resolve_out_dir(cfg: Config, restarted: bool = False, pin: str = "") -> Config:
     """``cfg`` with ``job.out_dir`` set to this run's folder (made here when it is a new one; the process that calls
-    this is the one that writes the run: in-process, or rank 0 under torchrun)."""
-    d = deterministic_out_dir(cfg, restarted)
+    this is the one that writes the run: in-process, or rank 0 under torchrun). ``pin``: the torchrun invocation
+    (:attr:`~hosfl_dist.runtime.process.launch.LaunchEnv.invocation`), whose restarts find this folder again."""
+    d = deterministic_out_dir(cfg, restarted, pin)
     if d is not None:
         if not chosen(cfg) and d.name.startswith("slurm-"):
             d.mkdir(parents=True, exist_ok=True)
             point_latest(d.parent, d.name)
-        return with_out_dir(cfg, d)
-    return with_out_dir(cfg, new_out_dir(cfg))
+    else:
+        d = new_out_dir(cfg)
+    if pin and not chosen(cfg) and not d.name.startswith("slurm-"):
+        pin_out_dir(d, pin)
+    return with_out_dir(cfg, d)
 
 
 def recorded_config(folder: Path) -> dict[str, Any] | None:
@@ -290,6 +331,8 @@ def check_out_dir(cfg: Config, restarted: bool = False, locked: bool = False) ->
     replace, without changing anything (``hosfl_dist.run --check`` runs it before torchrun starts the job).
     ``locked``: this process holds the folder's lock already."""
     d = Path(cfg.job.out_dir)
+    check_output_folder(d, "job.out_dir")  # a device, a FIFO, a file: refused before anything is made
+    check_folder_entries(d, "job.out_dir")  # metrics.jsonl a FIFO, summary.json a link out of the folder
     for parent in [d, *d.parents]:
         if parent.exists():
             if parent.is_file():

@@ -62,6 +62,7 @@ ADDED_KEYS = {
     ("zo", "perturb_batch"): 1,
     ("zo", "batch_clients"): False,
     ("zo", "compile"): "off",
+    ("zo", "estimator"): "gaussian",
     ("clients", "dropout"): 0.0,
     ("clients", "dropout_stage"): "before_upload",
     ("clients", "over_select"): 0.0,

@@ -60,7 +60,7 @@ def load_key(create: bool = True) -> Key:
     if create and not path.exists():
         _create(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))  # a FIFO: no wait
     except FileNotFoundError:
         raise ConfigError(f"no signing key at {path} (HOSFL_KEY_FILE)") from None
     except OSError as exc:

@@ -18,6 +18,7 @@ from pathlib import Path
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, load_plugins
 from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import Config, check, load_config
+from hosfl_dist.core.estimators import get_estimator
 from hosfl_dist.data.registry import get_task
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.registry import get_model, model_names
@@ -155,6 +156,11 @@ def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
           f"clients batched in one pass are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
     check(cfg.zo.compile == "off" or spec.compiles_client, "zo.compile", cfg.zo.compile,
           f"compiled client forwards are implemented for hosfl, not algorithm.name={spec.name}")  # fmt: skip
+    get_estimator(cfg.zo.estimator)  # registered (the package's or a plug-in's): else one line with the names
+    estimating = "/".join(n for n in algorithm_names() if get_algorithm(n).zo_estimator)
+    check(cfg.zo.estimator == "gaussian" or spec.zo_estimator, "zo.estimator", cfg.zo.estimator,
+          f"zeroth-order estimators are used by {estimating}, not algorithm.name={spec.name} (it draws no "
+          "perturbation)")  # fmt: skip
     check(cfg.zo.compile != "reduce-overhead" or cfg.job.device.startswith("cuda"), "zo.compile", cfg.zo.compile,
           f"captures CUDA graphs, which job.device={cfg.job.device} has none of; use zo.compile=default")  # fmt: skip
     check(

@@ -55,7 +55,7 @@ from hosfl_dist.runtime.control import (
 )
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.record.progress import EVAL_SHOWN
-from hosfl_dist.runtime.record.writer import RunRecord, metrics_row
+from hosfl_dist.runtime.record.writer import RunRecord, metrics_row, record_gap
 from hosfl_dist.runtime.server_group import ServerGroup
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.link import describe_traffic
@@ -135,6 +135,10 @@ class RunFront(Handler):
             notes = self._same_run(ckpt, manifest)
             self.servers.load(str(ckpt))
             loop, parts, meta = self.store.load(self.server, ckpt)
+            gap = record_gap(Path(self.cfg.job.out_dir), self.cfg, loop.round, loop.processed)
+            if gap is not None:
+                raise ConfigError(f"checkpoint {ckpt} cannot be resumed: {gap}; remove it (job.resume=auto then takes "
+                                  "the newest one before it)")  # fmt: skip
             if meta.get("engine") != self.engine:
                 raise ConfigError(f"checkpoint {ckpt} was written by the {meta.get('engine')} runtime; resume it there")
             written = {k: meta.get(k) for k in self.layout}

@@ -214,7 +214,7 @@ class TorchrunJob:
         if chosen(cfg):
             return cfg
         if d.rank == 0:
-            cfg = resolve_out_dir(cfg, restarted=d.env.restart > 0)
+            cfg = resolve_out_dir(cfg, restarted=d.env.restart > 0, pin=d.env.invocation)  # a restart: its own
             d.put("hosfl/out_dir", cfg.job.out_dir)
             return cfg
         return with_out_dir(cfg, d.get("hosfl/out_dir", cfg.server.rpc_timeout_s))

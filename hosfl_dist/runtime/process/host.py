@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hosfl_dist.config import Config
-from hosfl_dist.errors import ConfigError
+from hosfl_dist.config.schema import thread_limit
+from hosfl_dist.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from hosfl_dist.runtime.process.launch import LaunchEnv
@@ -199,7 +200,11 @@ def set_threads(
             n = free_cores(cores, load)
             why = (f"{size}, the cores other work leaves free ({cores} cores less the 1-minute load average "
                    f"{load:.2f}, at least 1)")  # fmt: skip
-    torch.set_num_threads(n)
+    try:
+        torch.set_num_threads(n)
+    except (RuntimeError, ValueError, OSError) as exc:  # threads the machine cannot start: one line, exit code 2
+        raise ConfigError(f"cannot start {n} intra-op threads ({why.split(':')[0]}; at most {thread_limit()} on "
+                          f"this machine): {first_line(exc)}") from None  # fmt: skip
     return n, why
 
 

@@ -39,10 +39,20 @@ class LaunchEnv:
     """How many times torchrun restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
     local_world_size: int = 0
     """Processes on this node (LOCAL_WORLD_SIZE; the world size when it is not set)."""
+    agent: str = ""
+    """The torchrun agent that started this process (its pid and start time), the same across its restarts."""
 
     def __post_init__(self) -> None:
         if not self.local_world_size:
             object.__setattr__(self, "local_world_size", self.world_size)
+
+    @property
+    def invocation(self) -> str:
+        """What names this one torchrun invocation across its restarts and no other: the rendezvous id where it is
+        one of its own (``--standalone`` draws a fresh one; a static rendezvous says ``none`` for every job), else
+        the agent that started the workers. Where a restart finds its run's folder (:mod:`hosfl_dist.runfolder.
+        folder`, the pins)."""
+        return f"rdzv:{self.run_id}" if self.run_id not in ("", "none") else f"agent:{self.agent}"
 
 
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -71,8 +81,20 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     return LaunchEnv(
         rank, world, local, env["MASTER_ADDR"], env["MASTER_PORT"], env.get("TORCHELASTIC_RUN_ID", ""), restart,
-        local_world,
+        local_world, agent_of_this_process(),
     )  # fmt: skip
+
+
+def agent_of_this_process() -> str:
+    """``<pid>-<start time>`` of the process that started this one (torchrun's agent; the start time, in clock ticks
+    since boot from /proc, tells a reused pid apart), or the pid alone where /proc is not there."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat", "rb") as fh:
+            fields = fh.read(4096).rsplit(b")", 1)[-1].split()
+        return f"{parent}-{int(fields[19])}"  # field 22 of stat(5), counted after the command's closing ")"
+    except (OSError, ValueError, IndexError):
+        return str(parent)
 
 
 @dataclass(frozen=True)

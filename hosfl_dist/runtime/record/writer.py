@@ -317,6 +317,27 @@ def kept_rows(path: Path, rows_until: int) -> list[dict[str, Any]]:
     return rows
 
 
+def record_gap(folder: Path, cfg: Config, round_: int, processed: int) -> str | None:
+    """Why the record in ``folder`` cannot be continued from a checkpoint of ``round_`` after ``processed`` samples,
+    or None. A run evaluates when its samples pass each ``train.eval_every_samples`` and the budget, and writes the
+    row before the checkpoint of that round; a checkpoint past the newest evaluation metrics.jsonl holds came from
+    elsewhere (copied in from a run ahead of this one): resumed, it would leave the rows between missing. A folder
+    without metrics.jsonl (checkpoints alone, carried to a new folder) starts its record at the checkpoint."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    budget, every = cfg.train.budget_samples, cfg.train.eval_every_samples
+    due = budget if processed >= budget else processed // every * every  # the newest evaluation at or before it
+    rows = kept_rows(path, round_)
+    held = max((r["processed_samples"] for r in rows if isinstance(r.get("processed_samples"), int)), default=-1)
+    if held >= due:
+        return None
+    newest = f"rows up to round {rows[-1]['round']} ({held} samples)" if rows else "no row"
+    return (f"metrics.jsonl holds {newest} and lacks the evaluation at {due} samples, which a run writes before its "
+            f"checkpoint of round {round_} ({processed} samples): the checkpoint was not written by this run (copied "
+            "in from a run ahead of it?); resumed, the rows between would be missing")
+
+
 def metrics_row(server: Any, evaluator: Any, t: int, processed: int, comm: dict[str, int]) -> dict[str, Any]:
     """One metrics.jsonl object: the evaluation server's statistics and the server's train loss since the previous
     row.
