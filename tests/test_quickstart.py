@@ -119,9 +119,13 @@ def test_compare_quick_is_valid_bash_and_runs_existing_configs_and_methods():
     assert "python -m hosfl_dist.measure.outcome" in text.replace('"$PYTHON"', "python")
 
 
-def test_fsl_sage_on_conv_mlp_is_refused_in_one_line(capsys, tmp_path):
-    """FSL-SAGE's auxiliary model pools a convolutional activation; conv_mlp's z is a vector."""
-    code = main([*TINY_OVERRIDES, "model.name=conv_mlp", "algorithm.name=fsl_sage", f"job.out_dir={tmp_path / 'r'}"])
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
+def test_fsl_sage_on_conv_mlp_is_refused_in_one_line(capsys, tmp_path, check):
+    """FSL-SAGE's auxiliary model pools a convolutional activation; conv_mlp's z is a vector: refused where the
+    config is checked (``--check`` too), before a run folder exists."""
+    out = tmp_path / "r"
+    flags = ["--check"] if check else []
+    code = main([*flags, *TINY_OVERRIDES, "model.name=conv_mlp", "algorithm.name=fsl_sage", f"job.out_dir={out}"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("error: algorithm.name=fsl_sage builds its auxiliary model from a "
-                                            "convolutional activation")  # fmt: skip
+    assert code == 2 and "builds its auxiliary model from a convolutional activation" in err[-1], err
+    assert not out.exists()

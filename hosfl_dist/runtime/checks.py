@@ -141,6 +141,9 @@ def _check_algorithm(cfg: Config, spec: AlgorithmSpec) -> None:
         spec.name,
         f"implemented for {'/'.join(spec.families)} models, not model.name={cfg.model.name}",
     )
+    check(spec.name != "fsl_sage" or cfg.model.name != "conv_mlp", "algorithm.name", spec.name,
+          "builds its auxiliary model from a convolutional activation, which model.name=conv_mlp's server part "
+          "does not begin with (a fully connected layer): use small_cnn or resnet18")  # fmt: skip
     if family == "hf":  # half-precision rounding against μ (refused before anything is built)
         problem = cfg.zo.precision_problem(cfg.model.dtype, spec.uploads_perturbed_pair)
         if problem is not None and spec.zeroth_order_client:
