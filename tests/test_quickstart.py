@@ -91,8 +91,10 @@ def test_an_sfl_run_is_not_compared_with_itself_and_a_language_model_says_how_to
     said = lines({"algorithm": "hosfl", "final": {"eval_accuracy": 0.5}, "processed_samples": 8, "rounds": 1,
                   "uplink": dict.fromkeys(UPLINK, 0), "sizes": {"eval_size": 0, "client_params": 1}, "sfl": None,
                   "memory": {"skipped": "model.name=hf is not rebuilt at the end of a run"}}, cfg)  # fmt: skip
-    assert said[1].startswith("client memory: not measured (model.name=hf is not rebuilt at the end of a run): "
-                              "python -m hosfl_dist.measure.memory --model tiny:llama --cut 1 --modes hosfl,inference")
+    assert said[1].startswith(
+        "client memory: not measured (model.name=hf is not rebuilt at the end of a run): "
+        "python -m hosfl_dist.measure.memory --model tiny:llama --cut 1 --modes hosfl,inference"
+    )
 
 
 def test_the_table_has_a_row_per_run_with_memory_uplink_and_wall_time(tmp_path):
