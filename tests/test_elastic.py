@@ -299,6 +299,24 @@ def test_a_worker_whose_server_never_returns_exits_in_one_line_within_its_bound(
     assert len(said) == 1 and "did not come back within server.rejoin_timeout_s=3" in said[0], said
 
 
+@pytest.mark.slow  # about 15 s
+def test_a_worker_waiting_for_the_others_to_join_is_not_lost_while_it_waits(tmp_path):
+    """server.min_workers=2: the first worker's join is answered once the second is there, twice
+    server.worker_timeout_s later; waiting for its welcome it is not silent (nor lost), and the run is the fixed one."""
+    overrides = [*TINY_OVERRIDES, "server.worker_timeout_s=2", "server.min_workers=2"]
+    job = Job(tmp_path, overrides)
+    job.join()
+    job.joined(1)
+    time.sleep(5)  # past the timeout: a member that waits for its welcome sends no beat
+    assert job.server.poll() is None and " lost at round " not in job.said(), job.said()[-2000:]
+    job.join()
+    assert job.finish() == 0, job.said()[-3000:]
+    s = check_replays(tmp_path, job, overrides)
+    assert s["participation"]["workers_lost"] == 0 and " silent for " not in job.said(), job.said()[-2000:]
+    _, _, fixed, _ = run_in_process([*TINY_OVERRIDES, f"job.out_dir={tmp_path / 'fixed'}"])
+    assert s["server_digest"] == fixed["server_digest"]
+
+
 @pytest.mark.slow
 def test_a_stopped_worker_is_left_behind_then_catches_up(tmp_path):
     """A worker SIGSTOPped past server.round_timeout_s (but not server.worker_timeout_s): the rounds go on without its

@@ -196,9 +196,11 @@ class Member:
         timeout = cfg.server.rpc_timeout_s
         host, port = join["host"], int(join["port"])
         try:
-            # a rejoin attempt waits no longer than what is left of server.rejoin_timeout_s
+            # one attempt waits CONNECT_S at most (a join file read as its server died names an address nobody
+            # will answer at again: the next look at the folder finds the new one), and never past what is left
+            # of server.rejoin_timeout_s
             gone = self._gone_since
-            left = CONNECT_S if gone is None else gone + cfg.server.rejoin_timeout_s - time.monotonic()
+            left = CONNECT_S if gone is None else min(CONNECT_S, gone + cfg.server.rejoin_timeout_s - time.monotonic())
             join_rpc(host, port, timeout, join["token"], left)
             front = fetch_front(timeout, join["token"])
             where = {"host": socket.gethostname(), "pid": os.getpid()}

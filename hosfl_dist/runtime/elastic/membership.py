@@ -143,6 +143,8 @@ class Membership:
         while not self._stop.wait(min(0.25, self.timeout / 8)):
             now = time.monotonic()
             with self.lock:
+                for m, _ in self.waiting:  # its join waits for the first round (server.min_workers): it is there
+                    m.seen = now
                 silent = [(n, now - m.seen) for n, m in self.members.items() if now - m.seen > self.timeout]
                 for name, m in self.members.items():  # a round waiting on a worker says so, before it gives up
                     quiet = now - m.seen
@@ -179,6 +181,7 @@ class Membership:
             waiting, self.waiting = self.waiting, []
             handed = {name: sorted(m for m, w in self.owned[t].items() if w == name) for name in self.members}
         for member, fut in waiting:
+            member.seen = time.monotonic()  # silent from its welcome on, not from its join
             clients = handed.get(member.name, [])
             adopt = {"adopt": {m: self.batches[m] for m in clients}, "from_server": self.payload(clients)}
             fut.set_result(self._welcome(member, t, processed, adopt))
