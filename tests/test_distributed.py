@@ -256,8 +256,8 @@ def test_fsdp_server_group_of_two_equals_a_one_rank_server(tmp_path, reference):
     ("alg", "extra"),
     [
         ("hosfl", ["clients.dropout=0.3"]),  # server.min_clients = K: two rounds in three are skipped
-        ("sfl", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
-                 "server.min_clients=1"]),  # drops at both stages, late clients
+        pytest.param("sfl", ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_select=0.5",
+                             "server.min_clients=1"], marks=pytest.mark.slow),  # both stages, late clients; 10 s
     ],
 )  # fmt: skip
 def test_torchrun_equals_in_process_with_clients_dropping(tmp_path, alg, extra):
@@ -299,7 +299,9 @@ FAIL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("claimed", [False, True], ids=["plain", "failure-key-claimed-from-outside"])
+@pytest.mark.parametrize(
+    "claimed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "failure-key-claimed-from-outside"]
+)  # 9 s each
 def test_a_failing_client_worker_stops_the_job_and_its_error_is_shown_once(tmp_path, monkeypatch, claimed):
     """…and summary.json records it, also when something outside the job wrote the failure key first (the key is
     named after the job's token, and every failing process tells the front)."""

@@ -76,7 +76,7 @@ def split_scores(run_dir: Path, which: str = "latest") -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("fmt", ["merged", "peft"])
+@pytest.mark.parametrize("fmt", ["merged", pytest.param("peft", marks=pytest.mark.slow)])  # peft: 7 s
 def test_lm_export_loads_with_plain_transformers_and_predicts_what_the_run_evaluated(
     tmp_path, capsys, lm_run, text_files, fmt, cache
 ):

@@ -108,6 +108,7 @@ def test_resume_after_a_stop_is_bit_identical(tmp_path, monkeypatch, extra):
     assert got["comm"] == ref["comm"] and got["resumed_from"].endswith("round-00000002")
 
 
+@pytest.mark.slow  # 8 s: compare itself is in tests/test_experiments.py
 def test_compare_adds_it_as_a_row(tmp_path, capsys):
     from hosfl_dist.experiments.compare import main
 

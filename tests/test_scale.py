@@ -163,7 +163,9 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "kept_gathered"])
+@pytest.mark.parametrize(
+    "reshard", [pytest.param(True, marks=pytest.mark.slow), False], ids=["reshard_after_forward", "kept_gathered"]
+)  # 9 s each: one in the default tier
 def test_data_parallel_step_over_two_ranks_equals_one_rank(tmp_path, reshard):
     """Two server ranks, each with half the clients' rows and an FSDP2 shard of θs: λ_m and the stepped θs equal the
     one-rank server's bit for bit (whole clients per rank, each client's rows in one pass; FSDP averages the two
