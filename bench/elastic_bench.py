@@ -86,6 +86,7 @@ def figures(data: dict) -> dict:
         "elastic_samples_per_s": med["elastic"],
         "elastic_vs_torchrun": med["elastic"] / med["torchrun"],
         "elastic_rpc_messages": data["median"]["elastic"]["rpc_calls_per_round"],
+        "elastic_blocking_waits": data["median"]["elastic"]["blocked_waits_per_round"],
     }
     finals = {kind: data["median"][kind]["final"] for kind in data["median"]}
     values["same_final_metrics"] = finals["elastic"] == finals["torchrun"] == finals["in_process"]
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row['engine']:44s} {row['samples_per_s']:8.1f} samples/s   (runs: {every})")
     ratio = median["elastic"]["samples_per_s"] / median["torchrun"]["samples_per_s"]
     print(f"elastic / torchrun: {ratio:.2f}; elastic RPC messages per worker-round: "
-          f"{median['elastic']['rpc_calls_per_round']:.2f}")  # fmt: skip
+          f"{median['elastic']['rpc_calls_per_round']:.2f}, of which waited on: "
+          f"{median['elastic']['blocked_waits_per_round']:.2f}")  # fmt: skip
     data = {"config": args.config, "budget": args.budget, "workers": args.workers, "repeat": args.repeat,
             "runs": runs, "median": median}  # fmt: skip
     values = figures(data)
