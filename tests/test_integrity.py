@@ -286,6 +286,7 @@ def test_a_requeued_slurm_job_waits_for_its_earlier_start_to_let_go_and_nothing_
     assert main(["--check", *run]) == 0  # once it is gone
 
 
+@pytest.mark.slow  # 14 s: a live run beside a second one
 def test_overwriting_a_live_run_is_refused_and_the_live_run_completes_with_its_rows(tmp_path):
     out = tmp_path / "run"
     live = [*TINY_OVERRIDES, "train.budget_samples=240", "train.eval_every_samples=48", "comm.inject_delay=true",

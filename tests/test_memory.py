@@ -156,6 +156,7 @@ def test_lm_modes_are_ordered_and_deterministic():
     assert again["allocations"] == r["hosfl"]["allocations"]
 
 
+@pytest.mark.slow  # 9 s: every mode in its own process
 def test_cli_writes_json_and_png_and_isolates_modes(tmp_path, capsys):
     out = tmp_path / "mem"
     argv = ["--model", "small_cnn", "--cut", "1", "--batch", "4", "--modes", "inference,hosfl", "--out", str(out)]

@@ -400,6 +400,7 @@ OUTSIDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 12 s; the gate itself in the default tier: tests/test_rpc_gate.py
 @pytest.mark.multiprocess
 def test_a_process_outside_the_job_is_refused_by_the_running_server_and_the_job_completes(tmp_path, monkeypatch):
     secret = secrets.token_hex(32)
