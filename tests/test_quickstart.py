@@ -131,3 +131,15 @@ def test_fsl_sage_on_conv_mlp_is_refused_in_one_line(capsys, tmp_path, check):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "builds its auxiliary model from a convolutional activation" in err[-1], err
     assert not out.exists()
+
+
+def test_ctrl_c_while_the_lines_are_made_leaves_the_completed_run_as_it_is(monkeypatch):
+    """The lines come after the record: a KeyboardInterrupt while the client's memory is measured is one line."""
+    from hosfl_dist.measure import outcome
+
+    def interrupted(summary, cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outcome, "outcome", interrupted)
+    said = outcome.run_lines({}, None)
+    assert said == "(the summary lines were not made: Ctrl-C; the run is complete and recorded)"

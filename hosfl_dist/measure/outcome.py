@@ -190,6 +190,8 @@ def run_lines(summary: dict[str, Any], cfg: Config) -> str:
         return "\n".join(lines(outcome(summary, cfg), cfg))
     except Exception as exc:  # noqa: BLE001 - the run has ended and is recorded: a line says what was not made
         return f"(the summary lines were not made: {type(exc).__name__}: {exc})"
+    except KeyboardInterrupt:  # Ctrl-C while the client's memory is measured: the run itself is complete
+        return "(the summary lines were not made: Ctrl-C; the run is complete and recorded)"
 
 
 # --------------------------------------------------------------------------------------------------------- table
