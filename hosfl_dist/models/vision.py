@@ -417,10 +417,7 @@ def conv_mlp_split(
     """:class:`ConvMLP` of ``width`` channels and ``4 · width`` hidden units; the client keeps the first ``cut``
     blocks (1: the conv block; 2: and the first hidden layer)."""
     net = ConvMLP(num_classes, input_shape, width, CONV_MLP_HIDDEN * width)
-    if pretrained:
-        load_pretrained(net, pretrained, num_classes, "head", f"conv_mlp of width {width}", reset_head)
-    blocks = list(net.blocks)
-    return SmallCNNClient(nn.ModuleList(blocks[:cut])), SmallCNNServer(nn.ModuleList(blocks[cut:]), net.head)
+    return _blocks_split(net, cut, num_classes, f"conv_mlp of width {width}", pretrained, reset_head)
 
 
 def small_cnn_split(
@@ -433,7 +430,13 @@ def small_cnn_split(
 ) -> tuple:
     """Two conv blocks (conv3x3-ReLU-maxpool) and a linear head; the client keeps the first ``cut`` blocks."""
     net = SmallCNN(num_classes, input_shape, width)
+    return _blocks_split(net, cut, num_classes, f"small_cnn of width {width}", pretrained, reset_head)
+
+
+def _blocks_split(net: nn.Module, cut: int, num_classes: int, what: str, pretrained: str, reset_head: bool) -> tuple:
+    """A network of ``blocks`` and a ``head`` (small_cnn, conv_mlp), its pretrained weights loaded where given: the
+    client the first ``cut`` blocks, the server the rest and the head."""
     if pretrained:
-        load_pretrained(net, pretrained, num_classes, "head", f"small_cnn of width {width}", reset_head)
+        load_pretrained(net, pretrained, num_classes, "head", what, reset_head)
     blocks = list(net.blocks)
     return SmallCNNClient(nn.ModuleList(blocks[:cut])), SmallCNNServer(nn.ModuleList(blocks[cut:]), net.head)
