@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,18 @@ def snippet(card: str) -> str:
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+def run_card_snippet(out: Path, cwd: Path, last: str) -> list[str]:
+    """The export ``out``'s card snippet, then ``last``, in a fresh ``python -I`` where hosfl_dist cannot be imported
+    (asserted): its output lines."""
+    code = snippet((out / "README.md").read_text()).replace('"DIR"', repr(str(out)), 1)
+    code = NO_HOSFL + code + "\n" + last + "\n"
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "hosfl_dist: not importable"
+    return lines
+
+
 @pytest.mark.parametrize("fmt", ["merged", pytest.param("peft", marks=pytest.mark.slow)])  # peft: 9-18 s (its base)
 def test_the_cards_snippet_scores_long_prompts_as_the_run_did_without_hosfl_dist(tmp_path, capsys, long_run, fmt):
     run_dir, files, rows = long_run
@@ -92,13 +105,7 @@ def test_the_cards_snippet_scores_long_prompts_as_the_run_did_without_hosfl_dist
                for r in reviews]  # fmt: skip
     assert min(lengths) > MAX_LENGTH, lengths  # every evaluation prompt is cut: the truncation side decides
 
-    code = snippet((out / "README.md").read_text()).replace('"DIR"', repr(str(out)), 1)
-    code = NO_HOSFL + code + '\nprint(json.dumps({"labels": labels, "scores": scores}))\n'
-    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert lines[0] == "hosfl_dist: not importable"
+    lines = run_card_snippet(out, tmp_path, 'print(json.dumps({"labels": labels, "scores": scores}))')
     assert lines[-2] == f"accuracy {rows[-1]['eval_accuracy']}"  # the run's last evaluation, exactly
     got = json.loads(lines[-1])
     reference = split_scores(run_dir)  # the run's own split model on its evaluation batches
@@ -164,10 +171,5 @@ def test_the_cards_snippet_answers_as_predict_does(tmp_path, capsys):
     predicted = [json.loads(line)["prediction"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert any(predicted)  # answers to compare, not empty strings
 
-    code = snippet((out / "README.md").read_text()).replace('"DIR"', repr(str(out)), 1)
-    code = NO_HOSFL + code + '\nprint(json.dumps(answers))\n'
-    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert lines[0] == "hosfl_dist: not importable" and json.loads(lines[-1]) == predicted
+    lines = run_card_snippet(out, tmp_path, "print(json.dumps(answers))")
+    assert json.loads(lines[-1]) == predicted
