@@ -25,6 +25,7 @@ from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.data.vision import shared_data_dir
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import SplitModel, build_split_model
+from hosfl_dist.runtime.build import method_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective, count_exchange
@@ -320,7 +321,8 @@ def test_fsl_sage_clients_do_not_wait_and_get_aligned_auxiliary_models(small):
     server = server_of(cfg, split, FSLSageServer)
     recording = RecordingTransport(server)
     transport = MeteredTransport(recording, FSLSageServer, CommMeter())
-    worker = get_algorithm("fsl_sage").worker(cfg, split, data, range(2), transport, LocalCollective(transport.meter))
+    collective = LocalCollective(transport.meter)
+    worker = get_algorithm("fsl_sage").worker(method_config(cfg), split, data, range(2), transport, collective)
     theta_s0 = tensors_digest(server.model.parameters())
     real_upload = server.upload
     seen_at_upload = []
@@ -430,7 +432,7 @@ def run_rounds(cfg, hosted_sets, rounds):
     for rank, hosted in enumerate(hosted_sets):
         split, data = fresh(cfg)
         transport = MeteredTransport(InProcessTransport(endpoint), spec.server, meter)
-        workers.append(spec.worker(cfg, split, data, hosted, transport, group.member(rank)))
+        workers.append(spec.worker(method_config(cfg), split, data, hosted, transport, group.member(rank)))
     errors, counts = [], {}
 
     def loop(rank, w):

@@ -9,6 +9,7 @@ from hosfl_dist.algorithms.hosfl import HOSFLWorker, cat_inputs, rows_of
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.vision import BatchStatsNorm, _replace_bn
+from hosfl_dist.runtime.build import method_config
 from tiny import (
     TINY_OVERRIDES,
     assert_same_as,
@@ -115,7 +116,7 @@ def test_a_client_part_with_batch_statistics_is_refused_in_one_line():
     cfg = load_config(None, [*TINY_OVERRIDES, "model.name=resnet18", "model.freeze_bn=code", "zo.batch_clients=true"])
     w = r.worker
     with pytest.raises(ConfigError) as err:
-        HOSFLWorker(cfg, r.split, r.data, sorted(w.hosted), w.transport, w.collective)
+        HOSFLWorker(method_config(cfg), r.split, r.data, sorted(w.hosted), w.transport, w.collective)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("invalid value for zo.batch_clients: true (")
     assert "batch statistics" in msg

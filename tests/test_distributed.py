@@ -164,8 +164,8 @@ ORDER_SCRIPT = textwrap.dedent(
     # Runs hosfl_dist.run with the server logging arrivals and the leader's submits of a round held until the server
     # has logged one from the other worker (which then arrives first, however loaded the machine).
     import json, os, sys, time
-    from hosfl_dist.algorithms.base import RoundPlan
     from hosfl_dist.config import load_config
+    from hosfl_dist.runtime.build import round_plan
     from hosfl_dist.run import main
     from hosfl_dist.runtime import rpc
     from hosfl_dist.runtime.process.launch import role_map
@@ -182,7 +182,7 @@ ORDER_SCRIPT = textwrap.dedent(
                 return any(json.loads(line) in ([t, m] for m in others) for line in f if line.endswith("\\n"))
         call_async = rpc.RPCTransport.call_async
         def late(self, method, **kwargs):
-            if method == "submit" and others & set(RoundPlan.of(cfg).sampled(kwargs["t"])):
+            if method == "submit" and others & set(round_plan(cfg).sampled(kwargs["t"])):
                 deadline = time.monotonic() + 60  # only a hang
                 while not arrived(kwargs["t"]) and time.monotonic() < deadline:
                     time.sleep(0.01)

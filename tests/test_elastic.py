@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import load_config
 from hosfl_dist.run import main
+from hosfl_dist.runtime.build import round_plan
 from tiny import ROOT, TINY_OVERRIDES, run_in_process
 
 # a worker timeout that a loaded CI machine cannot make a healthy worker miss
@@ -150,7 +150,7 @@ def test_two_workers_compute_the_fixed_runtimes_run_and_the_record_replays(tmp_p
 
 
 def test_participation_decided_live_is_the_plan_of_every_part(tmp_path):
-    plan = ParticipationPlan(load_config(None, TINY_OVERRIDES))
+    plan = round_plan(load_config(None, TINY_OVERRIDES)).participation
     plan.go_live()
     assert plan.emulated and not plan.skipped(0) and not plan.decided(0)
     with pytest.raises(KeyError):
@@ -158,7 +158,7 @@ def test_participation_decided_live_is_the_plan_of_every_part(tmp_path):
     decided = plan.settle(0, plan.sampled(0), plan.sampled(0)[:1], {m: "before_upload" for m in plan.sampled(0)[1:]})
     plan.decide(decided)
     assert plan.round(0) is decided and plan.skipped(0) and plan.decided(0)  # one upload against min_clients = K
-    again = ParticipationPlan(load_config(None, TINY_OVERRIDES))
+    again = round_plan(load_config(None, TINY_OVERRIDES)).participation
     again.restore([decided.record()])  # what a checkpoint of a live run holds
     assert again.round(0) == decided
 

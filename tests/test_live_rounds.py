@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from hosfl_dist.algorithms.base import RoundPlan
 from hosfl_dist.config import load_config
 from hosfl_dist.errors import ProtocolError
 from hosfl_dist.runtime import build
@@ -24,7 +23,7 @@ def live_runner(overrides: list[str]) -> InProcessRunner:
     r = InProcessRunner(load_config(None, overrides)).setup()
     gate = build.round_gate(r.cfg, r.server, r.endpoint, FixedMembers({0: range(r.cfg.clients.total)}), True)
     gate.start_at(0)
-    draw = RoundPlan.of(r.cfg).participation
+    draw = build.round_plan(r.cfg).participation
     r.worker.rounds = build.worker_rounds(r.cfg, r.worker.transport, r.meter, lambda t: tuple(draw.sampled(t)), True)
     return r
 

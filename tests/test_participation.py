@@ -20,6 +20,7 @@ from hosfl_dist.core.seeding import sample_clients
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.run import main
 from hosfl_dist.runfolder.identity import comparable_config
+from hosfl_dist.runtime.build import round_plan
 from hosfl_dist.runtime.checks import load_run_config
 from hosfl_dist.runtime.server_compute import GroupCompute
 from tiny import TINY_OVERRIDES, read_run, run_in_process
@@ -29,7 +30,7 @@ DROPPING = ["clients.dropout=0.3", "clients.dropout_stage=mixed", "clients.over_
 
 
 def plan_of(*overrides: str) -> ParticipationPlan:
-    return ParticipationPlan(load_config(None, [*TINY_OVERRIDES, *overrides]))
+    return round_plan(load_config(None, [*TINY_OVERRIDES, *overrides])).participation
 
 
 # -- the plan ------------------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def forced(tmp_path: Path, fates: dict[int, dict[int, str]], *overrides: str) ->
     """A participation.jsonl where round t drops the clients ``fates[t]`` maps to a stage (the others deliver), and the
     overrides that replay it."""
     cfg = load_config(None, [*TINY_OVERRIDES, *overrides])
-    plan = ParticipationPlan(cfg)
+    plan = round_plan(cfg).participation
     lines = []
     for t in range(40):
         sampled = list(plan.round(t).sampled)
@@ -208,7 +209,7 @@ def test_a_participation_file_that_does_not_fit_is_one_line(tmp_path, line, need
 
 
 def test_a_recorded_file_whose_rows_contradict_themselves_is_refused(tmp_path):
-    good = ParticipationPlan(load_config(None, TINY_OVERRIDES)).round(0).record()
+    good = round_plan(load_config(None, TINY_OVERRIDES)).participation.round(0).record()
     for key, value, needle in (("delivered", good["sampled"][:1], "delivered"), ("skipped", True, "skipped"),
                                ("dropped", {"9": BEFORE_UPLOAD}, "dropped")):  # fmt: skip
         path = tmp_path / f"{key}.jsonl"

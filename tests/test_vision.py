@@ -328,14 +328,14 @@ def test_batch_statistics_server_refuses_cutting_a_client_batch(override, needle
 
 def test_model_exchange_server_statistics_do_not_depend_on_arrival_order():
     """SFL in freeze_bn=client: each copy θs_m updates its own statistics, averaged at the round's end."""
-    from hosfl_dist.algorithms.base import RoundPlan
     from hosfl_dist.algorithms.sfl import SFLServer
+    from hosfl_dist.runtime.build import round_plan
     from tiny import server_of
     from hosfl_dist.config import load_config
     from hosfl_dist.models import build_split_model
 
     cfg = load_config(None, [*RESNET_TINY, "model.freeze_bn=client", "algorithm.name=sfl"])
-    sampled = RoundPlan.of(cfg).sampled(0)
+    sampled = round_plan(cfg).sampled(0)
     torch.manual_seed(0)
     z = {m: torch.randn(4, 128, 1, 1) for m in sampled}
     y = {m: torch.randint(0, 4, (4,)) for m in sampled}

@@ -18,6 +18,7 @@ import torch
 from hosfl_dist.algorithms import get_algorithm
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.models import SplitModel
+from hosfl_dist.runtime.build import method_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.runtime.server_compute import GroupCompute
 
@@ -48,7 +49,7 @@ def runner(overrides: list[str]) -> InProcessRunner:
 def server_of(cfg: Config, split: SplitModel, cls: type | None = None) -> Any:
     """The method's server (``cls``, or the registry's for ``algorithm.name``) over ``split``, on one rank."""
     cls = cls or get_algorithm(cfg.algorithm.name).server
-    return cls(cfg, split, GroupCompute(split.server, split.task, cfg.server))
+    return cls(method_config(cfg), split, GroupCompute(split.server, split.task, cfg.server))
 
 
 def run_in_process(overrides: list[str]) -> tuple[Config, InProcessRunner, dict[str, Any], list[dict[str, Any]]]:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.algorithms.participation import Participation, ParticipationPlan
 from hosfl_dist.algorithms.rounds import PlannedRounds, Rounds, RoundView
-from hosfl_dist.config import Config
+from hosfl_dist.config import AlgorithmConfig, ClientsConfig, ModelConfig, ServerConfig, TrainConfig, ZOConfig
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
 from hosfl_dist.data import FederatedData
@@ -38,6 +38,30 @@ from hosfl_dist.transport.stub import ServerStub
 
 EVAL_CLIENT = -1
 """Id of the evaluation replica kept by the leader client worker."""
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """What a method's server and worker are built from: the config sections an algorithm reads, and job.seed.
+
+    The runtime hands it out (:func:`hosfl_dist.runtime.build.method_config`); nothing else of a run's config (the
+    job, the data, the model's build, transport, checkpoints) reaches an algorithm.
+    """
+
+    algorithm: AlgorithmConfig
+    """The method's own knobs (local epochs, alignment interval, global rate, ...)."""
+    clients: ClientsConfig
+    """M, K, B, the clients' optimizer, replicas, participation."""
+    server: ServerConfig
+    """The server's optimizer and ``server.min_clients``."""
+    zo: ZOConfig
+    """The zeroth-order estimate (P, μ, estimator, perturbation and compute modes)."""
+    train: TrainConfig
+    """The budget of samples and ``train.on_nonfinite``."""
+    model: ModelConfig
+    """What the client's precision follows (``model.dtype`` of an hf model)."""
+    seed: int
+    """job.seed: every random stream of the method derives from it."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +84,11 @@ class RoundPlan:
     """Who is sampled, dropped, late, counted and delivers in each round (docs/participation.md)."""
 
     @classmethod
-    def of(cls, cfg: Config) -> RoundPlan:
-        """The plan of a run's config (what its server and workers build once)."""
-        round_samples = cfg.clients.per_round * cfg.clients.batch_size
-        rounds = -(-cfg.train.budget_samples // round_samples)
-        return cls(cfg.job.seed, cfg.clients.total, cfg.clients.per_round, rounds, ParticipationPlan(cfg))
+    def of(cls, cfg: MethodConfig) -> RoundPlan:
+        """The plan of a run (what its server and workers build once)."""
+        c = cfg.clients
+        rounds = -(-cfg.train.budget_samples // (c.per_round * c.batch_size))
+        return cls(cfg.seed, c.total, c.per_round, rounds, ParticipationPlan(c, cfg.seed, cfg.server.min_clients))
 
     def sampled(self, t: int) -> list[int]:
         """S_t, sorted (⌈K·(1+ε)⌉ clients with clients.over_select)."""
@@ -83,7 +107,7 @@ class ServerBase:
     ``train.on_nonfinite=skip``, drops that client's contribution (counted in the metrics rows).
     """
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         self.cfg = cfg
         self.compute = compute
         """The runtime's forward/backward and step of θs (one rank or the server group)."""
@@ -242,7 +266,7 @@ class WorkerBase:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: MethodConfig,
         split: SplitModel,
         data: FederatedData,
         hosted: Sequence[int],

@@ -39,10 +39,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hosfl_dist.algorithms.base import ServerBase, WorkerBase
+from hosfl_dist.algorithms.base import MethodConfig, ServerBase, WorkerBase
 from hosfl_dist.algorithms.rounds import RoundView
 from hosfl_dist.algorithms.compute import ServerCompute
-from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, stream_seed
@@ -108,7 +107,7 @@ class ExchangeServer(ServerBase):
     first_order = True
     """Whether per-client server copies need autograd (first-order server) or not (zeroth-order server)."""
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.slots = trainable_slots(self.model)
         # θs^t: the module's own tensors (the slots hold a client's copy while one of its requests runs).

@@ -28,10 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.base import WorkerBase
+from hosfl_dist.algorithms.base import MethodConfig, WorkerBase
 from hosfl_dist.algorithms.hosfl import BackpropServer
 from hosfl_dist.algorithms.compute import ServerCompute
-from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.params import slot_tensors, trainable_slots
 from hosfl_dist.models import Activation, SplitModel
@@ -42,7 +41,7 @@ from hosfl_dist.transport.wire import UPLINK_ACTIVATIONS, wire
 class FrozenClientServer(BackpropServer):
     """HO-SFL's server step, answering nothing; it keeps θc^0 to check the clients' digests and for export."""
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.client_params = [p.detach().clone() for p in slot_tensors(trainable_slots(split.client))]  # θc^0
 

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, detached
+from hosfl_dist.algorithms.base import MethodConfig
 from hosfl_dist.algorithms.compute import ServerCompute
-from hosfl_dist.config import Config
 from hosfl_dist.core.optim import build_torch_optimizer, client_impl
 from hosfl_dist.core.params import bound, clone_params, slot_tensors, trainable_slots
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
@@ -89,11 +89,11 @@ def build_aux(split: SplitModel, seed: int) -> AuxModel:
 
 
 class FSLSageServer(ExchangeServer):
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         # One server model updated in place by every smashed batch, as in FSL-SAGE (no per-client copies).
         self.opt = build_torch_optimizer(cfg.server.optim, self.model.parameters())
-        self.aux = build_aux(split, cfg.job.seed)
+        self.aux = build_aux(split, cfg.seed)
         self.aux_slots = trainable_slots(self.aux)
         self.aux_init = [p.detach().clone() for p in slot_tensors(self.aux_slots)]
         self.aux_models: dict[int, tuple[list[nn.Parameter], Any]] = {}
@@ -200,7 +200,7 @@ class FSLSageServer(ExchangeServer):
         params, opt = self.aux_models[client]
         z, y = self.align_sets[client]
         target = self.true_gradients(z, y)
-        gen = generator(self.cfg.job.seed, Stream.ALIGNMENT, t, client)
+        gen = generator(self.cfg.seed, Stream.ALIGNMENT, t, client)
         with bound(self.aux_slots, params):
             for _ in range(ALIGN_EPOCHS):
                 for idx in torch.randperm(len(y), generator=gen).to(z.device).split(ALIGN_BATCH):
@@ -220,7 +220,7 @@ class FSLSageWorker(ExchangeWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.aux = build_aux(self.split, self.cfg.job.seed).to(self.device)
+        self.aux = build_aux(self.split, self.cfg.seed).to(self.device)
         self.aux_slots = trainable_slots(self.aux)
         self.aux_init = [p.detach().requires_grad_(False) for p in slot_tensors(self.aux_slots)]
         self.aux_params: dict[int, list[nn.Parameter]] = {}  # the last a_m each hosted client received

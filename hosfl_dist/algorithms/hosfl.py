@@ -38,10 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
-from hosfl_dist.algorithms.base import EVAL_CLIENT, ServerBase, WorkerBase
+from hosfl_dist.algorithms.base import EVAL_CLIENT, MethodConfig, ServerBase, WorkerBase
 from hosfl_dist.algorithms.rounds import RoundView
 from hosfl_dist.algorithms.compute import ServerCompute, Upload
-from hosfl_dist.config import Config
 from hosfl_dist.core.digest import tensors_digest
 from hosfl_dist.core.optim import TensorwiseOptimizer, lr_at
 from hosfl_dist.core.params import slot_tensors, trainable_slots
@@ -210,7 +209,7 @@ class BackpropServer(ServerBase):
     runtime's compute (one rank or a server group); the client side's bookkeeping is :class:`HOSFLServer`'s;
     ``frozen_client`` (:mod:`.frozen_client`) runs this step alone."""
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.opt = compute.optimizer
         self.rounds_done = 0
@@ -269,7 +268,7 @@ class HOSFLServer(BackpropServer):
     """HO-SFL's server: :class:`BackpropServer`'s step, plus the seeds, the (seeds, v̄) history and each replica's
     round (Algorithms 1 and 3)."""
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.P = cfg.zo.num_perturbations
         self.estimator = build_estimator(cfg.zo)  # the base replica replays as every client's does
@@ -291,7 +290,7 @@ class HOSFLServer(BackpropServer):
             self.history.append(t, self.seeds_of(t), torch.full((self.P,), float("nan")))
 
     def seeds_of(self, t: int) -> Tensor:
-        return torch.tensor(round_seeds(self.cfg.job.seed, t, self.P), dtype=torch.long)
+        return torch.tensor(round_seeds(self.cfg.seed, t, self.P), dtype=torch.long)
 
     def _window(self, t: int, client: int, since: int) -> tuple[Tensor, Tensor]:
         """The history rows a replica at round ``since`` replays to reach round t."""
@@ -442,7 +441,7 @@ class HOSFLWorker(WorkerBase):
         self.P, self.mu = cfg.zo.num_perturbations, cfg.zo.mu
         self.rng_device = cfg.zo.rng_device
         self.estimator = build_estimator(cfg.zo)  # draw, perturb, project, coefficients, reconstruct (zo.estimator)
-        if cfg.job.device.startswith("cuda") and self.rng_device == "cpu" and self.is_leader:
+        if self.device.type == "cuda" and self.rng_device == "cpu" and self.is_leader:
             logger.info("zo.rng_device=cpu with clients on CUDA: every perturbation is drawn on the CPU and copied "
                         "to the GPU (on an H200 the ResNet-18 ZO step took 8.9x its P+1 forwards, 2.6x with "
                         "zo.rng_device=cuda, whose stream differs: all replicas of a run must use one)")  # fmt: skip
@@ -635,7 +634,7 @@ class HOSFLWorker(WorkerBase):
             if not view.live and self.processed < self.cfg.train.budget_samples:  # round t+1's syncs travel while
                 asks = [{"t": t + 1, "client": m, "since": self.client_round[m]} for m in self.rounds.ahead(t + 1)]
                 self.server.sync.prefetch_many(asks)  # the update runs
-        seeds_t = round_seeds(self.cfg.job.seed, t, self.P)
+        seeds_t = round_seeds(self.cfg.seed, t, self.P)
         if self.per_client:
             for m in mine:
                 if m in delivered:  # a client that dropped does not receive v̄: it replays it when next counted

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from hosfl_dist.algorithms import AlgorithmSpec, register
 from hosfl_dist.algorithms.exchange import server_seed, step_seed
 from hosfl_dist.algorithms.zo_sfl import ZO_SFL_TRAFFIC, ZOSFLServer, ZOSFLWorker
+from hosfl_dist.algorithms.base import MethodConfig
 from hosfl_dist.algorithms.compute import ServerCompute
-from hosfl_dist.config import Config
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.models import Activation, SplitModel
 from hosfl_dist.models.vision import running_stat_updates
@@ -35,7 +35,7 @@ from hosfl_dist.transport.wire import DOWNLINK_SCALARS_SEEDS, UPLINK_ACTIVATIONS
 
 
 class MUSplitFedServer(ZOSFLServer):
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.global_lr = cfg.algorithm.global_lr  # η_g
         self.tau = cfg.algorithm.server_steps  # τ
@@ -55,7 +55,7 @@ class MUSplitFedServer(ZOSFLServer):
         copy = self.copy_for(t, client)
         for a in (act, act_plus, act_minus):
             self.admit(t, client, a, labels)
-        seed = step_seed(self.cfg.job.seed, t, client, 0)
+        seed = step_seed(self.cfg.seed, t, client, 0)
         est = self.estimator
         # batch-statistics BatchNorm: every probe normalises with its batch; the step's first alone updates statistics
         with self.bound_copy(copy), running_stat_updates(self.model, 1):
@@ -80,7 +80,7 @@ class MUSplitFedWorker(ZOSFLWorker):
     def train_client(self, t: int, client: int, params: list[nn.Parameter], steps: int, got: dict[str, Any]) -> None:
         est = self.estimator
         x, y = self.data.next_batch(client)
-        seed = step_seed(self.cfg.job.seed, t, client, 0)
+        seed = step_seed(self.cfg.seed, t, client, 0)
         with torch.no_grad():
             act = self.upload_forward(x)
         act_plus, act_minus = est.pair(self.slots, seed, lambda sign: self.upload_forward(x))

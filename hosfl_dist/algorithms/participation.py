@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hosfl_dist.config import Config
+from hosfl_dist.config import ClientsConfig
 from hosfl_dist.core.seeding import Stream, sample_clients, stream_seed
 from hosfl_dist.errors import ConfigError
 
@@ -86,12 +86,13 @@ def sample_size(per_round: int, over_select: float) -> int:
 class ParticipationPlan:
     """Every round's :class:`Participation` for a run (built once by the server, each worker and the run's record)."""
 
-    def __init__(self, cfg: Config) -> None:
-        c = cfg.clients
-        self.seed, self.total, self.per_round = cfg.job.seed, c.total, c.per_round
+    def __init__(self, clients: ClientsConfig, seed: int, min_clients: int = 0) -> None:
+        """``clients``: the run's section; ``seed``: job.seed; ``min_clients``: server.min_clients (0: K)."""
+        c = clients
+        self.seed, self.total, self.per_round = seed, c.total, c.per_round
         self.size = sample_size(c.per_round, c.over_select)
         self.dropout, self.stage = c.dropout, c.dropout_stage
-        self.min_clients = cfg.server.min_clients or c.per_round
+        self.min_clients = min_clients or c.per_round
         self.path = c.participation
         self.recorded = read_participation(Path(self.path), self) if self.path else None
         self.emulated = bool(self.dropout or self.size != self.per_round or self.recorded is not None)

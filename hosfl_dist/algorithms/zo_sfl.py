@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from hosfl_dist.algorithms import AlgorithmSpec, register
+from hosfl_dist.algorithms.base import MethodConfig
 from hosfl_dist.algorithms.compute import ServerCompute
 from hosfl_dist.algorithms.exchange import ExchangeServer, ExchangeWorker, server_seed, step_seed
-from hosfl_dist.config import Config
 from hosfl_dist.core.estimators import build_estimator
 from hosfl_dist.core.optim import TensorwiseOptimizer
 from hosfl_dist.models import Activation, SplitModel, server_forward
@@ -37,7 +37,7 @@ from hosfl_dist.transport.wire import DOWNLINK_MODEL, DOWNLINK_SCALARS_SEEDS, UP
 class ZOSFLServer(ExchangeServer):
     first_order = False
 
-    def __init__(self, cfg: Config, split: SplitModel, compute: ServerCompute) -> None:
+    def __init__(self, cfg: MethodConfig, split: SplitModel, compute: ServerCompute) -> None:
         super().__init__(cfg, split, compute)
         self.estimator = build_estimator(cfg.zo)  # v, the server's slice of z, drawn as the client draws u
 
@@ -63,7 +63,7 @@ class ZOSFLServer(ExchangeServer):
         copy = self.copy_for(t, client)
         self.admit(t, client, act_plus, labels)
         self.admit(t, client, act_minus, labels)
-        seed = server_seed(step_seed(self.cfg.job.seed, t, client, step))  # v: the server's slice of z
+        seed = server_seed(step_seed(self.cfg.seed, t, client, step))  # v: the server's slice of z
         est = self.estimator
         # batch-statistics BatchNorm: both probes normalise with their batch; the first alone updates the statistics
         with self.bound_copy(copy), running_stat_updates(self.model, 1):
@@ -96,7 +96,7 @@ class ZOSFLWorker(ExchangeWorker):
         opt = TensorwiseOptimizer(self.cfg.clients.optim, params)
         for j in range(steps):
             x, y = self.data.next_batch(client)
-            seed = step_seed(self.cfg.job.seed, t, client, j)
+            seed = step_seed(self.cfg.seed, t, client, j)
             act_plus, act_minus = est.pair(self.slots, seed, lambda sign, x=x: self.upload_forward(x))
             g = self.server.submit(t=t, client=client, step=j, act_plus=act_plus, act_minus=act_minus, labels=y)["g"]
             del act_plus, act_minus  # sent: the update needs only the scalar

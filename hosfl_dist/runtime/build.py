@@ -8,6 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hosfl_dist.algorithms import AlgorithmSpec
+from hosfl_dist.algorithms.base import MethodConfig, RoundPlan
 from hosfl_dist.config import Config
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import SplitModel
@@ -23,13 +24,23 @@ from hosfl_dist.transport.stub import ServerStub
 from hosfl_dist.transport.wire import CommMeter
 
 
+def method_config(cfg: Config) -> MethodConfig:
+    """The sections of the run's config its method's server and worker are built from."""
+    return MethodConfig(cfg.algorithm, cfg.clients, cfg.server, cfg.zo, cfg.train, cfg.model, cfg.job.seed)
+
+
+def round_plan(cfg: Config) -> RoundPlan:
+    """The run's rounds and who takes part in each, as its server and workers hold them."""
+    return RoundPlan.of(method_config(cfg))
+
+
 def server_side(
     cfg: Config, spec: AlgorithmSpec, split: SplitModel, group: dist.ProcessGroup | None = None
 ) -> tuple[Any, EvalServer]:
     """The method's server over f_s with its compute (on this rank, or over the server ranks' ``group``), and the
     evaluation server beside it (the same module). After any sharding: the optimizer must see the sharded
     parameters."""
-    server = spec.server(cfg, split, GroupCompute(split.server, split.task, cfg.server, group))
+    server = spec.server(method_config(cfg), split, GroupCompute(split.server, split.task, cfg.server, group))
     return server, EvalServer(server.model, split.task)
 
 

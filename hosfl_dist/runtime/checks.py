@@ -185,4 +185,4 @@ def _check_participation(cfg: Config, spec: AlgorithmSpec) -> None:
         check(value == default or spec.drops_clients, f"clients.{key}", value, f"algorithm.name={spec.name} cannot "
               f"run a round without all its sampled clients; implemented for {dropping}")  # fmt: skip
     if c.participation:  # a replayed record is read and checked line by line before anything is built
-        ParticipationPlan(cfg)
+        ParticipationPlan(cfg.clients, cfg.job.seed, cfg.server.min_clients)

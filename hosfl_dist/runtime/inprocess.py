@@ -25,7 +25,7 @@ from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.callbacks import Callback, Callbacks
-from hosfl_dist.runtime.build import client_stack, server_side
+from hosfl_dist.runtime.build import client_stack, method_config, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
 from hosfl_dist.runtime.front import LocalControl, RunFront
@@ -77,7 +77,7 @@ class InProcessRunner:
             cfg, spec, InProcessTransport(self.endpoint), LocalCollective(self.meter), self.meter
         )
         hosted = range(cfg.clients.total)
-        self.worker: WorkerBase = spec.worker(cfg, self.split, self.data, hosted, transport, collective)
+        self.worker: WorkerBase = spec.worker(method_config(cfg), self.split, self.data, hosted, transport, collective)
         return self
 
     def train(self) -> dict[str, Any]:

@@ -35,8 +35,15 @@ from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.callbacks import Callbacks
-from hosfl_dist.algorithms.base import RoundPlan
-from hosfl_dist.runtime.build import client_stack, live_rounds, round_gate, server_side, worker_rounds
+from hosfl_dist.runtime.build import (
+    client_stack,
+    live_rounds,
+    method_config,
+    round_gate,
+    round_plan,
+    server_side,
+    worker_rounds,
+)
 from hosfl_dist.runtime.gate import FixedMembers
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
@@ -181,13 +188,13 @@ class TorchrunJob:
         transport, collective, link = client_stack(cfg, spec, rpc, group, meter)
         rounds = None
         if live_rounds(cfg):  # decided at the server's gate: this worker runs the sampled clients it hosts
-            hosted, draw = set(roles.hosted[rank]), RoundPlan.of(cfg).participation
+            hosted, draw = set(roles.hosted[rank]), round_plan(cfg).participation
 
             def clients_of(t: int) -> tuple[int, ...]:
                 return tuple(sorted(m for m in draw.sampled(t) if m in hosted))
 
             rounds = worker_rounds(cfg, transport, meter, clients_of, leader)
-        worker = spec.worker(cfg, split, data, roles.hosted[rank], transport, collective, rounds)
+        worker = spec.worker(method_config(cfg), split, data, roles.hosted[rank], transport, collective, rounds)
         trainer = Trainer(
             cfg,
             worker,

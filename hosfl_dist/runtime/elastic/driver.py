@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from hosfl_dist.algorithms import get_algorithm
-from hosfl_dist.algorithms.base import RoundPlan
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
 from hosfl_dist.data import build_data
 from hosfl_dist.errors import ConfigError, HosflError, ProtocolError, first_line
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.identity import run_identity
-from hosfl_dist.runtime.build import client_stack, worker_rounds
+from hosfl_dist.runtime.build import client_stack, method_config, round_plan, worker_rounds
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
 from hosfl_dist.runtime.process.dynamic import CONNECT_S, join_rpc, leave_rpc
@@ -144,7 +143,7 @@ class Member:
         self.slots = trainable_slots(self.split.client)
         self.initial = slot_tensors(self.slots)
         """f_c's own trainable tensors: a worker binds its replicas into the module; a new one starts from these."""
-        self.draw = RoundPlan.of(cfg).participation
+        self.draw = round_plan(cfg).participation
         self.name = ""
         self._gone_since: float | None = None
         """When its server last stopped answering (the rejoin bound counts from there)."""
@@ -218,7 +217,7 @@ class Member:
         rounds = worker_rounds(cfg, transport, meter, lambda t: self._clients(owned, t), False, meter.snapshot)
         rounds.processed = int(welcome["processed"])
         bind_slots(self.slots, self.initial)  # as built (a worker before this one bound its replicas)
-        worker = self.spec.worker(cfg, self.split, self.data, [], transport, collective, rounds)
+        worker = self.spec.worker(method_config(cfg), self.split, self.data, [], transport, collective, rounds)
         if welcome.get("adopt"):
             worker.adopt(welcome["adopt"], welcome["from_server"])
         t = int(welcome["t"])

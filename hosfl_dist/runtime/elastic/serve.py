@@ -32,7 +32,7 @@ from hosfl_dist.errors import ConfigError, HosflError, first_line
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
-from hosfl_dist.runtime.build import client_stack, round_gate, server_side
+from hosfl_dist.runtime.build import client_stack, method_config, round_gate, server_side
 from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_live
@@ -148,7 +148,7 @@ class ElasticServer:
         self.peers = MembershipPeers(self.membership, lambda: self.gate.finish({"end": self.gate.next_t}),
                                      2 * cfg.server.worker_timeout_s + 30)  # fmt: skip
         rounds = LeaderRounds(self.gate, self._before_open)
-        self.worker = spec.worker(cfg, split, data, [], transport, collective, rounds)
+        self.worker = spec.worker(method_config(cfg), split, data, [], transport, collective, rounds)
         self.front.processed = lambda: self.worker.processed
         params = sum(p.numel() for m in (split.client, split.server) for p in m.parameters())
         threads, why = set_threads(cfg, params)

@@ -227,7 +227,7 @@ class ParticipationRecord:
         rows: list[dict[str, Any]],
         plan: ParticipationPlan | None = None,
     ) -> None:
-        self.plan = plan if plan is not None else ParticipationPlan(cfg)
+        self.plan = plan if plan is not None else ParticipationPlan(cfg.clients, cfg.job.seed, cfg.server.min_clients)
         self.counts = dict.fromkeys(("sampled", "delivered", "dropped", "late", "rounds_skipped"), 0)
         self.written = 0
         upto = resumed_at or 0  # the rounds a resumed run writes again, each as the plan (restored) has it
