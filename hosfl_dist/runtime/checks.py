@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from hosfl_dist.algorithms import AlgorithmSpec, algorithm_names, get_algorithm, load_plugins
-from hosfl_dist.algorithms.participation import ParticipationPlan
 from hosfl_dist.config import Config, check, load_config
 from hosfl_dist.core.estimators import get_estimator
 from hosfl_dist.data.registry import get_task
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models.registry import get_model, model_names
+from hosfl_dist.runtime.build import round_plan
 from hosfl_dist.runtime.callbacks import resolve
 
 
@@ -185,4 +185,4 @@ def _check_participation(cfg: Config, spec: AlgorithmSpec) -> None:
         check(value == default or spec.drops_clients, f"clients.{key}", value, f"algorithm.name={spec.name} cannot "
               f"run a round without all its sampled clients; implemented for {dropping}")  # fmt: skip
     if c.participation:  # a replayed record is read and checked line by line before anything is built
-        ParticipationPlan(cfg.clients, cfg.job.seed, cfg.server.min_clients)
+        round_plan(cfg)

@@ -29,6 +29,7 @@ from hosfl_dist.algorithms.participation import ParticipationPlan, add
 from hosfl_dist.config import Config, dump_config
 from hosfl_dist.errors import NonFiniteError
 from hosfl_dist.runfolder.identity import fingerprint
+from hosfl_dist.runtime.build import round_plan
 from hosfl_dist.runtime.record.tracking import Trackers
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
@@ -227,7 +228,7 @@ class ParticipationRecord:
         rows: list[dict[str, Any]],
         plan: ParticipationPlan | None = None,
     ) -> None:
-        self.plan = plan if plan is not None else ParticipationPlan(cfg.clients, cfg.job.seed, cfg.server.min_clients)
+        self.plan = plan if plan is not None else round_plan(cfg).participation
         self.counts = dict.fromkeys(("sampled", "delivered", "dropped", "late", "rounds_skipped"), 0)
         self.written = 0
         upto = resumed_at or 0  # the rounds a resumed run writes again, each as the plan (restored) has it
