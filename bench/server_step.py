@@ -59,6 +59,7 @@ def build(arch: str, cut: int, device: str, seed: int = 0):
     from hosfl_dist.config import build_config
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
     cfg = build_config(
         {
@@ -68,7 +69,7 @@ def build(arch: str, cut: int, device: str, seed: int = 0):
             "job": {"seed": seed, "device": device, "progress": False},
         }
     )
-    return cfg, build_split_model(cfg, data_info(cfg), True)  # hosfl: a zeroth-order client
+    return cfg, build_split_model(cfg, data_info(data_sections(cfg)), True)  # hosfl: a zeroth-order client
 
 
 def step_flops(server: torch.nn.Module, tokens: int, seq: int) -> tuple[float, int]:

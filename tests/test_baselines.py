@@ -25,7 +25,7 @@ from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.data.vision import shared_data_dir
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.models import SplitModel, build_split_model
-from hosfl_dist.runtime.build import method_config
+from hosfl_dist.runtime.build import data_sections, method_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective, count_exchange
@@ -78,7 +78,7 @@ def one_step(small, alg, clients=1, extra=()):
 
 def fresh(cfg) -> tuple[SplitModel, FederatedData]:
     """θ^0 and the data streams exactly as the engine built them (everything derives from job.seed)."""
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     return build_split_model(cfg, data.info, get_algorithm(cfg.algorithm.name).zeroth_order_client), data
 
 

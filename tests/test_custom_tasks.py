@@ -14,6 +14,7 @@ from hosfl_dist.config import load_config
 from hosfl_dist.data import build_data
 from hosfl_dist.data.text import custom_task, format_example, get_task, load_text_split
 from hosfl_dist.errors import ConfigError, DataError
+from hosfl_dist.runtime.build import data_sections
 
 NLI = [
     ("A man is sleeping.", "A man rests.", "entailment"),
@@ -54,19 +55,19 @@ def test_a_three_way_task_from_a_jsonl_file_trains_end_to_end(tmp_path):
     cfg, _, summary, rows = run_in_process(custom(tmp_path, path))
     assert summary["status"] == "completed" and len(rows) == 3
     assert 0.0 <= rows[-1]["eval_accuracy"] <= 1.0 and rows[-1]["train_loss"] is not None
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     assert data.info["num_classes"] == 3 and len(set(data.info["label_word_ids"])) == 3
     assert sorted(set(data.train_labels.tolist())) == [0, 1, 2]
 
 
 def test_labels_may_be_the_label_words_or_their_indices(tmp_path):
-    by_word = build_data(load_config(None, custom(tmp_path, nli_file(tmp_path, "index"))))
+    by_word = build_data(data_sections(load_config(None, custom(tmp_path, nli_file(tmp_path, "index")))))
     words_file = tmp_path / "w" / "nli.jsonl"
     words_file.parent.mkdir()
     rows = [{"premise": p, "hypothesis": h, "gold": {"entailment": "True", "neutral": "Neither",
                                                      "contradiction": "False"}[g]} for p, h, g in NLI]  # fmt: skip
     words_file.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
-    by_index = build_data(load_config(None, custom(tmp_path, words_file)))
+    by_index = build_data(data_sections(load_config(None, custom(tmp_path, words_file))))
     assert by_word.train_labels.tolist() == by_index.train_labels.tolist()
 
 
@@ -90,17 +91,17 @@ def test_bad_custom_tasks_fail_with_one_line_naming_what_is_wrong(tmp_path):
     with pytest.raises(ConfigError, match=r"expected a string; quote text that starts with"):
         load_config(None, [*custom(tmp_path, path), "data.template={premise}"])  # YAML reads a mapping
     with pytest.raises(ConfigError, match=r"data\.template"):
-        build_data(load_config(None, [*custom(tmp_path, path), "data.template=no fields"]))
+        build_data(data_sections(load_config(None, [*custom(tmp_path, path), "data.template=no fields"])))
     with pytest.raises(DataError, match=r"no column 'hypo'"):
-        build_data(load_config(None, [*custom(tmp_path, path), "data.template={premise} {hypo}"]))
+        build_data(data_sections(load_config(None, [*custom(tmp_path, path), "data.template={premise} {hypo}"])))
     with pytest.raises(DataError, match=r"label 3; custom labels are 0\.\.2 or one of the label words"):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"premise": "a", "hypothesis": "b", "gold": 3}) + "\n")
-        build_data(load_config(None, [*custom(tmp_path, path), f"data.train_path={bad}"]))
+        build_data(data_sections(load_config(None, [*custom(tmp_path, path), f"data.train_path={bad}"])))
     with pytest.raises(DataError, match=r"has no examples"):
         empty = tmp_path / "empty.jsonl"
         empty.write_text("")
-        build_data(load_config(None, [*custom(tmp_path, path), f"data.train_path={empty}"]))
+        build_data(data_sections(load_config(None, [*custom(tmp_path, path), f"data.train_path={empty}"])))
 
 
 def test_a_label_is_an_integer_or_a_label_word_never_a_boolean(tmp_path):

@@ -66,9 +66,10 @@ def split_scores(run_dir: Path, which: str = "latest") -> torch.Tensor:
     """The label-word logits of the run's own split model (client then server, as the run evaluates) on its
     evaluation batches."""
     from hosfl_dist.data import build_data
+    from hosfl_dist.runtime.build import data_sections
 
     restored = restore(run_dir, which)
-    data = build_data(restored.cfg)
+    data = build_data(data_sections(restored.cfg))
     out = []
     with torch.no_grad():
         for x, _ in data.eval_batches(restored.cfg.train.eval_batch_size):
@@ -241,6 +242,7 @@ def test_vision_state_dict_round_trip(tmp_path, capsys, model):
     from test_vision import RESNET_TINY
 
     from hosfl_dist.data import build_data
+    from hosfl_dist.runtime.build import data_sections
 
     overrides = TINY_OVERRIDES if model == "small_cnn" else [*RESNET_TINY, "model.freeze_bn=client", "job.plots=false"]
     cfg, _, summary, rows = run_in_process([*overrides, f"job.out_dir={tmp_path / 'run'}"])
@@ -250,7 +252,7 @@ def test_vision_state_dict_round_trip(tmp_path, capsys, model):
                                                "hosfl_manifest.json"}  # fmt: skip
     model = load_vision(out)
     assert not model.training
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     correct = total = 0
     with torch.no_grad():
         for x, y in data.eval_batches(cfg.train.eval_batch_size):

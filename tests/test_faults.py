@@ -344,8 +344,9 @@ def test_broken_data_files_are_one_line(tmp_path, capsys, mutate, needle):
     assert rc == 2 and len(err) == 1 and needle in err[0], err
     with pytest.raises(DataError):
         from hosfl_dist.data import build_data
+        from hosfl_dist.runtime.build import data_sections
 
-        build_data(load_config(None, overrides))
+        build_data(data_sections(load_config(None, overrides)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the refusal cannot happen")
@@ -384,12 +385,13 @@ def test_check_refuses_bad_input_in_one_line_and_changes_nothing(tmp_path, capsy
 
 def test_a_batch_larger_than_a_shard_is_said_and_an_empty_shard_is_refused(caplog):
     from hosfl_dist.data import FederatedData, build_data
+    from hosfl_dist.runtime.build import data_sections
 
     cfg = load_config(None, [*TINY_OVERRIDES, "data.train_max_samples=30", "clients.batch_size=8"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a line in the run's log, not a Python warning with its source line
         with caplog.at_level(logging.WARNING, logger="hosfl_dist"):
-            build_data(cfg)
+            build_data(data_sections(cfg))
     (said,) = [r.getMessage() for r in caplog.records if "is larger than" in r.getMessage()]
     assert said.startswith("clients.batch_size=8 is larger than the training samples of 6 of the 6 clients")
     assert "\n" not in said

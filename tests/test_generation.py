@@ -16,6 +16,7 @@ from hosfl_dist.models import SplitModel, server_forward
 from hosfl_dist.models.hf_load import tiny_causal_lm
 from hosfl_dist.models.hf_split import split_causal_lm
 from hosfl_dist.models.sources import tiny_tokenizer
+from hosfl_dist.runtime.build import data_sections, method_config
 from hosfl_dist.runtime.inprocess import InProcessRunner
 from hosfl_dist.tasks.generation import IGNORE_INDEX, GenerationTask, lm_loss
 from hosfl_dist.transport.endpoint import ServerEndpoint
@@ -208,7 +209,7 @@ def server_and_worker(arch: str, side: str, max_new_tokens: int = 12) -> tuple[E
     cfg = load_config(None, [])
     srv = EvalServer(server, task)
     endpoint = ServerEndpoint(server_of(cfg, split, ServerBase), evaluator=srv)
-    return srv, Evaluator(WorkerBase(cfg, split, None, [], InProcessTransport(endpoint), None))
+    return srv, Evaluator(WorkerBase(method_config(cfg), split, None, [], InProcessTransport(endpoint), None))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -309,8 +310,9 @@ def test_squad_evaluation_with_caches_equals_the_reference_in_process(tmp_path, 
 
 @pytest.mark.parametrize("task", ["sst2", "squad"])
 def test_eval_max_samples_applies_to_every_text_task(tmp_path, text_files, task):
-    full = build_data(load_config(None, lm_overrides(tmp_path, text_files, task=task) + ["data.eval_max_samples=0"]))
-    cut = build_data(load_config(None, lm_overrides(tmp_path, text_files, task=task) + ["data.eval_max_samples=5"]))
+    overrides = lm_overrides(tmp_path, text_files, task=task)
+    full = build_data(data_sections(load_config(None, [*overrides, "data.eval_max_samples=0"])))
+    cut = build_data(data_sections(load_config(None, [*overrides, "data.eval_max_samples=5"])))
     assert full.info["eval_size"] > 5 and cut.info["eval_size"] == 5
     assert [len(y) for _, y in cut.eval_batches(2)] == [2, 2, 1]
 

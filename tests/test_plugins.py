@@ -18,6 +18,7 @@ import hosfl_dist
 from hosfl_dist.data import TaskSpec, TensorData, build_data, register_task
 from hosfl_dist.errors import ConfigError, DataError
 from hosfl_dist.models import ModelSpec, build_split_model, register_model
+from hosfl_dist.runtime.build import data_sections
 from hosfl_dist.runtime.checks import load_run_config
 from tiny import (
     ROOT,
@@ -188,9 +189,10 @@ def test_a_name_is_registered_once_and_a_spec_says_how_it_loads(user_modules):
         ModelSpec("cnn3", myparts.build_mlp, family="audio")
     cfg = load_run_config(None, [*PLUGGED, f"job.plugins=[{PARTS_MOD}]", "data.classes=[0, 2]"])
     from hosfl_dist.data import build_data, data_info
+    from hosfl_dist.runtime.build import data_sections
 
-    assert data_info(cfg)["num_classes"] == 2 and data_info(cfg)["input_shape"] == (16,)
-    data = build_data(cfg)
+    assert data_info(data_sections(cfg))["num_classes"] == 2 and data_info(data_sections(cfg))["input_shape"] == (16,)
+    data = build_data(data_sections(cfg))
     assert set(data.train_labels.tolist()) == {0, 1} and data.num_clients == 6
     with pytest.raises(DataError, match="int64 class indices"):
         TensorData(data.train_inputs, data.train_labels.float(), data.eval_inputs, data.eval_labels)
@@ -221,7 +223,7 @@ def test_a_plugin_tasks_own_loss_and_metric_reach_the_rows_the_summary_and_a_stu
     mytask = importlib.import_module(TASK_MOD)
 
     cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     with torch.no_grad():
         out = split.server(split.client(data.eval_inputs))
@@ -236,7 +238,7 @@ def test_lambda_is_the_gradient_of_the_plugin_tasks_loss(user_modules):
     mytask = importlib.import_module(TASK_MOD)
 
     cfg = load_run_config(None, [*PLUGGED, "data.name=soft_blobs", f"job.plugins=[{TASK_MOD}]"])
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     x, y = data.next_batch(0)
     z = split.client_forward(x)["z"].detach()  # (B, width)
@@ -291,7 +293,7 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
         "from hosfl_dist.runtime.checks import load_run_config\n"
         "model = load_vision(sys.argv[1])\n"
         "cfg = load_run_config(None, json.loads(sys.argv[2]))\n"
-        "data = build_data(cfg)\n"
+        "data = build_data(data_sections(cfg))\n"
         "with torch.no_grad():\n"
         "    hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in data.eval_batches(64))\n"
         "print(hits / len(data.eval_labels))\n"

@@ -15,6 +15,7 @@ from hosfl_dist.data import data_info
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.centralized.pretrain import main
 from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.build import data_sections
 
 TINY = ["data.name=synthetic", "data.train_max_samples=64", "data.eval_max_samples=32", "clients.total=4",
         "clients.per_round=2", "clients.batch_size=8", "train.eval_batch_size=32"]  # fmt: skip
@@ -32,7 +33,7 @@ def pretrain(tmp_path: Path, model: list[str], *extra: str) -> tuple[Path, dict]
 def split_state(overrides: list[str]) -> dict[str, torch.Tensor]:
     """The state of f_c and f_s under the whole model's names (ResNet-18: torchvision's; small_cnn: blocks.i, head)."""
     cfg = load_config(None, [*TINY, *overrides])
-    split = build_split_model(cfg, data_info(cfg), True)
+    split = build_split_model(cfg, data_info(data_sections(cfg)), True)
     stage, first = ("layers.", "layer{}.") if cfg.model.name == "resnet18" else ("blocks.", "blocks.{}.")
     base = 1 if cfg.model.name == "resnet18" else 0  # torchvision counts its stages from layer1
     out = {}

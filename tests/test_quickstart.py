@@ -16,6 +16,7 @@ from hosfl_dist.cli.run import main
 from hosfl_dist.data import data_info
 from hosfl_dist.measure.outcome import UPLINK, client_sizes, sfl_uplink, table
 from hosfl_dist.models import build_split_model
+from hosfl_dist.runtime.build import data_sections
 from hosfl_dist.runtime.checks import load_run_config
 from tiny import TINY_OVERRIDES, run_in_process
 
@@ -26,7 +27,8 @@ SCRIPT = ROOT / "launch" / "compare_quick.sh"
 def test_the_quickstarts_client_part_has_between_1e5_and_1e6_parameters():
     cfg = load_run_config(str(ROOT / "configs" / "quickstart.yaml"), [])
     zo = get_algorithm(cfg.algorithm.name).zeroth_order_client
-    split = build_split_model(cfg, data_info(cfg), zo, parts=())  # on the meta device: nothing trained or loaded
+    info = data_info(data_sections(cfg))
+    split = build_split_model(cfg, info, zo, parts=())  # on the meta device: nothing trained or loaded
     d_c = sum(p.numel() for p in split.client.parameters() if p.requires_grad)
     assert 1e5 <= d_c <= 1e6, d_c
 

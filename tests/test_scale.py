@@ -22,7 +22,7 @@ from hosfl_dist.errors import ProtocolError
 from hosfl_dist.models import build_split_model
 from hosfl_dist.models.materialize import RandomWeights, param_bytes
 from hosfl_dist.runtime.fsdp import shard_server_model
-from hosfl_dist.runtime.build import server_side
+from hosfl_dist.runtime.build import data_sections, server_side
 from hosfl_dist.runtime.server_compute import make_shares, plan
 from hosfl_dist.runtime.server_group import ServerGroup
 
@@ -82,7 +82,7 @@ def test_shares_carry_only_their_rows():
 # -- one server step: micro-batches and activation checkpointing change memory, not the step -----------------------
 def _server_and_batch(tmp_path: Path, extra: list[str], arch: str = "qwen3"):
     cfg = load_config(None, [*lm_overrides(tmp_path, tmp_path, arch=arch), *extra])
-    split = build_split_model(cfg, data_info(cfg), True)
+    split = build_split_model(cfg, data_info(data_sections(cfg)), True)
     server, _ = server_side(cfg, get_algorithm("hosfl"), split)
     gen = torch.Generator().manual_seed(0)
     batch = {}
@@ -130,7 +130,7 @@ def _dp_rank(rank: int, store_path: str, tmp: str, out: str, reshard: bool) -> N
         tmp_path = Path(tmp)
         cfg = load_config(None, lm_overrides(tmp_path, tmp_path, arch="qwen3"))
         shard = lambda mod: shard_server_model(mod, group, torch.device("cpu"), reshard)  # noqa: E731
-        split = build_split_model(cfg, data_info(cfg), True, parts=("server",), shard=shard)
+        split = build_split_model(cfg, data_info(data_sections(cfg)), True, parts=("server",), shard=shard)
         server, evaluator = server_side(cfg, get_algorithm("hosfl"), split, group)
         step = ServerGroup(server, evaluator, group=group)
         _, batch = _server_and_batch(tmp_path, [])
@@ -205,7 +205,7 @@ def test_random_weights_do_not_depend_on_the_rows_asked_for():
 
 def test_each_role_materialises_only_its_part(tmp_path):
     cfg = load_config(None, [*lm_overrides(tmp_path, tmp_path), "model.source=arch:qwen3-0.6b", "split.cut=5"])
-    full_client = build_split_model(cfg, data_info(cfg), True, parts=())  # nothing but the LoRA tensors
+    full_client = build_split_model(cfg, data_info(data_sections(cfg)), True, parts=())  # nothing but the LoRA tensors
     meta = [p for p in full_client.client.parameters() if p.is_meta]
     assert meta and all(not p.requires_grad for p in meta)  # frozen weights stay on the meta device
     assert param_bytes(full_client.client) == sum(
@@ -216,9 +216,10 @@ def test_each_role_materialises_only_its_part(tmp_path):
 def test_arch_source_builds_the_same_client_in_any_process(tmp_path):
     ovr = [*lm_overrides(tmp_path, tmp_path), "model.source=arch:opt-125m"]
     cfg = load_config(None, ovr)
-    a = build_split_model(cfg, data_info(cfg), True, parts=("client",))
-    b = build_split_model(cfg, data_info(cfg), True, parts=("client",))
-    c = build_split_model(load_config(None, [*ovr, "job.seed=1"]), data_info(cfg), True, parts=("client",))
+    info = data_info(data_sections(cfg))
+    a = build_split_model(cfg, info, True, parts=("client",))
+    b = build_split_model(cfg, info, True, parts=("client",))
+    c = build_split_model(load_config(None, [*ovr, "job.seed=1"]), info, True, parts=("client",))
     pa, pb, pc = (list(x.client.parameters()) for x in (a, b, c))
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
     assert not all(torch.equal(x, y) for x, y in zip(pa, pc))  # θ^0 follows job.seed
@@ -234,7 +235,7 @@ def test_safetensors_directory_loads_by_slices_and_equals_the_checkpoint(tmp_pat
     tiny_tokenizer().save_pretrained(tmp_path / "ckpt")
     ovr = [*lm_overrides(tmp_path, tmp_path), f"model.source={tmp_path / 'ckpt'}"]
     cfg = load_config(None, ovr)
-    split = build_split_model(cfg, data_info(cfg), False)
+    split = build_split_model(cfg, data_info(data_sections(cfg)), False)
     emb = split.client.embed_tokens.weight
     assert torch.equal(emb, model.model.embed_tokens.weight)
     assert torch.equal(split.server.server.lm_head.weight, model.lm_head.weight)  # tied: the embedding's values
@@ -246,7 +247,7 @@ def test_in_process_summary_reports_the_whole_model_as_one_rank(tmp_path):
     ovr = lm_overrides(tmp_path / "run", files, arch="qwen3")
     _, summary = run_one_thread(ovr)
     cfg = load_config(None, ovr)
-    whole = build_split_model(cfg, data_info(cfg), True)
+    whole = build_split_model(cfg, data_info(data_sections(cfg)), True)
     (entry,) = summary["memory"]
     assert entry["rank"] == 0 and entry["role"] == "in-process" and entry["peak_rss_bytes"] > 0
     assert entry["param_bytes"] == param_bytes(whole.client) + param_bytes(whole.server)
@@ -268,7 +269,7 @@ def test_torchrun_server_group_of_two_reports_memory_per_rank_and_matches_in_pro
     mem = {m["rank"]: m for m in summary["memory"]}
     assert [mem[r]["role"] for r in range(4)] == ["server", "server-shard", "worker", "worker"]
     cfg = load_config(None, lm_overrides(tmp_path, files, arch="qwen3"))
-    whole = build_split_model(cfg, data_info(cfg), True)
+    whole = build_split_model(cfg, data_info(data_sections(cfg)), True)
     client, server = param_bytes(whole.client), param_bytes(whole.server)
     assert mem[2]["param_bytes"] == mem[3]["param_bytes"] == client  # a worker holds f_c, nothing of f_s
     assert abs(mem[0]["param_bytes"] - server / 2) < 0.05 * server  # each server rank about f_s / 2
@@ -279,16 +280,17 @@ def test_torchrun_server_group_of_two_reports_memory_per_rank_and_matches_in_pro
 # -- data per role ----------------------------------------------------------------------------------------------------
 def test_the_server_builds_its_model_without_reading_any_data(tmp_path):
     cfg = load_config(None, lm_overrides(tmp_path, tmp_path / "no-such-folder"))  # the data files do not exist
-    info = data_info(cfg)
+    info = data_info(data_sections(cfg))
     assert info["kind"] == "classification" and len(info["label_word_ids"]) == 2
 
 
 def test_a_worker_tokenises_only_its_clients_shards_and_gets_the_same_batches(tmp_path):
     from hosfl_dist.data import build_data
+    from hosfl_dist.runtime.build import data_sections
 
     cfg = load_config(None, lm_overrides(tmp_path, write_text_files(tmp_path)))
-    whole = build_data(cfg)
-    mine = build_data(cfg, clients=[1, 3], evaluation=False)
+    whole = build_data(data_sections(cfg))
+    mine = build_data(data_sections(cfg), clients=[1, 3], evaluation=False)
     assert len(mine.train_text) == len(whole.shards[1]) + len(whole.shards[3]) < len(whole.train_text)
     assert len(mine.eval_labels) == 0 < len(whole.eval_labels)
     for _ in range(3):

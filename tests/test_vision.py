@@ -355,6 +355,7 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
     from hosfl_dist.config import load_config
     from hosfl_dist.data import build_data, data_info, load_vision_data
     from hosfl_dist.data.vision import synthetic_images
+    from hosfl_dist.runtime.build import data_sections
 
     full = synthetic_images(0)
     cfg = load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "clients.total=4", "clients.per_round=2"])
@@ -363,8 +364,9 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
                          (got.eval_x, got.eval_y, full.test_x, full.test_y)):  # fmt: skip
         keep = (fy == 3) | (fy == 1)
         assert torch.equal(x, fx[keep]) and torch.equal(y, (fy[keep] == 1).long())  # class 3 -> 0, class 1 -> 1
-    assert got.info["num_classes"] == 2 and build_data(cfg).info["num_classes"] == 2
-    assert data_info(load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"]))["num_classes"] == 3
+    assert got.info["num_classes"] == 2 and build_data(data_sections(cfg)).info["num_classes"] == 2
+    kept = load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"])
+    assert data_info(data_sections(kept))["num_classes"] == 3
     capped = load_vision_data(
         load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"]).data, 0
     )

@@ -32,6 +32,7 @@ from hosfl_dist.errors import HosflError
 from hosfl_dist.models import SplitModel, build_split_model, server_forward
 from hosfl_dist.core.optim import build_torch_optimizer
 from hosfl_dist.core.seeding import Stream, generator
+from hosfl_dist.runtime.build import data_sections
 
 
 def evaluate(split: SplitModel, data: Any, batch_size: int) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # A first-order method: the client part keeps its train-mode behaviour (no ZO eval-mode wrapper).
         cfg = load_run_config(args.config, ["algorithm.name=splitlora", *args.overrides])
-        data = build_data(cfg)
+        data = build_data(data_sections(cfg))
         if data.info.get("kind") != "classification":
             raise HosflError("the centralized LoRA reference evaluates classification tasks only")
         out = Path(cfg.job.out_dir)

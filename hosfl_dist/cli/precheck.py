@@ -76,8 +76,10 @@ def _check_vision_plugins(cfg: Config) -> None:
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
-    build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
+    zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
+    build_split_model(cfg, data_info(data_sections(cfg)), zeroth_order, parts=())
 
 
 def build_key(cfg: Config) -> str:

@@ -302,6 +302,7 @@ def dry_run(cfg: Config) -> dict:
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import build_data
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
     if cfg.model.name == "hf":  # hub models/data cannot be built offline: validate what can be, say what was not
         from hosfl_dist.models.lm import check_without_hub, hub_requirements
@@ -313,7 +314,7 @@ def dry_run(cfg: Config) -> dict:
 
     if cfg.job.device.startswith("cuda") and not torch.cuda.is_available():  # a GPU job checked on a CPU node
         cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, device="cpu"))
-    data = build_data(cfg)
+    data = build_data(data_sections(cfg))
     zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
     split = build_split_model(cfg, data.info, zeroth_order, parts=())  # LMs stay on the meta device: 8B costs nothing
 

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import Config, DataConfig
+from hosfl_dist.config import DataConfig
 from hosfl_dist.data.partition import dirichlet_partition, iid_partition
 from hosfl_dist.core.plugins import plugin_call, refuse
 from hosfl_dist.core.seeding import Stream, generator, stream_seed
-from hosfl_dist.data.registry import TaskSpec, get_task, register_task
+from hosfl_dist.data.registry import DataSections, TaskSpec, get_task, register_task
 from hosfl_dist.data.text import CUSTOM
 from hosfl_dist.data.text import TASKS as TEXT_TASKS
 from hosfl_dist.errors import ConfigError, DataError
@@ -193,26 +193,26 @@ VISION_INFO = {
 """(classes, image shape) of the image data sets, so a server builds its model without loading images."""
 
 
-def data_info(cfg: Config) -> dict[str, Any]:
+def data_info(cfg: DataSections) -> dict[str, Any]:
     """What the model builders need from the data (classes, input shape, label words; a plug-in task's own loss and
     metrics as ``scorer``), without loading the data: a server loads no training data."""
     task = get_task(cfg.data.name)
     if task.info is not None:
-        with plugin_call(task.info, f"task {task.name}: info(config)"):
+        with plugin_call(task.info, f"task {task.name}: info(data sections)"):
             info = task.info(cfg)
         return {**info, **task.scoring()}
     if task.load is not None:  # loaded only for its shape (synthetic images are generated, a plug-in's as it says)
-        return {**select(_load(task, cfg), cfg.data, cfg.job.seed).info, **task.scoring()}
-    with plugin_call(task.build, f"task {task.name}: build(config, clients, evaluation)"):
+        return {**select(_load(task, cfg.data, cfg.seed), cfg.data, cfg.seed).info, **task.scoring()}
+    with plugin_call(task.build, f"task {task.name}: build(data sections, clients, evaluation)"):
         return task.build(cfg, [], False).info
 
 
-def _load(task: TaskSpec, cfg: Config) -> TensorData:
+def _load(task: TaskSpec, data: DataConfig, seed: int) -> TensorData:
     """A vision task's examples, from its ``load``."""
     assert task.load is not None
     what = f"task {task.name}: load(data section, job.seed)"
     with plugin_call(task.load, what):
-        data = task.load(cfg.data, cfg.job.seed)
+        data = task.load(data, seed)
     if not isinstance(data, TensorData):
         raise refuse(task.load, what, f"gave {type(data).__name__}, not a hosfl_dist.data.TensorData")
     return data
@@ -229,7 +229,7 @@ def input_sources(data: DataConfig) -> dict[str, Any]:
         return task.inputs(data)
 
 
-def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
+def build_data(cfg: DataSections, clients: Sequence[int] | None = None, evaluation: bool = True) -> FederatedData:
     """Load the configured dataset from local files and partition it over ``clients.total`` clients.
 
     ``clients``: the clients whose shards this process holds (default: all); ``evaluation``: whether it holds the
@@ -239,11 +239,11 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
     """
     task = get_task(cfg.data.name)
     if task.build is not None:
-        with plugin_call(task.build, f"task {task.name}: build(config, clients, evaluation)"):
+        with plugin_call(task.build, f"task {task.name}: build(data sections, clients, evaluation)"):
             return task.build(cfg, clients, evaluation)
-    data = select(_load(task, cfg), cfg.data, cfg.job.seed)
+    data = select(_load(task, cfg.data, cfg.seed), cfg.data, cfg.seed)
     tx, ty, vx, vy = data.train_x, data.train_y, data.eval_x, data.eval_y
-    shards = partition(ty, cfg.data, cfg.clients.total, cfg.job.seed)
+    shards = partition(ty, cfg.data, cfg.clients.total, cfg.seed)
     row_of = None
     if clients is not None:
         rows = torch.as_tensor(np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, np.int64)])))
@@ -255,7 +255,7 @@ def build_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bo
     train_tf, eval_tf = data.train_transform, data.eval_transform
     info = {**data.info, **task.scoring()}
     return FederatedData(
-        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.job.seed, info, train_tf, eval_tf, row_of=row_of
+        tx, ty, vx, vy, shards, cfg.clients.batch_size, cfg.seed, info, train_tf, eval_tf, row_of=row_of
     )
 
 
@@ -349,7 +349,7 @@ def _load_images(data: DataConfig, seed: int) -> TensorData:
                       eval_tf)  # fmt: skip
 
 
-def _image_info(cfg: Config) -> dict[str, Any]:
+def _image_info(cfg: DataSections) -> dict[str, Any]:
     classes, shape = VISION_INFO[cfg.data.name]
     return {"num_classes": len(cfg.data.classes) or classes, "input_shape": shape}  # data.classes: the kept ones
 
@@ -360,7 +360,7 @@ def _image_inputs(data: DataConfig) -> dict[str, Any]:
     return {f"data.files[{i}]": str(f) for i, f in enumerate(image_files(data.name, data.root))}
 
 
-def _text_info(cfg: Config) -> dict[str, Any]:
+def _text_info(cfg: DataSections) -> dict[str, Any]:
     from hosfl_dist.data.text_fed import text_data_info
 
     return text_data_info(cfg.data, cfg.model)
@@ -375,7 +375,7 @@ def _text_inputs(data: DataConfig) -> dict[str, Any]:
     return {"data.train": files[0], "data.eval": files[1]}
 
 
-def _build_text(cfg: Config, clients: Sequence[int] | None, evaluation: bool) -> FederatedData:
+def _build_text(cfg: DataSections, clients: Sequence[int] | None, evaluation: bool) -> FederatedData:
     """Tokenised with the model's tokenizer (hosfl_dist.data.text_fed)."""
     from hosfl_dist.data.text_fed import build_text_data
 

@@ -20,11 +20,25 @@ from hosfl_dist.core.registry import Registry
 from hosfl_dist.tasks.classification import ClassificationTask, Loss, Score
 
 if TYPE_CHECKING:
-    from hosfl_dist.config import Config, DataConfig
+    from hosfl_dist.config import ClientsConfig, DataConfig, ModelConfig
     from hosfl_dist.data import FederatedData, TensorData
 
 TASK_FAMILIES = ("vision", "hf")
 """The model family a task feeds (``model.name`` of that family, :mod:`hosfl_dist.models.registry`)."""
+
+
+@dataclass(frozen=True)
+class DataSections:
+    """The sections of a run's config its data is built from (``runtime.build.data_sections(cfg)``): a task's
+    ``info`` and ``build`` receive it."""
+
+    data: DataConfig
+    model: ModelConfig
+    """A text task tokenises with the model's tokenizer."""
+    clients: ClientsConfig
+    """``total`` (the partition) and ``batch_size``."""
+    seed: int
+    """``job.seed``: subsets, partition and batch order draw from it."""
 
 
 @dataclass(frozen=True)
@@ -34,15 +48,15 @@ class TaskSpec:
     load: Callable[[DataConfig, int], TensorData] | None = None
     """(data section, job.seed) -> every example as tensors, before ``data.classes`` and the subsets are applied (the
     package applies them). Called in each process that holds data, so it must give the same tensors each time."""
-    info: Callable[[Config], dict[str, Any]] | None = None
+    info: Callable[[DataSections], dict[str, Any]] | None = None
     """What the model builders need (``num_classes``, ``input_shape``) without loading the data, for a server that
     loads none; None: ``load`` it and read it off the tensors."""
     inputs: Callable[[DataConfig], dict[str, Any]] | None = None
     """The files it reads, by role (``{"data.train": path}``): a run's identity hashes them. None: none."""
     family: str = "vision"
     """One of :data:`TASK_FAMILIES`."""
-    build: Callable[[Config, Sequence[int] | None, bool], FederatedData] | None = None
-    """Instead of ``load``: (config, hosted clients or None for all, holds the evaluation split) -> the federated
+    build: Callable[[DataSections, Sequence[int] | None, bool], FederatedData] | None = None
+    """Instead of ``load``: (data sections, hosted clients or None for all, holds the evaluation split) -> the federated
     data, built and partitioned by the task itself (the text tasks)."""
     loss: Loss | None = None
     """A ``vision`` task's training loss: (outputs (B, C), labels (B,)) -> (B,) per-sample loss, a differentiable torch

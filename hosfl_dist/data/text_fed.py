@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hosfl_dist.config import Config, DataConfig, ModelConfig
-from hosfl_dist.data import FederatedData, partition
+from hosfl_dist.config import DataConfig, ModelConfig
+from hosfl_dist.data import DataSections, FederatedData, partition
 from hosfl_dist.data.partition import iid_partition
 from hosfl_dist.data.text import (
     CUSTOM,
@@ -148,7 +148,9 @@ def text_data_info(data: DataConfig, model: ModelConfig) -> dict[str, Any]:
     return info
 
 
-def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluation: bool = True) -> TextFederatedData:
+def build_text_data(
+    cfg: DataSections, clients: Sequence[int] | None = None, evaluation: bool = True
+) -> TextFederatedData:
     """Load, subsample, partition and tokenise the text data set with ``cfg.model``'s tokenizer.
 
     The partition is computed over every training example (from the raw labels), then only the shards of
@@ -160,18 +162,18 @@ def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluatio
     spec = task_spec(d)
     train_ex, eval_ex = load_examples(d)
     if d.train_max_samples and d.train_max_samples < len(train_ex):
-        keep = torch.randperm(len(train_ex), generator=generator(cfg.job.seed, Stream.TRAIN_SUBSET))
+        keep = torch.randperm(len(train_ex), generator=generator(cfg.seed, Stream.TRAIN_SUBSET))
         train_ex = [train_ex[i] for i in keep[: d.train_max_samples].sort().values.tolist()]
     if d.eval_max_samples:
         eval_ex = eval_ex[: d.eval_max_samples]
     info = {**text_data_info(d, cfg.model), "train_size": len(train_ex), "eval_size": len(eval_ex)}
     if spec.kind == "classification":
         labels = torch.tensor([int(ex["label"]) for ex in train_ex], dtype=torch.long)
-        shards = partition(labels, d, cfg.clients.total, cfg.job.seed)
+        shards = partition(labels, d, cfg.clients.total, cfg.seed)
     else:
         if d.partition != "iid":
             raise ConfigError(f"data.partition={d.partition} needs class labels; {spec.name} supports only iid")
-        shards = iid_partition(len(train_ex), cfg.clients.total, stream_seed(cfg.job.seed, Stream.PARTITION))
+        shards = iid_partition(len(train_ex), cfg.clients.total, stream_seed(cfg.seed, Stream.PARTITION))
     row_of = None
     if clients is not None:  # tokenise the hosted shards only; global sample index -> row of the tokenised subset
         rows = np.unique(np.concatenate([shards[m] for m in clients] or [np.zeros(0, dtype=np.int64)]))
@@ -189,5 +191,5 @@ def build_text_data(cfg: Config, clients: Sequence[int] | None = None, evaluatio
     else:
         eval_labels = encode_answers(held_out.meta["answers"])  # (N, A, L) gold answers as bytes
     return TextFederatedData(
-        train, held_out, eval_labels, shards, cfg.clients.batch_size, cfg.job.seed, info, row_of=row_of
+        train, held_out, eval_labels, shards, cfg.clients.batch_size, cfg.seed, info, row_of=row_of
     )

@@ -85,8 +85,10 @@ def sizes(cfg: Config) -> dict[str, int]:
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
-    split = build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
+    zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
+    split = build_split_model(cfg, data_info(data_sections(cfg)), zeroth_order, parts=())
     client = list(split.client.parameters())
     server = sum(p.numel() for p in split.server.parameters())
     return {

@@ -157,11 +157,11 @@ def restore(run_dir: Path, which: str = "latest", device: str = "cpu", allow_uns
     from hosfl_dist.core.params import bind_slots, trainable_slots
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
-    from hosfl_dist.runtime.build import server_side
+    from hosfl_dist.runtime.build import data_sections, server_side
     from hosfl_dist.runtime.checkpoint import CheckpointStore
 
     spec = get_algorithm(cfg.algorithm.name)
-    split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("client", "server"))
+    split = build_split_model(cfg, data_info(data_sections(cfg)), spec.zeroth_order_client, parts=("client", "server"))
     server, _ = server_side(cfg, spec, split)
     loop, _, meta = CheckpointStore(run_dir, keep=1).load(server, checkpoint)
     theta_c = server.client_params_at(meta["round"])

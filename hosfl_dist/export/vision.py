@@ -142,8 +142,9 @@ def _joined(d: dict[str, Any]) -> nn.Module:
 
 def _info(restored: Restored) -> dict[str, Any]:
     from hosfl_dist.data import data_info
+    from hosfl_dist.runtime.build import data_sections
 
-    info = data_info(restored.cfg)
+    info = data_info(data_sections(restored.cfg))
     return {"num_classes": int(info["num_classes"]), "input_shape": tuple(int(d) for d in info["input_shape"])}
 
 
@@ -208,12 +209,13 @@ def evaluation_set(record: dict[str, Any], limit: int = 0) -> tuple[Any, torch.T
     from hosfl_dist.algorithms import load_plugins
     from hosfl_dist.config.load import build_config
     from hosfl_dist.data import build_data
+    from hosfl_dist.runtime.build import data_sections
 
     try:
         cfg = build_config(raw)
         if cfg.job.plugins:
             load_plugins(list(cfg.job.plugins))
-        data = build_data(cfg, clients=[], evaluation=True)
+        data = build_data(data_sections(cfg), clients=[], evaluation=True)
     except (ConfigError, DataError, HosflError) as exc:
         raise ExportError(f"cannot rebuild the run's evaluation set ({cfg_name(raw)}): {exc}") from None
     inputs, labels = data.eval_inputs, data.eval_labels

@@ -34,6 +34,7 @@ from hosfl_dist.measure.standin import NoPeers, OneBatch, StandInServer
 from hosfl_dist.measure.tracker import ModeStep, storage_bytes
 from hosfl_dist.models import SplitModel, get_model
 from hosfl_dist.models.sources import DTYPES
+from hosfl_dist.runtime.build import method_config
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.tasks.classification import ClassificationTask
 from hosfl_dist.tasks.generation import lm_loss
@@ -207,10 +208,11 @@ def _client_setup(spec: ProfileSpec, gen: torch.Generator, device: torch.device)
     a meta-device model of which only f_c gets values), and one batch of random token ids."""
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
     cfg = worker_config(spec, "hosfl")
     # the bare f_c, as before the worker wraps it (a zeroth-order worker only pins it to eval mode: no dropout)
-    split = build_split_model(cfg, data_info(cfg), zeroth_order_client=False, parts=("client",))
+    split = build_split_model(cfg, data_info(data_sections(cfg)), zeroth_order_client=False, parts=("client",))
     ids = torch.randint(0, split.spec.vocab, (spec.batch, spec.seq), generator=gen).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return Setup(SplitModel(split.client, None, NextTokenTask()), inputs, ids)
@@ -291,8 +293,9 @@ def run_spec(cfg: Config, mode: str) -> ProfileSpec:
     )
     if not spec.is_lm:  # the run's own data shape (a synthetic task's is not Fashion-MNIST's)
         from hosfl_dist.data import data_info
+        from hosfl_dist.runtime.build import data_sections
 
-        info = data_info(cfg)
+        info = data_info(data_sections(cfg))
         spec = dataclasses.replace(spec, input_shape=tuple(info["input_shape"]), classes=info["num_classes"])
     if mode == "hosfl" and cfg.zo.overlap is not False:  # latency hiding keeps P z̃ of the profiled client
         z_bytes = expected_costs(spec, [mode])[0].z_bytes
@@ -335,11 +338,10 @@ def worker_config(spec: ProfileSpec, algorithm: str) -> Config:
 def profiled_worker(spec: ProfileSpec, setup: Setup, algorithm: str, transport: Any = None) -> Any:
     """The method's worker hosting client 0, talking to the stand-in server (or to ``transport``)."""
     from hosfl_dist.algorithms import get_algorithm
-
     worker_cls = get_algorithm(algorithm).worker
     transport = transport or StandInServer(spec.seed, spec.P)
     data = OneBatch(setup.inputs, setup.labels)
-    return worker_cls(worker_config(spec, algorithm), setup.split, data, [0], transport, NoPeers())
+    return worker_cls(method_config(worker_config(spec, algorithm)), setup.split, data, [0], transport, NoPeers())
 
 
 def module_tensors(module: nn.Module) -> list[Tensor]:

@@ -77,8 +77,10 @@ def client_sizes(cfg: Config) -> dict[str, Any]:
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import build_data
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
-    data = build_data(cfg, clients=[], evaluation=False)  # the shards' indices; no client's rows are kept
+    # the shards' indices; no client's rows are kept
+    data = build_data(data_sections(cfg), clients=[], evaluation=False)
     split = build_split_model(cfg, data.info, get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
     params = list(split.client.parameters())
     batch = cfg.clients.batch_size

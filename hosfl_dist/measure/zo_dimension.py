@@ -40,6 +40,7 @@ from hosfl_dist.core.seeding import round_seeds
 from hosfl_dist.data import build_data
 from hosfl_dist.cli.guard import check_destination, guarded
 from hosfl_dist.models import build_split_model, server_forward
+from hosfl_dist.runtime.build import data_sections
 from hosfl_dist.runtime.checks import load_run_config
 
 PROG = "python -m hosfl_dist.experiments.zo_dimension"
@@ -60,7 +61,7 @@ def rebuilt(estimator: ZOEstimator, params: list[torch.Tensor], seeds: list[int]
 
 def measure_cut(cfg_path: str, overrides: list[str], cut: int, ps: list[int], repeats: int) -> dict:
     cfg = load_run_config(cfg_path, [*overrides, f"split.cut={cut}"])
-    data = build_data(cfg, clients=[0], evaluation=False)
+    data = build_data(data_sections(cfg), clients=[0], evaluation=False)
     split = build_split_model(cfg, data.info, zeroth_order_client=True)
     client, server, task, estimator = split.client, split.server, split.task, build_estimator(cfg.zo)
     x, y = data.next_batch(0)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from hosfl_dist.algorithms import AlgorithmSpec
 from hosfl_dist.algorithms.base import MethodConfig, RoundPlan
 from hosfl_dist.config import Config
+from hosfl_dist.data import DataSections
 from hosfl_dist.evaluation.server import EvalServer
 from hosfl_dist.models import SplitModel
 from hosfl_dist.runtime.gate import RoundGate, RoundService
@@ -27,6 +28,11 @@ from hosfl_dist.transport.wire import CommMeter
 def method_config(cfg: Config) -> MethodConfig:
     """The sections of the run's config its method's server and worker are built from."""
     return MethodConfig(cfg.algorithm, cfg.clients, cfg.server, cfg.zo, cfg.train, cfg.model, cfg.job.seed)
+
+
+def data_sections(cfg: Config) -> DataSections:
+    """The sections of the run's config its data is built from (``hosfl_dist.data.build_data``, ``data_info``)."""
+    return DataSections(cfg.data, cfg.model, cfg.clients, cfg.job.seed)
 
 
 def round_plan(cfg: Config) -> RoundPlan:

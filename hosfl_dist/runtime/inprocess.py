@@ -25,7 +25,7 @@ from hosfl_dist.data import FederatedData, build_data
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.callbacks import Callback, Callbacks
-from hosfl_dist.runtime.build import client_stack, method_config, server_side
+from hosfl_dist.runtime.build import client_stack, data_sections, method_config, server_side
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_fixed_runtime
 from hosfl_dist.runtime.front import LocalControl, RunFront
@@ -63,7 +63,7 @@ class InProcessRunner:
         if not chosen(self.cfg):  # runs/<job.name>/<start time>, and latest -> it
             self.cfg = resolve_out_dir(self.cfg)
         cfg, spec = self.cfg, self.spec
-        self.data: FederatedData = build_data(cfg)
+        self.data: FederatedData = build_data(data_sections(cfg))
         self.split: SplitModel = build_split_model(cfg, self.data.info, spec.zeroth_order_client)
         self.server: ServerBase
         self.server, self.evaluator = server_side(cfg, spec, self.split)

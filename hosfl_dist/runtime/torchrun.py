@@ -37,6 +37,7 @@ from hosfl_dist.models import build_split_model
 from hosfl_dist.runtime.callbacks import Callbacks
 from hosfl_dist.runtime.build import (
     client_stack,
+    data_sections,
     live_rounds,
     method_config,
     round_gate,
@@ -160,7 +161,8 @@ class TorchrunJob:
         group = d.server_group
         reshard = cfg.server.reshard_after_forward
         shard = (lambda module: shard_server_model(module, group, d.device, reshard)) if group is not None else None
-        split = build_split_model(cfg, data_info(cfg), spec.zeroth_order_client, parts=("server",), shard=shard)
+        info = data_info(data_sections(cfg))
+        split = build_split_model(cfg, info, spec.zeroth_order_client, parts=("server",), shard=shard)
         threads, why = set_threads(cfg, sum(p.numel() for p in split.server.parameters()))
         logger.info(f"threads: {threads} intra-op ({why})")
         server, evaluator = server_side(cfg, spec, split, group)
@@ -172,7 +174,7 @@ class TorchrunJob:
         cfg, spec, d = self.cfg, self.spec, self.d
         roles, rank = d.roles, d.rank
         leader = rank == roles.leader
-        data = build_data(cfg, clients=roles.hosted[rank], evaluation=leader)
+        data = build_data(data_sections(cfg), clients=roles.hosted[rank], evaluation=leader)
         split = build_split_model(cfg, data.info, spec.zeroth_order_client, parts=spec.worker_parts)
         split.keep(spec.worker_parts)
         held = [m for m in (split.client, split.server) if m is not None]  # the parts this worker holds

@@ -35,8 +35,10 @@ def part_sizes(cfg: Config) -> dict[str, dict[str, int]]:
     from hosfl_dist.algorithms import get_algorithm
     from hosfl_dist.data import data_info
     from hosfl_dist.models import build_split_model
+    from hosfl_dist.runtime.build import data_sections
 
-    split = build_split_model(cfg, data_info(cfg), get_algorithm(cfg.algorithm.name).zeroth_order_client, parts=())
+    zeroth_order = get_algorithm(cfg.algorithm.name).zeroth_order_client
+    split = build_split_model(cfg, data_info(data_sections(cfg)), zeroth_order, parts=())
     out = {}
     for part, module in (("client", split.client), ("server", split.server)):
         params = list(module.parameters())

@@ -32,7 +32,7 @@ from hosfl_dist.data import build_data
 from hosfl_dist.errors import ConfigError, HosflError, ProtocolError, first_line
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.identity import run_identity
-from hosfl_dist.runtime.build import client_stack, method_config, round_plan, worker_rounds
+from hosfl_dist.runtime.build import client_stack, data_sections, method_config, round_plan, worker_rounds
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
 from hosfl_dist.runtime.process.dynamic import CONNECT_S, join_rpc, leave_rpc
@@ -133,7 +133,7 @@ class Member:
         self.folder = folder
         self.cfg = cfg = check_config(cfg)  # the run's plug-ins imported, as the server did
         self.spec = spec = get_algorithm(cfg.algorithm.name)
-        self.data = build_data(cfg, clients=range(cfg.clients.total), evaluation=False)
+        self.data = build_data(data_sections(cfg), clients=range(cfg.clients.total), evaluation=False)
         self.split = build_split_model(cfg, self.data.info, spec.zeroth_order_client, parts=spec.worker_parts)
         self.split.keep(spec.worker_parts)
         held = [m for m in (self.split.client, self.split.server) if m is not None]

@@ -32,7 +32,7 @@ from hosfl_dist.errors import ConfigError, HosflError, first_line
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.folder import chosen, resolve_out_dir
-from hosfl_dist.runtime.build import client_stack, method_config, round_gate, server_side
+from hosfl_dist.runtime.build import client_stack, data_sections, method_config, round_gate, server_side
 from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_live
@@ -122,7 +122,7 @@ class ElasticServer:
             cfg = resolve_out_dir(cfg)
         self.cfg, self.stop = cfg, stop
         spec = get_algorithm(cfg.algorithm.name)
-        data = build_data(cfg, clients=[], evaluation=True)
+        data = build_data(data_sections(cfg), clients=[], evaluation=True)
         group = d.server_group if d is not None else None  # --serve under torchrun: f_s sharded over the server group
         shard = None
         if group is not None:
