@@ -290,6 +290,7 @@ def test_a_plugin_model_exports_whole_and_loads_back_by_its_plugin(tmp_path, use
         "import json, sys, torch\n"
         "from hosfl_dist.export import load_vision\n"
         "from hosfl_dist.data import build_data\n"
+        "from hosfl_dist.runtime.build import data_sections\n"
         "from hosfl_dist.runtime.checks import load_run_config\n"
         "model = load_vision(sys.argv[1])\n"
         "cfg = load_run_config(None, json.loads(sys.argv[2]))\n"

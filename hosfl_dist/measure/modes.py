@@ -401,7 +401,7 @@ def make_step(mode: str, spec: ProfileSpec, setup: Setup | None = None) -> ModeS
         from hosfl_dist.transport.inprocess import InProcessTransport
 
         sfl = worker_config(spec, "sfl")
-        server = SFLServer(sfl, split, GroupCompute(split.server, split.task, sfl.server))
+        server = SFLServer(method_config(sfl), split, GroupCompute(split.server, split.task, sfl.server))
         server.copy_for(0, 0)  # SFL's per-round copy of θs's trainable tensors: not part of single-device training
         transport = InProcessTransport(ServerEndpoint(server))
     worker = profiled_worker(spec, setup, method, transport)
