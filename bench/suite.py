@@ -229,7 +229,8 @@ def _elastic() -> Benchmark:
             Figure("elastic_samples_per_s", "samples/s", f"--serve + 2 --join workers, {what}"),
             Figure("elastic_vs_torchrun", X, "samples/s of the elastic run over the torchrun job's", 0.9, ">="),
             Figure("elastic_rpc_messages", "RPCs/worker-round", "messages an elastic worker sends per round (its "
-                   "clients' uploads together, its round's end, the next round's catch-up sent ahead)", 2.0, "<="),
+                   "clients' uploads together, its round's end with the next round's catch-up in one message)", 2.0,
+                   "<="),
             Figure("elastic_blocking_waits", "waits/worker-round", "calls an elastic worker waited on per round (the "
                    "critical path; a catch-up sent ahead and answered in time is not one)", 2.0, "<="),
             Figure("same_final_metrics", "bool", "the three runtimes' final metrics are equal", True, "="),

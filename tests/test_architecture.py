@@ -540,6 +540,32 @@ def test_posts_and_prefetches_made_together_leave_as_one_message_in_order():
     assert tr.inner.messages == []
 
 
+def test_a_call_made_together_leaves_with_the_blocks_message_and_its_answer_is_taken_after():
+    """A live worker's round end and round t+1's syncs leave as one message (and come back in its one reply): a call
+    made in a together() block is sent with the block, a prefetched one is still taken, not sent again."""
+    inner = _MethodsBatcher()
+    tr = ClientTransport(inner)
+    tr.prefetch_many("sync", [{"t": 1, "client": 2, "since": 0}])
+    with tr.together():
+        taken, fresh = tr.call_many("sync", [{"t": 1, "client": 2, "since": 0}, {"t": 1, "client": 4, "since": 0}])
+        closing = tr.call_async("close", t=0)
+        tr.prefetch_many("sync", [{"t": 2, "client": 4, "since": 1}])
+        assert inner.messages == [] and not closing.done()
+        with pytest.raises(RuntimeError, match="has not sent it"):
+            closing.wait()  # waited for inside its block: it would never leave
+    assert inner.messages == [[("sync", 4), ("close", None), ("sync", 4)]]
+    assert taken is inner.futures[0]  # the prefetch, sent in a message of its own before the block
+    inner.futures[2].set_result({"closed": 0})
+    assert closing.done() and closing.wait() == {"closed": 0}
+    inner.futures[1].set_result("fresh")
+    assert fresh.wait() == "fresh"
+    with pytest.raises(ValueError, match="stop"), tr.together():
+        lost = tr.call_async("close", t=1)
+        raise ValueError("stop")
+    with pytest.raises(RuntimeError, match="has not sent it"):
+        lost.wait()  # its block failed: nothing was sent
+
+
 def test_a_post_is_waited_for_before_the_next_post_and_at_a_flush_and_its_error_surfaces():
     inner = _Recorder()
     tr = ClientTransport(inner)

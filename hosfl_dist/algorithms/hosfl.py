@@ -579,10 +579,12 @@ class HOSFLWorker(WorkerBase):
 
     def _run_round(self, t: int, view: RoundView) -> int:
         mine = list(view.clients)
-        # each replica's catch-up and the round's seeds, in one message (taken from the previous round's prefetch
-        # where it was sent)
+        # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was
+        # sent); one not sent ahead leaves now where a stale replica must replay before its forward, else with the
+        # uploads below (one message)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
-        syncs = dict(zip(mine, self.server.sync.send_many(asks)))
+        stale = self.per_client and any(self.client_round[m] < t for m in mine)
+        syncs = dict(zip(mine, self.server.sync.send_many(asks))) if stale else {}
         jobs: list[ClientJob] = []
         drawn: dict[int, Any] = {}
         for m in mine:  # catch-up and batch
@@ -601,9 +603,13 @@ class HOSFLWorker(WorkerBase):
         if not batched:
             self._forward_one_by_one(jobs)
         uploads = _take_uploads(t, jobs)  # (no loop variable here keeps the last job, and its z, alive)
-        for i, answer in enumerate(self.server.submit.send_many(uploads)):
+        with self.server.together():
+            if not stale:
+                syncs = dict(zip(mine, self.server.sync.send_many(asks)))
+            answers = self.server.submit.send_many(uploads)
+        for i, answer in enumerate(answers):
             jobs[i].answer = answer  # (no loop variable keeps a job, and with it its z, alive past its projection)
-        del uploads
+        del uploads, answers
         # the round's seeds, from answers that came back while the forwards ran
         seeds = {m: syncs[m].wait()["seeds"].tolist() for m in mine}
 

@@ -12,9 +12,10 @@ not in the algorithm:
 - ``call_many`` / ``prefetch_many``: the same for several calls of one method at once (a worker's sampled clients).
   A transport that can (:class:`~hosfl_dist.runtime.rpc.RPCTransport`) sends them as one message, each call still
   served, counted and answered on its own; the others send them one by one;
-- ``together()``: the posts and prefetches made in the block leave as one message at its end, in the order they were
-  made (HO-SFL's leader sends its report of round t and round t+1's syncs together: the server closes the round and
-  answers the syncs without waiting for a second message).
+- ``together()``: the calls, posts and prefetches made in the block leave as one message at its end, in the order
+  they were made (HO-SFL's leader sends its report of round t and round t+1's syncs together: the server closes the
+  round and answers the syncs without waiting for a second message; a live worker's round end and round t+1's syncs
+  leave in one message and come back in its one reply). A call's answer is taken after the block.
 
 :meth:`ClientTransport.flush` is the runtime's: before a checkpoint, an evaluation or the end of the run, every posted
 call has reached the server and been answered.
@@ -46,7 +47,8 @@ class ClientTransport:
 
     def call_many(self, method: str, calls: Sequence[dict[str, Any]]) -> list[Pending]:
         """Send each of ``calls`` (keyword arguments) and return their pending answers, in order: a call prefetched
-        with the same arguments is taken, not sent again; the others are sent together (:func:`send_many`)."""
+        with the same arguments is taken, not sent again; the others are sent together (:func:`send_many`), or, inside
+        :meth:`together`, with the block's message (their answers taken after it)."""
         out: list[Pending | None] = []
         missing = []
         for i, kwargs in enumerate(calls):
@@ -54,6 +56,11 @@ class ClientTransport:
             out.append(self._ahead.pop(key, None) if key is not None else None)
             if out[-1] is None:
                 missing.append(i)
+        if self._batch is not None:
+            for i in missing:
+                out[i] = later = _Later(method)
+                self._batch.append((method, calls[i], later.sent))
+            return out  # type: ignore[return-value]
         for i, pending in zip(missing, send_many(self.inner, method, [calls[i] for i in missing])):
             out[i] = pending
         return out  # type: ignore[return-value]
@@ -85,8 +92,9 @@ class ClientTransport:
 
     @contextlib.contextmanager
     def together(self) -> Iterator[None]:
-        """Posts and prefetches made in the block are sent at its end, as one message where the transport can batch
-        (:func:`send_batch`), in the order they were made. A block left by an error sends nothing."""
+        """Calls, posts and prefetches made in the block are sent at its end, as one message where the transport can
+        batch (:func:`send_batch`), in the order they were made. A block left by an error sends nothing (a call made
+        in it raises at its ``wait``)."""
         if self._batch is not None:
             raise RuntimeError("together() blocks do not nest")
         self._batch = []
@@ -108,6 +116,25 @@ class ClientTransport:
         posted, self._posted = self._posted, []
         for pending in posted:
             pending.wait()
+
+
+class _Later:
+    """The answer of a call made inside :meth:`ClientTransport.together`: sent with the block's message at its end."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.pending: Pending | None = None
+
+    def sent(self, pending: Pending) -> None:
+        self.pending = pending
+
+    def done(self) -> bool:
+        return self.pending is not None and self.pending.done()
+
+    def wait(self) -> Any:
+        if self.pending is None:  # waited for inside its block (it would never leave), or its block failed
+            raise RuntimeError(f"{self.method}: a call made in a together() block that has not sent it")
+        return self.pending.wait()
 
 
 def send_many(transport: Any, method: str, calls: Sequence[dict[str, Any]]) -> list[Pending]:
