@@ -581,7 +581,8 @@ class HOSFLWorker(WorkerBase):
         mine = list(view.clients)
         # each replica's catch-up and the round's seeds (taken from the previous round's prefetch where it was
         # sent); one not sent ahead leaves now where a stale replica must replay before its forward, else with the
-        # uploads below (one message)
+        # uploads below (one message), or just before them where the perturbed forwards need the seeds while λ is
+        # away (latency hiding: the uploads' answer comes with λ)
         asks = [{"t": t, "client": m, "since": self.client_round[m]} for m in mine]
         stale = self.per_client and any(self.client_round[m] < t for m in mine)
         syncs = dict(zip(mine, self.server.sync.send_many(asks))) if stale else {}
@@ -603,8 +604,10 @@ class HOSFLWorker(WorkerBase):
         if not batched:
             self._forward_one_by_one(jobs)
         uploads = _take_uploads(t, jobs)  # (no loop variable here keeps the last job, and its z, alive)
+        if not stale and self.overlap_round(jobs):
+            syncs = dict(zip(mine, self.server.sync.send_many(asks)))
         with self.server.together():
-            if not stale:
+            if not syncs:
                 syncs = dict(zip(mine, self.server.sync.send_many(asks)))
             answers = self.server.submit.send_many(uploads)
         for i, answer in enumerate(answers):

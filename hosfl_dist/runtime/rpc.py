@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from hosfl_dist.errors import ProtocolError
+from hosfl_dist.errors import ProtocolError, first_line
 from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import count_exchange
@@ -408,11 +408,16 @@ def serve(token: str, front: rpc.RRef, method: str, kwargs: dict[str, Any]) -> F
     return chained(front.local_value().endpoint.enqueue(method, from_wire(kwargs), caller), to_wire)
 
 
+_UNANSWERED = object()
+
+
 @rpc.functions.async_execution
 def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, Any]]]) -> Future:
     """Several calls of @wire methods, each queued on the server thread as :func:`serve` queues one, in order;
     answered together, once all have their answer, as a list of answers (an error in the place of a call that
-    failed)."""
+    failed). A call that fails answers the message at once: the calls still pending get an error saying so, as their
+    answers may wait on what the failure stops (a refused round end and the next round's syncs, held until that round
+    closes, which waits for the worker told of its refusal)."""
     caller, refused = authorize(token, "serve_batch")
     if refused is not None:
         return refused
@@ -423,20 +428,33 @@ def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, An
     if not pending:
         return done([])
     out: Future = Future()
-    answers: list[Any] = [None] * len(pending)
-    left = [len(pending)]
+    answers: list[Any] = [_UNANSWERED] * len(pending)
+    left, answered = [len(pending)], [False]
     lock = threading.Lock()
 
-    def arrived(i: int, fut: Future) -> None:  # not torch.futures.collect_all: it fails whole on one error
+    def answer_of(fut: Future) -> Any:
         try:
-            answers[i] = to_wire(fut.value())
+            return to_wire(fut.value())
         except BaseException as exc:  # noqa: BLE001 - the caller's future of that call raises it
-            answers[i] = exc
+            return exc
+
+    def arrived(i: int, fut: Future) -> None:  # not torch.futures.collect_all: it fails whole on one error
+        answer = answer_of(fut)
+        failure = answer if isinstance(answer, BaseException) else None
         with lock:
+            if answered[0]:  # the message was answered at an earlier call's failure
+                return
+            answers[i] = answer
             left[0] -= 1
-            last = left[0] == 0
-        if last:
-            out.set_result(answers)
+            if left[0] and failure is None:
+                return
+            answered[0] = True
+        if failure is not None:  # the calls still pending: what they wait on may never come
+            why = f"not answered: call {i} of its message ({calls[i][0]}) failed ({first_line(failure)})"
+            for j, a in enumerate(answers):
+                if a is _UNANSWERED:
+                    answers[j] = answer_of(pending[j]) if pending[j].done() else ProtocolError(f"{calls[j][0]}: {why}")
+        out.set_result(list(answers))
 
     for i, fut in enumerate(pending):
         fut.add_done_callback(lambda f, i=i: arrived(i, f))
