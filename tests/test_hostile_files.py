@@ -508,7 +508,7 @@ GOOD_JOIN = {"host": "127.0.0.1", "port": 29400, "token": "ab" * 32, "pid": 1, "
          "too-big", "deep"],  # fmt: skip
 )
 def test_a_join_file_that_is_not_one_is_refused_in_one_line(tmp_path, content, said):
-    from hosfl_dist.runtime.elastic.driver import read_join
+    from hosfl_dist.runtime.process.join_file import read_join
 
     (tmp_path / "config.yaml").write_text("{}\n")
     (tmp_path / "join.json").write_text(content if isinstance(content, str) else json.dumps(content))

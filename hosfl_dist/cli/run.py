@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             return _record_death(cfg)
         if args.check:
             if args.serve:
-                from hosfl_dist.runtime.elastic.serve import check_elastic, parse_address
+                from hosfl_dist.runtime.serve import check_elastic, parse_address
 
                 check_elastic(cfg)
                 parse_address(args.address)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             return _dry_run(cfg, launch, world)
         if args.serve:
-            from hosfl_dist.runtime.elastic.serve import run_serve, run_serve_group
+            from hosfl_dist.runtime.serve import run_serve, run_serve_group
 
             if launch is not None:  # the server as a group of server.ranks ranks (FSDP2 over f_s)
                 init_logging("server" if launch.rank == 0 else f"server-shard {launch.rank}", launch.rank == 0)

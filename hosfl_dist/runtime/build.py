@@ -10,11 +10,12 @@ import torch.distributed as dist
 from hosfl_dist.algorithms import AlgorithmSpec
 from hosfl_dist.algorithms.base import MethodConfig, RoundPlan
 from hosfl_dist.config import Config
-from hosfl_dist.data import DataSections
+from hosfl_dist.data import DataSections, FederatedData, build_data
 from hosfl_dist.evaluation.server import EvalServer
-from hosfl_dist.models import SplitModel
+from hosfl_dist.models import SplitModel, build_split_model
 from hosfl_dist.runtime.gate import RoundGate, RoundService
 from hosfl_dist.runtime.live import LiveRounds
+from hosfl_dist.runtime.process.host import set_threads
 from hosfl_dist.runtime.server_compute import GroupCompute
 from hosfl_dist.transport import Collective, Transport
 from hosfl_dist.transport.client import ClientTransport
@@ -33,6 +34,18 @@ def method_config(cfg: Config) -> MethodConfig:
 def data_sections(cfg: Config) -> DataSections:
     """The sections of the run's config its data is built from (``hosfl_dist.data.build_data``, ``data_info``)."""
     return DataSections(cfg.data, cfg.model, cfg.clients, cfg.job.seed)
+
+
+def worker_side(
+    cfg: Config, spec: AlgorithmSpec, hosted: Any, evaluation: bool
+) -> tuple[FederatedData, SplitModel, tuple[int, str]]:
+    """A client worker's data (the shards of ``hosted``; the evaluation split where it evaluates) and the parts of the
+    split it holds, its intra-op threads set from their size: (data, split, (threads, why))."""
+    data = build_data(data_sections(cfg), clients=hosted, evaluation=evaluation)
+    split = build_split_model(cfg, data.info, spec.zeroth_order_client, parts=spec.worker_parts)
+    split.keep(spec.worker_parts)
+    held = [m for m in (split.client, split.server) if m is not None]
+    return data, split, set_threads(cfg, sum(p.numel() for m in held for p in m.parameters()))
 
 
 def round_plan(cfg: Config) -> RoundPlan:

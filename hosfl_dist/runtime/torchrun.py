@@ -30,7 +30,7 @@ from typing import Any
 
 from hosfl_dist.algorithms import AlgorithmSpec, get_algorithm
 from hosfl_dist.config import Config
-from hosfl_dist.data import build_data, data_info
+from hosfl_dist.data import data_info
 from hosfl_dist.errors import HosflError, Interrupted
 from hosfl_dist.evaluation.client import Evaluator
 from hosfl_dist.models import build_split_model
@@ -44,6 +44,7 @@ from hosfl_dist.runtime.build import (
     round_plan,
     server_side,
     worker_rounds,
+    worker_side,
 )
 from hosfl_dist.runtime.gate import FixedMembers
 from hosfl_dist.runtime.checkpoint import CheckpointStore
@@ -174,11 +175,7 @@ class TorchrunJob:
         cfg, spec, d = self.cfg, self.spec, self.d
         roles, rank = d.roles, d.rank
         leader = rank == roles.leader
-        data = build_data(data_sections(cfg), clients=roles.hosted[rank], evaluation=leader)
-        split = build_split_model(cfg, data.info, spec.zeroth_order_client, parts=spec.worker_parts)
-        split.keep(spec.worker_parts)
-        held = [m for m in (split.client, split.server) if m is not None]  # the parts this worker holds
-        threads, why = set_threads(cfg, sum(p.numel() for m in held for p in m.parameters()))
+        data, split, (threads, why) = worker_side(cfg, spec, roles.hosted[rank], leader)
         if leader:
             logger.info(f"threads: {threads} intra-op per worker ({why})")
             if cfg.comm.inject_delay:

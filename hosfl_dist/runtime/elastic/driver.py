@@ -15,7 +15,6 @@ none comes, it exits with one line and a non-zero status. One the server counted
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -26,19 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from hosfl_dist.algorithms import get_algorithm
-from hosfl_dist.config import Config, load_config
+from hosfl_dist.config import Config
 from hosfl_dist.core.params import bind_slots, slot_tensors, trainable_slots
-from hosfl_dist.data import build_data
 from hosfl_dist.errors import ConfigError, HosflError, ProtocolError, first_line
-from hosfl_dist.models import build_split_model
 from hosfl_dist.runfolder.identity import run_identity
-from hosfl_dist.runtime.build import client_stack, data_sections, method_config, round_plan, worker_rounds
+from hosfl_dist.runtime.build import client_stack, method_config, round_plan, worker_rounds, worker_side
 from hosfl_dist.runtime.checks import check_config
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal
 from hosfl_dist.runtime.process.dynamic import CONNECT_S, join_rpc, leave_rpc
-from hosfl_dist.runtime.elastic.serve import JOIN_FILE
 from hosfl_dist.runtime.memory import process_memory
-from hosfl_dist.runtime.process.host import set_threads
+from hosfl_dist.runtime.process.join_file import read_join, reachable
 from hosfl_dist.runtime.rpc import RPCControl, RPCTransport, TransportStats, fetch_front
 from hosfl_dist.runtime.trainer import RoundTimer
 from hosfl_dist.transport.inprocess import LocalCollective
@@ -53,79 +49,6 @@ class ServerGone(HosflError):
     exit_code = 1
 
 
-def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
-    """The run's join address and token (``join.json``, written by ``--serve``) and its config. The file is input
-    from a folder others may write: it must be a regular file (a FIFO or a link to /dev/zero is refused without
-    waiting), of at most 64 KiB, a JSON object whose ``host`` is text, ``port`` an integer in 1..65535 and ``token``
-    text (``pid`` an integer, ``node`` text, where given); anything else is one line, exit code 2."""
-    from hosfl_dist.config.schema import shown
-    from hosfl_dist.safe_files import check_input_file, open_input
-
-    most = 64 << 10
-    path = run_dir / JOIN_FILE
-    try:
-        with open_input(path, "invalid value for --join:", ConfigError) as fh:  # a FIFO, /dev/zero: refused at once
-            if os.fstat(fh.fileno()).st_size > most:
-                raise ValueError(f"larger than {most >> 10} KiB")
-            text = fh.read(most + 1)
-        if len(text) > most:  # grew while read
-            raise ValueError(f"larger than {most >> 10} KiB")
-        join = json.loads(text.decode("utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (no {JOIN_FILE}: not a run started with "
-                          "--serve, or one that has ended)") from None  # fmt: skip
-    except ConfigError:  # not a regular file: said as it is
-        raise
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"invalid value for --join: {str(path)!r} cannot be read ({first_line(exc, 200)})") from None
-    if not isinstance(join, dict) or not {"host", "port", "token"} <= set(join):
-        raise ConfigError(f"invalid value for --join: {str(path)!r} is not a join file of this version")
-
-    def text_field(value: Any) -> bool:
-        return isinstance(value, str) and 0 < len(value) <= 1024 and value.isprintable()
-
-    def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    fields = {
-        "host": (text_field(join["host"]), "expected a host name or address"),
-        "port": (integer(join["port"]) and 1 <= join["port"] <= 65535, "expected an integer in 1..65535"),
-        "token": (text_field(join["token"]), "expected the run's token, text"),
-        "pid": ("pid" not in join or (integer(join["pid"]) and join["pid"] > 0), "expected a process id"),
-        "node": ("node" not in join or text_field(join["node"]), "expected a host name"),
-    }
-    bad = next((name for name, (ok, _) in fields.items() if not ok), None)
-    if bad is not None:
-        raise ConfigError(f"invalid value for --join: {JOIN_FILE} in {str(run_dir)!r}: its {bad} is "
-                          f"{shown(join[bad], 60)} ({fields[bad][1]})")  # fmt: skip
-    pid = join.get("pid")
-    if join.get("node") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-        raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (its server, pid {pid} on this machine, is not "
-                          f"running: python -m hosfl_dist.run --status {run_dir})")  # fmt: skip
-    check_input_file(run_dir / "config.yaml", "invalid value for --join:", ConfigError)  # a FIFO: no wait
-    return join, load_config(run_dir / "config.yaml")
-
-
-def _reachable(join: dict[str, Any]) -> bool:
-    """Whether something listens at the join file's address (a quick look before the store's client, which logs
-    every failed try at length)."""
-    try:
-        with socket.create_connection((str(join["host"]), int(join["port"])), timeout=1.0):
-            return True
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 class Member:
     """This process as a member of the run in ``folder`` (see the module docstring)."""
 
@@ -133,11 +56,7 @@ class Member:
         self.folder = folder
         self.cfg = cfg = check_config(cfg)  # the run's plug-ins imported, as the server did
         self.spec = spec = get_algorithm(cfg.algorithm.name)
-        self.data = build_data(data_sections(cfg), clients=range(cfg.clients.total), evaluation=False)
-        self.split = build_split_model(cfg, self.data.info, spec.zeroth_order_client, parts=spec.worker_parts)
-        self.split.keep(spec.worker_parts)
-        held = [m for m in (self.split.client, self.split.server) if m is not None]
-        threads, why = set_threads(cfg, sum(p.numel() for m in held for p in m.parameters()))
+        self.data, self.split, (threads, why) = worker_side(cfg, spec, range(cfg.clients.total), False)
         logger.info(f"threads: {threads} intra-op ({why})")
         self.identity = run_identity(cfg)
         self.slots = trainable_slots(self.split.client)
@@ -179,7 +98,7 @@ class Member:
         while True:
             try:
                 join, _ = read_join(self.folder)
-                if _reachable(join) and (join.get("token") != old.get("token") or "lost" in why
+                if reachable(join) and (join.get("token") != old.get("token") or "lost" in why
                                          or "does not answer" in why):  # fmt: skip
                     return join
             except ConfigError:  # no join file (yet), or one of a server that is not running

@@ -1,25 +1,24 @@
-"""``python -m hosfl_dist.run --config X --serve [--address HOST:PORT]``: the server of an elastic run.
+"""``python -m hosfl_dist.run --config X --serve [--address HOST:PORT]``: the server of an elastic run (its
+membership and the workers that join: :mod:`hosfl_dist.runtime.elastic`).
 
 The run's one :class:`~hosfl_dist.runtime.trainer.Trainer` runs here, over the method's own worker hosting no
 client (it keeps the evaluation replica and drives the run: rounds, evaluations, checkpoints, callbacks, progress,
 the end), with the elastic differences as its components: the round gate in the server's endpoint
 (:mod:`hosfl_dist.runtime.gate`) decides each round from who answers in time, the :class:`Membership` says who
 serves whom and sums the workers' traffic, :class:`LeaderRounds` opens each round as the trainer starts it. The
-client workers (``--join``, :mod:`.driver`) run the same method's ``run_round`` over live rounds.
+client workers (``--join``, :mod:`hosfl_dist.runtime.elastic.driver`) run the same method's ``run_round`` over
+live rounds.
 
-It writes ``join.json`` (address and token, readable by its owner only) into the run folder while it serves. A
-stopped server (SIGTERM) checkpoints and tells its workers, which wait for it to come back; ``job.resume=auto``
-restarts it from its last checkpoint (a SIGKILLed one too) and the workers rejoin.
+It writes ``join.json`` (address and token, readable by its owner only: :mod:`hosfl_dist.runtime.process.join_file`)
+into the run folder while it serves. A stopped server (SIGTERM) checkpoints and tells its workers, which wait for it
+to come back; ``job.resume=auto`` restarts it from its last checkpoint (a SIGKILLed one too) and the workers rejoin.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import secrets
-import socket
 import threading
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from hosfl_dist.runtime.live import LeaderRounds
 from hosfl_dist.runtime.memory import process_memory
 from hosfl_dist.runtime.process.groups import init_distributed
 from hosfl_dist.runtime.process.host import check_devices, set_threads
+from hosfl_dist.runtime.process.join_file import JOIN_FILE, write_join
 from hosfl_dist.runtime.process.launch import server_role_map
 from hosfl_dist.runtime.process.signals import StopRequest
 from hosfl_dist.runtime.record.progress import Progress
@@ -57,9 +57,6 @@ from hosfl_dist.transport.inprocess import InProcessTransport, LocalCollective
 from hosfl_dist.transport.wire import CommMeter
 
 logger = logging.getLogger(__name__)
-
-JOIN_FILE = "join.json"
-
 
 def check_elastic(cfg: Config, grouped: bool = False) -> None:
     """What an elastic run refuses, in one line each, before anything is built (``grouped``: its server is a group of
@@ -271,10 +268,7 @@ def run_serve(cfg: Config, address: str, callbacks: tuple[Callback, ...] = (), d
                 first = first_line(exc)
                 raise ConfigError(f"invalid value for --address: {host}:{port} (cannot serve there: {first})") from None
             publish(served.front)
-            fd = os.open(join_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                where = {"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname()}
-                json.dump({**where, "token": token}, fh)
+            write_join(Path(cfg.job.out_dir), host, port, token)
             c = cfg.clients
             logger.info(f"{cfg.job.name}: {cfg.algorithm.name}, elastic: serving at {host}:{port}, {c.total} clients "
                         f"({c.per_round} per round), budget {cfg.train.budget_samples} samples; workers join with "
