@@ -21,6 +21,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,13 @@ from hosfl_dist.runtime.callbacks import Callback, Callbacks
 from hosfl_dist.runtime.checkpoint import CheckpointStore
 from hosfl_dist.runtime.checks import check_config, check_live
 from hosfl_dist.runtime.control import Beat, Join, Leave, MemberFinal, handles
-from hosfl_dist.runtime.elastic.membership import Membership, MembershipPeers
+from hosfl_dist.runtime.elastic.membership import Membership
 from hosfl_dist.runtime.process.dynamic import free_port, leave_rpc, serve_rpc
 from hosfl_dist.runtime.front import LocalControl, RunFront
 from hosfl_dist.runtime.fsdp import shard_server_model
 from hosfl_dist.runtime.live import LeaderRounds
 from hosfl_dist.runtime.memory import process_memory
+from hosfl_dist.runtime.peers import LocalPeers
 from hosfl_dist.runtime.process.groups import init_distributed
 from hosfl_dist.runtime.process.host import check_devices, set_threads
 from hosfl_dist.runtime.process.join_file import JOIN_FILE, write_join
@@ -206,6 +208,36 @@ class ElasticServer:
     def close(self) -> None:
         self.membership.stop()
         self.front.close()
+
+
+class MembershipPeers(LocalPeers):
+    """The elastic server's trainer's peers: it is the leader and decides alone (nobody to wait for or agree with:
+    :class:`LocalPeers`); the traffic is summed over the members' reports; the end-of-run reports are the members'."""
+
+    def __init__(self, membership: Membership, end: Callable[[], None], deadline_s: float) -> None:
+        self.membership = membership
+        self.end = end
+        """Tells every worker the run has ended (the round gate's :meth:`~hosfl_dist.runtime.gate.RoundGate.finish`)."""
+        self.deadline_s = deadline_s
+
+    waited_s = 0.0
+    """Seconds the run's driver waited for workers to join (the first round, and whenever none was left)."""
+
+    def sum_counts(self, counts: dict[str, int]) -> dict[str, int]:
+        return self.membership.summed_counts(dict(counts))
+
+    def gather(self, obj: Any) -> list[Any]:
+        """This process's end-of-run entry and every member's: the workers are told the run ended first."""
+        self.end()
+        _, digest, timing, link, memory = obj
+        # the server's evaluation replica's digest, and the rounds' wall time as the run's driver (the coordinator)
+        # saw it: from each round's opening to its close at the gate, and the time spent waiting for workers
+        out = [("server_evaluation", digest, None, link, memory),
+               ("coordinator", None, {**timing, "waiting_for_workers_s": round(self.waited_s, 6)}, None, None)]
+        for name, final in self.membership.finals(self.deadline_s).items():
+            self.membership.report_counts(name, final.counts)
+            out.append((name, final.digest, final.timing, final.link, final.memory))
+        return out
 
 
 @dataclasses.dataclass

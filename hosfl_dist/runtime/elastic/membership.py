@@ -1,15 +1,15 @@
 """Who the live workers of an elastic run are, which logical clients each serves, and how they reach the server.
 
-:class:`Membership` is the round gate's :class:`~hosfl_dist.runtime.gate.Members` for an elastic run and the
-server-side trainer's peers (:class:`MembershipPeers`). A worker joins (:class:`~hosfl_dist.runtime.control.Join`:
-its identity must be the run's: config, inputs, code) and is given a name and a token of its own by the server;
-it beats every quarter of ``server.worker_timeout_s`` and is lost when silent longer (or when it leaves). Every
-logical client has an owner among the live workers, rebalanced when one joins or is lost, moving as few as possible.
-Ownership is announced a round ahead: round t's close answers say who serves whom in round t+2, so that every
-worker knows its clients of round t+1 before that round opens, and a client that moves in round t+1 is handed over
-(adopted: its batch stream moved past the batches it drew, its method's state from the server's) with round t's
-end. A lost worker's clients of the next round are dropped before their upload (nobody serves them); from the round
-after they are someone else's.
+:class:`Membership` is the round gate's :class:`~hosfl_dist.runtime.gate.Members` for an elastic run and what the
+server's trainer's peers read (:class:`~hosfl_dist.runtime.serve.MembershipPeers`). A worker joins
+(:class:`~hosfl_dist.runtime.control.Join`: its identity must be the run's: config, inputs, code) and is given a name
+and a token of its own by the server; it beats every quarter of ``server.worker_timeout_s`` and is lost when silent
+longer (or when it leaves). Every logical client has an owner among the live workers, rebalanced when one joins or is
+lost, moving as few as possible. Ownership is announced a round ahead: round t's close answers say who serves whom in
+round t+2, so that every worker knows its clients of round t+1 before that round opens, and a client that moves in
+round t+1 is handed over (adopted: its batch stream moved past the batches it drew, its method's state from the
+server's) with round t's end. A lost worker's clients of the next round are dropped before their upload (nobody
+serves them); from the round after they are someone else's.
 
 How a worker reaches the server (torch's dynamic RPC group) is :mod:`hosfl_dist.runtime.process.dynamic`'s.
 """
@@ -31,7 +31,6 @@ from torch.futures import Future
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.identity import identity_differences
-from hosfl_dist.runtime.peers import LocalPeers
 
 logger = logging.getLogger(__name__)
 
@@ -287,33 +286,3 @@ class Membership:
             tmp.replace(self.folder / "workers.json")
         except OSError as exc:  # a status file: never the run's failure
             logger.warning(f"could not write {self.folder / 'workers.json'}: {exc}")
-
-
-class MembershipPeers(LocalPeers):
-    """The elastic server's trainer's peers: it is the leader and decides alone (nobody to wait for or agree with:
-    :class:`LocalPeers`); the traffic is summed over the members' reports; the end-of-run reports are the members'."""
-
-    def __init__(self, membership: Membership, end: Callable[[], None], deadline_s: float) -> None:
-        self.membership = membership
-        self.end = end
-        """Tells every worker the run has ended (the round gate's :meth:`~hosfl_dist.runtime.gate.RoundGate.finish`)."""
-        self.deadline_s = deadline_s
-
-    waited_s = 0.0
-    """Seconds the run's driver waited for workers to join (the first round, and whenever none was left)."""
-
-    def sum_counts(self, counts: dict[str, int]) -> dict[str, int]:
-        return self.membership.summed_counts(dict(counts))
-
-    def gather(self, obj: Any) -> list[Any]:
-        """This process's end-of-run entry and every member's: the workers are told the run ended first."""
-        self.end()
-        _, digest, timing, link, memory = obj
-        # the server's evaluation replica's digest, and the rounds' wall time as the run's driver (the coordinator)
-        # saw it: from each round's opening to its close at the gate, and the time spent waiting for workers
-        out = [("server_evaluation", digest, None, link, memory),
-               ("coordinator", None, {**timing, "waiting_for_workers_s": round(self.waited_s, 6)}, None, None)]
-        for name, final in self.membership.finals(self.deadline_s).items():
-            self.membership.report_counts(name, final.counts)
-            out.append((name, final.digest, final.timing, final.link, final.memory))
-        return out
