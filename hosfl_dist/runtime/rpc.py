@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from hosfl_dist.errors import ProtocolError, first_line
+from hosfl_dist.errors import ProtocolError
 from hosfl_dist.transport import chained, done, failed, forward
 from hosfl_dist.transport.endpoint import ServerEndpoint
 from hosfl_dist.transport.inprocess import count_exchange
@@ -415,9 +415,9 @@ _UNANSWERED = object()
 def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, Any]]]) -> Future:
     """Several calls of @wire methods, each queued on the server thread as :func:`serve` queues one, in order;
     answered together, once all have their answer, as a list of answers (an error in the place of a call that
-    failed). A call that fails answers the message at once: the calls still pending get an error saying so, as their
-    answers may wait on what the failure stops (a refused round end and the next round's syncs, held until that round
-    closes, which waits for the worker told of its refusal)."""
+    failed). A call that fails answers the message at once, the calls still pending with its error: their answers
+    may wait on what the failure stops (a refused round end and the next round's syncs, held until that round closes,
+    which waits for the worker told of its refusal), and whichever the worker waits on first names the cause."""
     caller, refused = authorize(token, "serve_batch")
     if refused is not None:
         return refused
@@ -449,11 +449,10 @@ def serve_batch(token: str, front: rpc.RRef, calls: list[tuple[str, dict[str, An
             if left[0] and failure is None:
                 return
             answered[0] = True
-        if failure is not None:  # the calls still pending: what they wait on may never come
-            why = f"not answered: call {i} of its message ({calls[i][0]}) failed ({first_line(failure)})"
+        if failure is not None:  # the calls still pending (what they wait on may never come) raise its error
             for j, a in enumerate(answers):
                 if a is _UNANSWERED:
-                    answers[j] = answer_of(pending[j]) if pending[j].done() else ProtocolError(f"{calls[j][0]}: {why}")
+                    answers[j] = answer_of(pending[j]) if pending[j].done() else failure
         out.set_result(list(answers))
 
     for i, fut in enumerate(pending):
