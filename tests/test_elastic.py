@@ -423,16 +423,24 @@ CALLBACK = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_callback_hears_the_same_events_in_one_process_and_in_an_elastic_run(tmp_path, monkeypatch):
+def test_a_callback_hears_the_same_events_in_one_process_under_torchrun_and_in_an_elastic_run(tmp_path, monkeypatch):
+    """The same run's events, in the same order, whichever process fires each (torchrun: the front on rank 0 and the
+    leader worker; elastic: the server)."""
+    from tiny import torchrun
+
     (tmp_path / "hosfl_test_events_cb.py").write_text(CALLBACK)
     monkeypatch.syspath_prepend(str(tmp_path))
     cb = ["job.callbacks=[hosfl_test_events_cb:Events]", "checkpoint.interval_samples=120"]
     events = {}
-    for runtime in ("in_process", "elastic"):
+    for runtime in ("in_process", "torchrun", "elastic"):
         log = tmp_path / f"{runtime}.events"
         monkeypatch.setenv("HOSFL_TEST_EVENTS", str(log))
         if runtime == "in_process":
             run_in_process([*TINY_OVERRIDES, *cb, f"job.out_dir={tmp_path / 'ip'}"])
+        elif runtime == "torchrun":
+            monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+            rc, said, _ = torchrun(3, ["-m", "hosfl_dist.run", *TINY_OVERRIDES, *cb, f"job.out_dir={tmp_path / 'tr'}"])
+            assert rc == 0, said[-3000:]
         else:
             monkeypatch.setenv("HOSFL_TEST_EXTRA_PATH", str(tmp_path))
             (tmp_path / "el").mkdir()
@@ -440,7 +448,8 @@ def test_a_callback_hears_the_same_events_in_one_process_and_in_an_elastic_run(t
             job.join(), job.join()
             assert job.finish() == 0, job.said()
         events[runtime] = log.read_text().splitlines()
-    assert events["elastic"] == events["in_process"] and "on_train_end" in events["elastic"]
+    assert events["torchrun"] == events["in_process"] and "on_train_end" in events["in_process"]
+    assert events["elastic"] == events["in_process"]
 
 
 @pytest.mark.slow
