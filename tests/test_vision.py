@@ -367,6 +367,9 @@ def test_data_classes_keeps_and_relabels_in_the_given_order():
     assert got.info["num_classes"] == 2 and build_data(data_sections(cfg)).info["num_classes"] == 2
     kept = load_config(None, ["data.name=cifar10_npz", "data.classes=[5, 6, 7]"])
     assert data_info(data_sections(kept))["num_classes"] == 3
+    for built in (build_data, data_info):  # the whole config is not what the data is built from
+        with pytest.raises(TypeError, match=rf"^{built.__name__} takes hosfl_dist.data.DataSections .* not Config$"):
+            built(kept)
     capped = load_vision_data(
         load_config(None, ["data.name=synthetic", "data.classes=[3, 1]", "data.train_max_samples=50"]).data, 0
     )

@@ -196,6 +196,7 @@ VISION_INFO = {
 def data_info(cfg: DataSections) -> dict[str, Any]:
     """What the model builders need from the data (classes, input shape, label words; a plug-in task's own loss and
     metrics as ``scorer``), without loading the data: a server loads no training data."""
+    _check_sections(cfg, "data_info")
     task = get_task(cfg.data.name)
     if task.info is not None:
         with plugin_call(task.info, f"task {task.name}: info(data sections)"):
@@ -205,6 +206,12 @@ def data_info(cfg: DataSections) -> dict[str, Any]:
         return {**select(_load(task, cfg.data, cfg.seed), cfg.data, cfg.seed).info, **task.scoring()}
     with plugin_call(task.build, f"task {task.name}: build(data sections, clients, evaluation)"):
         return task.build(cfg, [], False).info
+
+
+def _check_sections(given: Any, what: str) -> None:
+    if not isinstance(given, DataSections):
+        raise TypeError(f"{what} takes hosfl_dist.data.DataSections (hosfl_dist.runtime.build.data_sections(cfg) of a "
+                        f"run's config), not {type(given).__name__}")  # fmt: skip
 
 
 def _load(task: TaskSpec, data: DataConfig, seed: int) -> TensorData:
@@ -237,6 +244,7 @@ def build_data(cfg: DataSections, clients: Sequence[int] | None = None, evaluati
     ``build``: hosfl_dist.data.text_fed); tensors are read whole (the files are small) and the rows of other clients
     dropped.
     """
+    _check_sections(cfg, "build_data")
     task = get_task(cfg.data.name)
     if task.build is not None:
         with plugin_call(task.build, f"task {task.name}: build(data sections, clients, evaluation)"):
