@@ -517,6 +517,31 @@ def test_a_join_file_that_is_not_one_is_refused_in_one_line(tmp_path, content, s
     assert said in str(exc.value) and "\n" not in str(exc.value) and "join.json" in str(exc.value)
 
 
+def test_the_join_file_replaces_what_was_planted_at_its_name_and_follows_no_link(tmp_path):
+    """The server writes join.json whole and renames it into place: a link planted there to a file of the user's
+    leaves that file as it was, a FIFO there does not block the server; the file is its owner's alone."""
+    import os
+    import threading
+
+    from hosfl_dist.runtime.process.join_file import read_join, write_join
+
+    (tmp_path / "config.yaml").write_text("job:\n  name: planted\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    (tmp_path / "join.json").symlink_to(victim)
+    path = write_join(tmp_path, "127.0.0.1", 29600, "t" * 64)
+    assert victim.read_text() == "the user's own file\n" and not path.is_symlink()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_join(tmp_path)[0]["port"] == 29600
+    path.unlink()
+    os.mkfifo(tmp_path / "join.json")
+    thread = threading.Thread(target=write_join, args=(tmp_path, "127.0.0.1", 29601, "u" * 64), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and read_join(tmp_path)[0]["port"] == 29601
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "join.json", "victim.txt"]
+
+
 def test_a_join_file_that_is_a_device_or_a_fifo_is_one_line_at_once(tmp_path):
     """``--join`` on a folder whose join.json links to /dev/zero, or is a FIFO no one writes: exit code 2 and one
     line, as a command, not a read that never ends."""

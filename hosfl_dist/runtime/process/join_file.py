@@ -18,11 +18,15 @@ JOIN_FILE = "join.json"
 
 def write_join(folder: Path, host: str, port: int, token: str) -> Path:
     """The join file of the server serving at ``host:port`` in this process; returns its path (the server removes it
-    when it stops serving)."""
+    when it stops serving). Written whole beside it, then renamed over it: a worker never reads half of it, and
+    whatever stood at its name (a link planted to a file of the user's, a FIFO) is replaced, never followed."""
     path = folder / JOIN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = folder / f".{JOIN_FILE}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump({"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname(), "token": token}, fh)
+    os.replace(tmp, path)
     return path
 
 
