@@ -161,3 +161,15 @@ def open_input(path: Path, what: str, error: type[Exception] = ConfigError) -> B
     except BaseException:
         os.close(fd)
         raise
+
+
+def readable(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes the umask says (safetensors and temporary files are written 0600):
+    files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)

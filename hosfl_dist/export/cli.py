@@ -26,6 +26,7 @@ from typing import Any
 
 from hosfl_dist.errors import HosflError, write_failure
 from hosfl_dist.export.restore import ExportError, restore
+from hosfl_dist.safe_files import readable
 
 FORMATS = ("merged", "peft", "state_dict")
 DEFAULT_SHARD = "2GB"
@@ -203,18 +204,6 @@ def _commit(tmp: Path, out: Path) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def readable(folder: Path) -> None:
-    """Give ``folder`` and what it holds the modes the umask says (safetensors and temporary files are written 0600):
-    files ``0o666 & ~umask``, folders ``0o777 & ~umask``."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for path in folder.rglob("*"):
-        if path.is_symlink():
-            continue
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _size(folder: Path) -> int:

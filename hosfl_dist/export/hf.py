@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from hosfl_dist.export.restore import ExportError, Restored
 from hosfl_dist.models.hf_split import HFClient, HFServer, split_causal_lm
 from hosfl_dist.models.sources import DTYPES, is_hub_id, load_tokenizer, model_config, resolve
+from hosfl_dist.safe_files import readable
 
 ADAPTER = "default"
 """The adapter name ``inject_adapter_in_model`` gives the LoRA layers."""
@@ -242,8 +243,6 @@ def shared_base(model: PreTrainedModel, tok: Any, max_shard_size: str, say: Any)
     try:
         with say(f"writing the base model once to {folder} (the next export of this base reuses it)"):
             save_model(model, tok, tmp, max_shard_size)
-            from hosfl_dist.export.cli import readable
-
             readable(tmp)
         try:
             tmp.rename(folder)
