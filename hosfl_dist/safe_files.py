@@ -173,3 +173,20 @@ def readable(folder: Path) -> None:
         if path.is_symlink():
             continue
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def replace_file(path: Path, text: str, mode: int = 0o666, tmp: Path | None = None) -> None:
+    """Write ``text`` to ``path`` whole: into ``tmp`` beside it (default ``<name>.tmp``), created anew and never
+    through a link (``O_EXCL | O_NOFOLLOW``: a link or a FIFO planted at that name is not followed, and a reader
+    never sees half a file), then renamed over ``path``, which replaces whatever stood there. ``mode`` as ``open``'s,
+    less the umask. A failed write (a full disk) leaves ``path`` as it was and no ``tmp`` behind."""
+    tmp = tmp if tmp is not None else path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -517,6 +517,29 @@ def test_a_join_file_that_is_not_one_is_refused_in_one_line(tmp_path, content, s
     assert said in str(exc.value) and "\n" not in str(exc.value) and "join.json" in str(exc.value)
 
 
+def test_a_record_file_is_written_whole_and_never_through_what_was_planted_beside_it(tmp_path):
+    """summary.json, workers.json, a manifest, join.json: each is written into <name>.tmp, created anew, and renamed
+    over it. A link planted at the temporary name leaves the file it points to as it was; a FIFO there does not
+    block; a write that fails leaves the old file and nothing beside it."""
+    import os
+
+    from hosfl_dist.safe_files import replace_file
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file\n")
+    target = tmp_path / "summary.json"
+    (tmp_path / "summary.json.tmp").symlink_to(victim)
+    replace_file(target, '{"status": "running"}\n')
+    assert victim.read_text() == "the user's own file\n" and target.read_text() == '{"status": "running"}\n'
+    os.mkfifo(tmp_path / "summary.json.tmp")
+    replace_file(target, '{"status": "completed"}\n')
+    assert target.read_text() == '{"status": "completed"}\n' and not target.is_symlink()
+    with pytest.raises(TypeError):
+        replace_file(target, None)  # type: ignore[arg-type]  # the write fails after the file was created
+    assert target.read_text() == '{"status": "completed"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "victim.txt"]
+
+
 def test_the_join_file_replaces_what_was_planted_at_its_name_and_follows_no_link(tmp_path):
     """The server writes join.json whole and renames it into place: a link planted there to a file of the user's
     leaves that file as it was, a FIFO there does not block the server; the file is its owner's alone."""

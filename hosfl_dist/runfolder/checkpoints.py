@@ -39,6 +39,7 @@ from typing import Any
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.signing import MISMATCH, SIGNATURE, SIGNED, UNSIGNED, Key, sign, signature_state
+from hosfl_dist.safe_files import replace_file
 
 CHECKPOINTS = "checkpoints"
 """The folder of a run's checkpoints, ``round-<t>`` each."""
@@ -121,9 +122,7 @@ def write_signed(path: Path, body: dict[str, Any], key: Key) -> None:
     body = {k: v for k, v in body.items() if k not in ("digest", SIGNATURE)}
     body[SIGNATURE] = sign(body, key)
     body["digest"] = manifest_digest(body)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
 
 
 def write_manifest(folder: Path, round_idx: int, identity: dict[str, Any] | None, key: Key) -> None:

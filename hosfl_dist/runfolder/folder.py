@@ -37,7 +37,7 @@ from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.checkpoints import CHECKPOINTS, checkpoint_folders, signed_manifest
 from hosfl_dist.runfolder.signing import load_key
 from hosfl_dist.runfolder.lock import RunLock, lock_holder, wait_for_earlier_start
-from hosfl_dist.safe_files import check_folder_entries, check_output_folder
+from hosfl_dist.safe_files import check_folder_entries, check_output_folder, replace_file
 from hosfl_dist.safe_yaml import load_file
 
 RUNS = Path("runs")
@@ -92,9 +92,7 @@ def pin_out_dir(d: Path, pin: str) -> None:
     """Record (atomically) that the torchrun invocation ``pin`` writes the run folder ``d`` (under runs/<job.name>)."""
     path = _pin_file(d.parent, pin)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(d.name + "\n", encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, d.name + "\n", tmp=path.with_name(f".{path.name}.{os.getpid()}"))
 
 
 def new_out_dir(cfg: Config) -> Path:
@@ -273,9 +271,7 @@ def record_death(folder: Path) -> bool:
         if summary is None or summary.get("status") != "running":
             return False
         summary.update(status="died", error=f"{DIED} (found and recorded by --record-death)")
-        tmp = folder / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(folder / "summary.json")
+        replace_file(folder / "summary.json", json.dumps(summary, indent=2) + "\n")
         return True
     finally:
         lock.release()

@@ -31,6 +31,7 @@ from torch.futures import Future
 
 from hosfl_dist.errors import ConfigError
 from hosfl_dist.runfolder.identity import identity_differences
+from hosfl_dist.safe_files import replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -280,9 +281,7 @@ class Membership:
                    for n, m in sorted(self.members.items())}  # fmt: skip
         record = {"round": self.round, "written_at": time.time(), "workers": workers, **self.totals()}
         self._written = now
-        tmp = self.folder / "workers.json.tmp"
         try:
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
-            tmp.replace(self.folder / "workers.json")
+            replace_file(self.folder / "workers.json", json.dumps(record, indent=1) + "\n")
         except OSError as exc:  # a status file: never the run's failure
             logger.warning(f"could not write {self.folder / 'workers.json'}: {exc}")

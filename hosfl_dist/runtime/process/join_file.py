@@ -12,6 +12,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, first_line
+from hosfl_dist.safe_files import replace_file
 
 JOIN_FILE = "join.json"
 
@@ -21,12 +22,8 @@ def write_join(folder: Path, host: str, port: int, token: str) -> Path:
     when it stops serving). Written whole beside it, then renamed over it: a worker never reads half of it, and
     whatever stood at its name (a link planted to a file of the user's, a FIFO) is replaced, never followed."""
     path = folder / JOIN_FILE
-    tmp = folder / f".{JOIN_FILE}.{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname(), "token": token}, fh)
-    os.replace(tmp, path)
+    join = {"host": host, "port": port, "pid": os.getpid(), "node": socket.gethostname(), "token": token}
+    replace_file(path, json.dumps(join), 0o600, folder / f".{JOIN_FILE}.{os.getpid()}")
     return path
 
 

@@ -31,6 +31,7 @@ from hosfl_dist.errors import NonFiniteError
 from hosfl_dist.runfolder.identity import fingerprint
 from hosfl_dist.runtime.build import round_plan
 from hosfl_dist.runtime.record.tracking import Trackers
+from hosfl_dist.safe_files import replace_file
 from hosfl_dist.transport.wire import PAPER_CATEGORIES
 
 logger = logging.getLogger(__name__)
@@ -137,13 +138,8 @@ class RunRecord:
         return {"best_eval_accuracy": best["eval_accuracy"], "best_round": best["round"]}
 
     def _dump(self, summary: dict[str, Any]) -> None:
-        tmp = self.dir / "summary.json.tmp"
-        try:
-            tmp.write_text(strict_dumps(summary, indent=2) + "\n")
-            tmp.replace(self.dir / "summary.json")  # a reader never sees half a file
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full disk leaves the previous summary, not an empty file beside it
-            raise
+        # a reader never sees half a file; a full disk leaves the previous summary, not an empty file beside it
+        replace_file(self.dir / "summary.json", strict_dumps(summary, indent=2) + "\n")
 
     def rounds_run(self, t: int) -> None:
         """Rounds 0..t-1 have run (a checkpoint of round t): participation.jsonl is written up to there."""
