@@ -26,6 +26,7 @@ from typing import Any
 
 from hosfl_dist.errors import HosflError, write_failure
 from hosfl_dist.export.restore import ExportError, restore
+from hosfl_dist.runtime.process.host import pid_alive
 from hosfl_dist.safe_files import readable
 
 FORMATS = ("merged", "peft", "state_dict")
@@ -171,7 +172,7 @@ def _scratch(out: Path) -> Path:
     parent = out.parent
     for stale in parent.glob(f".{out.name}.partial-*") if parent.is_dir() else ():
         pid = stale.name.removeprefix(f".{out.name}.partial-").split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -180,16 +181,6 @@ def _scratch(out: Path) -> Path:
     except OSError as exc:
         raise ExportError(f"--out {out}: cannot write in {parent} ({exc.strerror or exc})") from None
     return tmp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _commit(tmp: Path, out: Path) -> None:

@@ -1,4 +1,5 @@
-"""This host's settings for a process: intra-op threads, glibc's malloc, the network interface, the devices."""
+"""This host's settings for a process: intra-op threads, glibc's malloc, the network interface, the devices; whether
+a process of this host runs."""
 
 from __future__ import annotations
 
@@ -230,3 +231,14 @@ def resumed_threads(cfg: Config) -> int | None:
     threads = (((manifest or {}).get("identity") or {}).get("environment") or {}).get("threads")
     ok = isinstance(threads, int) and not isinstance(threads, bool) and 0 < threads <= MAX_THREADS
     return threads if ok else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running (another user's counts: it cannot be signalled, but it is)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

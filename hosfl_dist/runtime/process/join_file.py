@@ -12,6 +12,7 @@ from typing import Any
 
 from hosfl_dist.config import Config, load_config
 from hosfl_dist.errors import ConfigError, first_line
+from hosfl_dist.runtime.process.host import pid_alive
 from hosfl_dist.safe_files import replace_file
 
 JOIN_FILE = "join.json"
@@ -73,7 +74,7 @@ def read_join(run_dir: Path) -> tuple[dict[str, Any], Config]:
         raise ConfigError(f"invalid value for --join: {JOIN_FILE} in {str(run_dir)!r}: its {bad} is "
                           f"{shown(join[bad], 60)} ({fields[bad][1]})")  # fmt: skip
     pid = join.get("pid")
-    if join.get("node") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if join.get("node") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         raise ConfigError(f"invalid value for --join: {str(run_dir)!r} (its server, pid {pid} on this machine, is not "
                           f"running: python -m hosfl_dist.run --status {run_dir})")  # fmt: skip
     check_input_file(run_dir / "config.yaml", "invalid value for --join:", ConfigError)  # a FIFO: no wait
@@ -88,13 +89,3 @@ def reachable(join: dict[str, Any]) -> bool:
             return True
     except (OSError, ValueError, TypeError):
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
